@@ -1,0 +1,768 @@
+//! The deployment config: one YAML file per deployment shape (see `configs/`), parsed with
+//! `serde_yaml_ng` and validated before any work starts.
+//!
+//! Every struct rejects unknown keys, and every validation error names the key, the value and the
+//! rule it broke, in one line, so an operator can fix a file without reading code.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::mesh::{CpLayout, Mesh, VaeLayout, VideoShape};
+
+/// Why a config could not be used. Each variant's message is one line naming the key and value.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config {path}: {source}")]
+    Io {
+        /// The file that was asked for.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The YAML is malformed or does not fit the schema (unknown key, wrong type).
+    #[error("{origin}: {message}")]
+    Parse {
+        /// The file name, or `<string>`.
+        origin: String,
+        /// serde's message: names the key path, and the line and column.
+        message: String,
+    },
+    /// A value breaks a rule.
+    #[error("{key} = {value}: {rule}")]
+    Invalid {
+        /// Dotted path of the key, e.g. `parallel_config.ulysses_size`.
+        key: &'static str,
+        /// The offending value as written.
+        value: String,
+        /// The rule, phrased so the fix is obvious.
+        rule: String,
+    },
+}
+
+fn invalid(key: &'static str, value: impl fmt::Display, rule: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        value: value.to_string(),
+        rule: rule.into(),
+    }
+}
+
+/// The whole deployment config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Which model, where its weights come from, and the compute dtype.
+    pub model: ModelConfig,
+    /// How the denoiser pool's ranks and the decoder pool's VAE ranks are laid out.
+    #[serde(default)]
+    pub parallel_config: ParallelConfig,
+    /// Attention kernel choice.
+    #[serde(default)]
+    pub attention: AttentionConfig,
+    /// Scheduler defaults for requests that do not set them.
+    #[serde(default)]
+    pub sampler: SamplerConfig,
+    /// Where the service listens, which device it runs on, and its request limits.
+    #[serde(default)]
+    pub serving: ServingConfig,
+}
+
+/// Built-in model presets: transformer dimensions known without reading a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Preset {
+    /// The built-in tiny model of the embedded default (random weights; CPU-friendly).
+    #[serde(rename = "tiny")]
+    Tiny,
+    /// Wan2.1-T2V-1.3B.
+    #[serde(rename = "wan2.1-t2v-1.3b")]
+    Wan21T2v1_3b,
+    /// Wan2.1-T2V-14B.
+    #[serde(rename = "wan2.1-t2v-14b")]
+    Wan21T2v14b,
+    /// Wan2.2-T2V-A14B (two 14B experts).
+    #[serde(rename = "wan2.2-t2v-a14b")]
+    Wan22T2vA14b,
+    /// Wan2.2-TI2V-5B.
+    #[serde(rename = "wan2.2-ti2v-5b")]
+    Wan22Ti2v5b,
+}
+
+impl Preset {
+    /// Every preset, in the order `ditstream plan` lists them.
+    pub const ALL: [Preset; 5] = [
+        Preset::Tiny,
+        Preset::Wan21T2v1_3b,
+        Preset::Wan21T2v14b,
+        Preset::Wan22T2vA14b,
+        Preset::Wan22Ti2v5b,
+    ];
+
+    /// The name used in YAML and on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Tiny => "tiny",
+            Preset::Wan21T2v1_3b => "wan2.1-t2v-1.3b",
+            Preset::Wan21T2v14b => "wan2.1-t2v-14b",
+            Preset::Wan22T2vA14b => "wan2.2-t2v-a14b",
+            Preset::Wan22Ti2v5b => "wan2.2-ti2v-5b",
+        }
+    }
+
+    /// Self-attention heads of the transformer (`num_attention_heads`; reference/wan.md §1).
+    pub fn num_heads(self) -> usize {
+        match self {
+            // The tiny model has head dim 128 like the real ones, so it exercises the same kernels.
+            Preset::Tiny => 2,
+            Preset::Wan21T2v1_3b => 12,
+            Preset::Wan21T2v14b | Preset::Wan22T2vA14b => 40,
+            Preset::Wan22Ti2v5b => 24,
+        }
+    }
+}
+
+impl fmt::Display for Preset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Compute dtype of the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// 32-bit float: the CPU reference path.
+    #[default]
+    F32,
+    /// bfloat16 storage with f32 accumulation: the GPU path.
+    Bf16,
+}
+
+/// Where weights come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightSource {
+    /// Diffusers-format safetensors under `model.checkpoint`.
+    Checkpoint,
+    /// Seeded random weights of the preset's size (benchmarks, the embedded default).
+    #[default]
+    Random,
+}
+
+/// `model:` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// A built-in preset; with `weights: checkpoint` it may be left out and read from the checkpoint.
+    #[serde(default)]
+    pub preset: Option<Preset>,
+    /// A diffusers checkpoint folder (the one holding `transformer/`, `vae/`, `text_encoder/`).
+    #[serde(default)]
+    pub checkpoint: Option<PathBuf>,
+    /// Compute dtype.
+    #[serde(default)]
+    pub dtype: Dtype,
+    /// Weight source.
+    #[serde(default)]
+    pub weights: WeightSource,
+}
+
+/// Which dimension of the latent the parallel VAE splits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum VaeSplitDim {
+    /// Split along the latent height (rows).
+    Height,
+    /// Split along the latent width (columns); TensorRT-LLM's default.
+    #[default]
+    Width,
+}
+
+/// `parallel_config:` section; keys follow TensorRT-LLM VisualGen's `parallel_config`.
+/// Sizes are signed so a negative value reaches validation, which names the key and the rule.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelConfig {
+    /// Classifier-free-guidance parallelism: 1, or 2 (the two branches on two halves of the mesh).
+    pub cfg_size: i64,
+    /// Tensor parallelism; only 1 is supported for now.
+    pub tp_size: i64,
+    /// Ulysses (all-to-all head/sequence) degree; must divide the head count.
+    pub ulysses_size: i64,
+    /// Ring attention degree; exclusive with `attn2d_size`.
+    pub ring_size: i64,
+    /// Attention2D grid `[row, col]`; exclusive with `ring_size`.
+    pub attn2d_size: [i64; 2],
+    /// Overlap the Ulysses all-to-all with the Q/K/V projections (needs `ulysses_size > 1`, no ring).
+    pub async_ulysses: bool,
+    /// Ranks of one decoder instance (spatially sharded VAE); 1 = no parallel VAE.
+    pub parallel_vae_size: i64,
+    /// Which latent dimension the parallel VAE splits.
+    pub parallel_vae_split_dim: VaeSplitDim,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        ParallelConfig {
+            cfg_size: 1,
+            tp_size: 1,
+            ulysses_size: 1,
+            ring_size: 1,
+            attn2d_size: [1, 1],
+            async_ulysses: false,
+            parallel_vae_size: 1,
+            parallel_vae_split_dim: VaeSplitDim::Width,
+        }
+    }
+}
+
+/// Attention kernel choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionBackend {
+    /// The fastest kernel the device supports.
+    #[default]
+    Auto,
+    /// The portable kernel (any GPU, any head dim) or the CPU reference.
+    Portable,
+    /// The Hopper (sm_90a) wgmma kernel.
+    Hopper,
+}
+
+/// `attention:` section.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct AttentionConfig {
+    /// Which kernel runs self-attention.
+    pub backend: AttentionBackend,
+}
+
+/// Flow-matching scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum SamplerKind {
+    /// Flow-matching UniPC multistep (diffusers' default for Wan).
+    #[default]
+    Unipc,
+    /// Flow-matching Euler.
+    Euler,
+}
+
+/// `sampler:` section: defaults for requests that leave these unset.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SamplerConfig {
+    /// Scheduler.
+    pub kind: SamplerKind,
+    /// Denoising steps.
+    pub steps: usize,
+    /// Flow shift (5.0 for 720p Wan2.1, 3.0 for 480p).
+    pub shift: f64,
+    /// CFG scale (for A14B: the high-noise expert's).
+    pub guidance_scale: f64,
+    /// CFG scale of the low-noise expert (A14B); defaults to `guidance_scale`.
+    pub guidance_scale_2: Option<f64>,
+}
+
+impl Default for SamplerConfig {
+    fn default() -> Self {
+        SamplerConfig {
+            kind: SamplerKind::Unipc,
+            steps: 50,
+            shift: 5.0,
+            guidance_scale: 5.0,
+            guidance_scale_2: None,
+        }
+    }
+}
+
+/// Device family the pools run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// CPU threads, one per rank (the embedded default and CI).
+    #[default]
+    Cpu,
+    /// One NVIDIA GPU per rank.
+    Cuda,
+}
+
+/// `serving:` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServingConfig {
+    /// gRPC listen address.
+    pub listen: String,
+    /// Device family.
+    pub device: DeviceKind,
+    /// Default video width in pixels (multiple of 16).
+    pub width: usize,
+    /// Default video height in pixels (multiple of 16).
+    pub height: usize,
+    /// Default frame count (4k+1).
+    pub num_frames: usize,
+    /// Frames per second of the output video.
+    pub fps: u32,
+    /// Largest accepted frame count.
+    pub max_frames: usize,
+    /// Largest accepted width or height in pixels.
+    pub max_side: usize,
+    /// Largest accepted step count.
+    pub max_steps: usize,
+    /// Largest accepted prompt, in bytes.
+    pub max_prompt_bytes: usize,
+    /// Requests that may wait for a denoiser before new ones are refused.
+    pub queue_depth: usize,
+}
+
+impl Default for ServingConfig {
+    fn default() -> Self {
+        ServingConfig {
+            listen: "127.0.0.1:50051".to_string(),
+            device: DeviceKind::Cpu,
+            width: 832,
+            height: 480,
+            num_frames: 81,
+            fps: 16,
+            max_frames: 241,
+            max_side: 1920,
+            max_steps: 100,
+            max_prompt_bytes: 8192,
+            queue_depth: 16,
+        }
+    }
+}
+
+/// A validated size as a count; negative values (rejected by validation) count as 0.
+fn count(size: i64) -> usize {
+    usize::try_from(size).unwrap_or(0)
+}
+
+impl Config {
+    /// Reads and parses a YAML file; does not validate (see [`Config::validate`]).
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses YAML text; `origin` names it in errors (a file name or `<string>`).
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Parse {
+            origin: origin.to_string(),
+            message: e.to_string(),
+        })
+    }
+
+    /// The denoiser pool's world size the config describes: cfg × tp × cp × ulysses.
+    pub fn denoiser_world_size(&self) -> usize {
+        let p = &self.parallel_config;
+        count(p.cfg_size) * count(p.tp_size) * self.cp_layout().size() * count(p.ulysses_size)
+    }
+
+    /// Context-parallel layout (ring or Attention2D) from the config, unvalidated.
+    pub fn cp_layout(&self) -> CpLayout {
+        let p = &self.parallel_config;
+        let [rows, cols] = p.attn2d_size.map(count);
+        match count(p.ring_size) {
+            r if r > 1 => CpLayout::Ring(r),
+            _ if rows * cols > 1 => CpLayout::Attn2d { rows, cols },
+            _ => CpLayout::None,
+        }
+    }
+
+    /// One decoder instance's VAE layout (`parallel_vae_size` ranks).
+    pub fn vae_layout(&self) -> VaeLayout {
+        VaeLayout::new(count(self.parallel_config.parallel_vae_size))
+    }
+
+    /// Self-attention head count: the preset's, or `num_attention_heads` from the checkpoint's
+    /// `transformer/config.json`.
+    pub fn num_heads(&self) -> Result<usize, ConfigError> {
+        if let Some(preset) = self.model.preset {
+            return Ok(preset.num_heads());
+        }
+        let Some(dir) = &self.model.checkpoint else {
+            return Err(invalid(
+                "model",
+                "{}",
+                "set `preset`, `checkpoint`, or both",
+            ));
+        };
+        let path = dir.join("transformer").join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| ConfigError::Parse {
+                origin: path.display().to_string(),
+                message: e.to_string(),
+            })?;
+        json.get("num_attention_heads")
+            .and_then(|v| v.as_u64())
+            .map(|h| h as usize)
+            .ok_or_else(|| ConfigError::Parse {
+                origin: path.display().to_string(),
+                message: "no integer `num_attention_heads`".to_string(),
+            })
+    }
+
+    /// Checks every rule before any work starts. `world_size` is the number of denoiser ranks the
+    /// launcher provides (GPUs, or `WORLD_SIZE`); `None` accepts the config's own product.
+    /// Returns the validated denoiser mesh.
+    pub fn validate(&self, world_size: Option<usize>) -> Result<Mesh, ConfigError> {
+        self.validate_model()?;
+        let p = &self.parallel_config;
+        for (key, value) in [
+            ("parallel_config.cfg_size", p.cfg_size),
+            ("parallel_config.tp_size", p.tp_size),
+            ("parallel_config.ulysses_size", p.ulysses_size),
+            ("parallel_config.ring_size", p.ring_size),
+            ("parallel_config.attn2d_size[0]", p.attn2d_size[0]),
+            ("parallel_config.attn2d_size[1]", p.attn2d_size[1]),
+            ("parallel_config.parallel_vae_size", p.parallel_vae_size),
+        ] {
+            if value < 1 {
+                return Err(invalid(key, value, "must be at least 1"));
+            }
+        }
+        if p.cfg_size > 2 {
+            return Err(invalid(
+                "parallel_config.cfg_size",
+                p.cfg_size,
+                "must be 1 or 2 (there are two guidance branches)",
+            ));
+        }
+        if p.tp_size != 1 {
+            return Err(invalid(
+                "parallel_config.tp_size",
+                p.tp_size,
+                "tensor parallelism is not supported yet; use 1 (scale with ulysses/ring/attn2d)",
+            ));
+        }
+        let attn2d = p.attn2d_size[0] * p.attn2d_size[1];
+        if p.ring_size > 1 && attn2d > 1 {
+            return Err(invalid(
+                "parallel_config.ring_size",
+                p.ring_size,
+                format!(
+                    "ring and attn2d_size {:?} are exclusive; set one of them to 1",
+                    p.attn2d_size
+                ),
+            ));
+        }
+        if p.async_ulysses && (p.ulysses_size < 2 || p.ring_size > 1) {
+            return Err(invalid(
+                "parallel_config.async_ulysses",
+                true,
+                format!(
+                    "needs ulysses_size > 1 and ring_size = 1 (have ulysses_size {}, ring_size {})",
+                    p.ulysses_size, p.ring_size
+                ),
+            ));
+        }
+        let heads = self.num_heads()?;
+        if heads % count(p.ulysses_size) != 0 {
+            return Err(invalid(
+                "parallel_config.ulysses_size",
+                p.ulysses_size,
+                format!("must divide the model's head count {heads}"),
+            ));
+        }
+        let product = self.denoiser_world_size();
+        if let Some(world) = world_size
+            && world != product
+        {
+            return Err(invalid(
+                "parallel_config",
+                format!(
+                    "cfg {} x tp {} x cp {} x ulysses {} = {product}",
+                    p.cfg_size,
+                    p.tp_size,
+                    self.cp_layout().size(),
+                    p.ulysses_size
+                ),
+                format!("the product of the axes must equal the world size {world}"),
+            ));
+        }
+        self.validate_serving()?;
+        let s = &self.sampler;
+        if s.steps < 1 || s.steps > self.serving.max_steps {
+            return Err(invalid(
+                "sampler.steps",
+                s.steps,
+                format!(
+                    "must be in 1..={} (serving.max_steps)",
+                    self.serving.max_steps
+                ),
+            ));
+        }
+        if !(s.shift.is_finite() && s.shift > 0.0) {
+            return Err(invalid(
+                "sampler.shift",
+                s.shift,
+                "must be a positive number",
+            ));
+        }
+        for (key, g) in [
+            ("sampler.guidance_scale", Some(s.guidance_scale)),
+            ("sampler.guidance_scale_2", s.guidance_scale_2),
+        ] {
+            if let Some(g) = g
+                && !(g.is_finite() && g >= 0.0)
+            {
+                return Err(invalid(key, g, "must be a finite number ≥ 0"));
+            }
+        }
+        Ok(Mesh::new(
+            count(p.cfg_size),
+            count(p.tp_size),
+            self.cp_layout(),
+            count(p.ulysses_size),
+        ))
+    }
+
+    fn validate_model(&self) -> Result<(), ConfigError> {
+        let m = &self.model;
+        match (m.weights, &m.checkpoint, m.preset) {
+            (WeightSource::Checkpoint, None, _) => Err(invalid(
+                "model.checkpoint",
+                "(unset)",
+                "`weights: checkpoint` needs a checkpoint folder",
+            )),
+            (WeightSource::Checkpoint, Some(dir), _) if !dir.is_dir() => Err(invalid(
+                "model.checkpoint",
+                dir.display(),
+                "must be an existing diffusers checkpoint folder",
+            )),
+            (WeightSource::Random, _, None) => Err(invalid(
+                "model.preset",
+                "(unset)",
+                "`weights: random` needs a preset to know the model's size",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn validate_serving(&self) -> Result<(), ConfigError> {
+        let s = &self.serving;
+        if s.listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(invalid(
+                "serving.listen",
+                &s.listen,
+                "must be an address like 127.0.0.1:50051",
+            ));
+        }
+        for (key, side) in [("serving.width", s.width), ("serving.height", s.height)] {
+            if side == 0 || side % 16 != 0 || side > s.max_side {
+                return Err(invalid(
+                    key,
+                    side,
+                    format!(
+                        "must be a positive multiple of 16 up to {} (serving.max_side)",
+                        s.max_side
+                    ),
+                ));
+            }
+        }
+        if s.num_frames % 4 != 1 || s.num_frames > s.max_frames {
+            return Err(invalid(
+                "serving.num_frames",
+                s.num_frames,
+                format!(
+                    "must be 4k+1 (1, 5, 9, …, 81) and at most {} (serving.max_frames)",
+                    s.max_frames
+                ),
+            ));
+        }
+        if s.fps == 0 || s.fps > 240 {
+            return Err(invalid("serving.fps", s.fps, "must be in 1..=240"));
+        }
+        if s.queue_depth == 0 {
+            return Err(invalid("serving.queue_depth", 0, "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// The default video shape from `serving` (width, height, frames).
+    pub fn default_video(&self) -> VideoShape {
+        VideoShape {
+            width: self.serving.width,
+            height: self.serving.height,
+            frames: self.serving.num_frames,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(parallel: &str) -> Result<Mesh, ConfigError> {
+        let text = format!("model:\n  preset: wan2.1-t2v-14b\nparallel_config:\n{parallel}");
+        Config::parse(&text, "<test>")?.validate(None)
+    }
+
+    fn err(parallel: &str) -> String {
+        match cfg(parallel) {
+            Ok(m) => panic!("expected an error for {parallel:?}, got mesh {m:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn minimal_config_takes_defaults() {
+        let c = Config::parse("model:\n  preset: tiny\n", "<t>").unwrap();
+        assert_eq!(c.parallel_config, ParallelConfig::default());
+        assert_eq!(c.validate(Some(1)).unwrap().world_size(), 1);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let e = err("  cfg_size: 2\n  ulysess_size: 2\n");
+        assert!(e.contains("unknown field `ulysess_size`"), "{e}");
+        let e = Config::parse("model:\n  preset: tiny\n  heads: 3\n", "f.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("f.yaml: ") && e.contains("unknown field `heads`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn malformed_yaml_names_the_place() {
+        let e = Config::parse("model: [preset: tiny\n", "bad.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("bad.yaml: ") && e.contains("line"), "{e}");
+    }
+
+    #[test]
+    fn negative_and_zero_sizes() {
+        let e = err("  ulysses_size: -2\n");
+        assert_eq!(e, "parallel_config.ulysses_size = -2: must be at least 1");
+        let e = err("  attn2d_size: [2, -1]\n");
+        assert_eq!(e, "parallel_config.attn2d_size[1] = -1: must be at least 1");
+        let e = err("  ring_size: 0\n");
+        assert_eq!(e, "parallel_config.ring_size = 0: must be at least 1");
+    }
+
+    #[test]
+    fn ulysses_must_divide_heads() {
+        let e = err("  ulysses_size: 3\n");
+        assert_eq!(
+            e,
+            "parallel_config.ulysses_size = 3: must divide the model's head count 40"
+        );
+        cfg("  ulysses_size: 8\n").unwrap();
+    }
+
+    #[test]
+    fn ring_and_attn2d_are_exclusive() {
+        let e = err("  ring_size: 2\n  attn2d_size: [2, 1]\n");
+        assert!(
+            e.starts_with("parallel_config.ring_size = 2: ring and attn2d_size [2, 1]"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn axis_product_must_equal_world() {
+        let c = Config::parse(
+            "model:\n  preset: wan2.1-t2v-14b\nparallel_config:\n  cfg_size: 2\n  ulysses_size: 4\n",
+            "<t>",
+        )
+        .unwrap();
+        let e = c.validate(Some(6)).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "parallel_config = cfg 2 x tp 1 x cp 1 x ulysses 4 = 8: \
+             the product of the axes must equal the world size 6"
+        );
+        assert_eq!(c.validate(Some(8)).unwrap().world_size(), 8);
+    }
+
+    #[test]
+    fn cfg_and_tp_limits() {
+        assert!(err("  cfg_size: 3\n").starts_with("parallel_config.cfg_size = 3: must be 1 or 2"));
+        assert!(
+            err("  tp_size: 2\n").starts_with("parallel_config.tp_size = 2: tensor parallelism")
+        );
+        assert!(err("  async_ulysses: true\n").starts_with("parallel_config.async_ulysses = true"));
+    }
+
+    #[test]
+    fn model_source_rules() {
+        let e = Config::parse("model:\n  weights: random\n", "<t>")
+            .unwrap()
+            .validate(None);
+        assert!(
+            e.unwrap_err()
+                .to_string()
+                .starts_with("model.preset = (unset)")
+        );
+        let e = Config::parse("model:\n  preset: tiny\n  weights: checkpoint\n", "<t>")
+            .unwrap()
+            .validate(None);
+        assert!(
+            e.unwrap_err()
+                .to_string()
+                .starts_with("model.checkpoint = (unset)")
+        );
+        let e = Config::parse("model:\n  preset: foo\n", "<t>")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown variant `foo`"), "{e}");
+    }
+
+    #[test]
+    fn heads_come_from_checkpoint_config() {
+        let dir = std::env::temp_dir().join(format!("ditstream-ckpt-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("transformer")).unwrap();
+        std::fs::write(
+            dir.join("transformer/config.json"),
+            r#"{"num_attention_heads": 12}"#,
+        )
+        .unwrap();
+        let text = format!(
+            "model:\n  checkpoint: {}\n  weights: checkpoint\nparallel_config:\n  ulysses_size: 8\n",
+            dir.display()
+        );
+        let e = Config::parse(&text, "<t>")
+            .unwrap()
+            .validate(None)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "parallel_config.ulysses_size = 8: must divide the model's head count 12"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn serving_rules() {
+        let bad = |serving: &str| {
+            Config::parse(
+                &format!("model:\n  preset: tiny\nserving:\n{serving}"),
+                "<t>",
+            )
+            .unwrap()
+            .validate(None)
+            .unwrap_err()
+            .to_string()
+        };
+        assert!(
+            bad("  width: 100\n")
+                .starts_with("serving.width = 100: must be a positive multiple of 16")
+        );
+        assert!(bad("  num_frames: 80\n").starts_with("serving.num_frames = 80: must be 4k+1"));
+        assert!(bad("  listen: nowhere\n").starts_with("serving.listen = nowhere"));
+    }
+}

@@ -1,0 +1,5 @@
+//! Pieces every ditstream pool shares: the YAML config and its validation, the device mesh,
+//! collectives over mesh groups (CPU threads and NCCL), rendezvous, and tracing setup.
+
+pub mod config;
+pub mod mesh;

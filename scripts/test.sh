@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command of the README and CI: installs the system packages the build needs, then runs
+# every test of the workspace with every feature compiled (GPU tests skip on machines without
+# GPUs unless DITSTREAM_REQUIRE_GPUS says they are required).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh
+cargo test --workspace --all-features --locked "$@"

@@ -1,0 +1,164 @@
+//! The vendored encoder backend: Cisco's OpenH264 (built from source into the binary by the `openh264`
+//! crate, so it runs on hosts without FFmpeg). Constrained Baseline profile, one IDR forced at every
+//! segment start, no frame skipping, no scene-cut or periodic IDRs.
+
+use openh264::encoder::{
+    BitRate, Complexity, Encoder, EncoderConfig, FrameRate, FrameType, IntraFramePeriod, QpRange,
+    RateControlMode, SpsPpsStrategy, UsageType, VuiConfig,
+};
+use openh264::formats::YUVSlices;
+use openh264::{OpenH264API, Timestamp};
+use tracing::debug;
+
+use super::h264::{AccessUnit, ParameterSets};
+use super::{EncodeError, OpenH264Options, VideoEncoder, VideoParams, Yuv420Frame};
+
+const BACKEND: &str = "openh264";
+
+/// [`VideoEncoder`] over OpenH264. Outputs one access unit per input frame, immediately (no delay).
+pub struct OpenH264Encoder {
+    encoder: Encoder,
+    params: VideoParams,
+    parameter_sets: ParameterSets,
+    started: bool,
+}
+
+fn backend_err(during: impl Into<String>, e: openh264::Error) -> EncodeError {
+    EncodeError::Backend {
+        backend: BACKEND,
+        during: during.into(),
+        message: e.to_string(),
+    }
+}
+
+fn encoder_config(
+    params: VideoParams,
+    options: &OpenH264Options,
+) -> Result<EncoderConfig, EncodeError> {
+    if options.qp_max > 51 || options.qp_min > options.qp_max {
+        return Err(EncodeError::Option {
+            name: "qp_min..qp_max",
+            value: format!("{}..{}", options.qp_min, options.qp_max),
+            rule: "need qp_min <= qp_max <= 51",
+        });
+    }
+    let bitrate = match options.bitrate_bps {
+        Some(bps) => bps,
+        None => {
+            let pixels_per_second =
+                u64::from(params.width) * u64::from(params.height) * u64::from(params.fps);
+            u32::try_from(pixels_per_second / 5).unwrap_or(u32::MAX) // 0.2 bits per pixel
+        }
+    };
+    let complexity = match options.complexity {
+        0 => Complexity::Low,
+        1 => Complexity::Medium,
+        2 => Complexity::High,
+        other => {
+            return Err(EncodeError::Option {
+                name: "complexity",
+                value: other.to_string(),
+                rule: "0 (low), 1 (medium) or 2 (high)",
+            });
+        }
+    };
+    Ok(EncoderConfig::new()
+        .usage_type(UsageType::CameraVideoRealTime)
+        .rate_control_mode(RateControlMode::Quality)
+        .bitrate(BitRate::from_bps(bitrate))
+        .max_frame_rate(FrameRate::from_hz(params.fps as f32))
+        .qp(QpRange::new(options.qp_min, options.qp_max))
+        .complexity(complexity)
+        .skip_frames(false) // every frame must produce a sample: segments count frames
+        .scene_change_detect(false) // keyframes exactly at segment starts
+        .intra_frame_period(IntraFramePeriod::from_num_frames(0)) // no periodic IDR: we force them
+        .sps_pps_strategy(SpsPpsStrategy::ConstantId) // one SPS/PPS for the whole stream (avcC)
+        .num_threads(options.threads)
+        .vui(VuiConfig::bt601()))
+}
+
+impl OpenH264Encoder {
+    /// Opens an encoder for `params` (already validated by the caller: even sizes, fps in range).
+    ///
+    /// OpenH264 writes its SPS/PPS only with the first frame, but the init segment is wanted before
+    /// any frame exists: a second encoder with the identical configuration encodes one grey frame and
+    /// its parameter sets are kept. The real encoder's in-band SPS/PPS are checked against them on every
+    /// IDR ([`EncodeError::ParameterSetsChanged`] if they ever differ).
+    pub fn new(params: VideoParams, options: &OpenH264Options) -> Result<Self, EncodeError> {
+        let config = encoder_config(params, options)?;
+        let open = || {
+            Encoder::with_api_config(OpenH264API::from_source(), config)
+                .map_err(|e| backend_err("opening", e))
+        };
+        let parameter_sets = {
+            let mut probe = open()?;
+            let (w, h) = (params.width as usize, params.height as usize);
+            let grey = Yuv420Frame::new(
+                params.width,
+                params.height,
+                vec![128; w * h],
+                vec![128; w * h / 4],
+                vec![128; w * h / 4],
+            )?;
+            let stream = probe
+                .encode(&slices(&grey))
+                .map_err(|e| backend_err("probing parameter sets", e))?
+                .to_vec();
+            ParameterSets::from_annex_b(BACKEND, &stream)?
+        };
+        debug!(codec = %parameter_sets.codec_string(), width = params.width, height = params.height, "openh264 encoder opened");
+        Ok(Self {
+            encoder: open()?,
+            params,
+            parameter_sets,
+            started: false,
+        })
+    }
+}
+
+fn slices(frame: &Yuv420Frame) -> YUVSlices<'_> {
+    let (w, h) = (frame.width() as usize, frame.height() as usize);
+    YUVSlices::new((frame.y(), frame.u(), frame.v()), (w, h), (w, w / 2, w / 2))
+}
+
+impl VideoEncoder for OpenH264Encoder {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn parameter_sets(&self) -> &ParameterSets {
+        &self.parameter_sets
+    }
+
+    fn encode(
+        &mut self,
+        frame: &Yuv420Frame,
+        frame_index: u64,
+        force_keyframe: bool,
+    ) -> Result<Vec<AccessUnit>, EncodeError> {
+        super::check_frame_size(&self.params, frame, frame_index)?;
+        // Before the first frame the encoder is not initialised (and the first frame is an IDR anyway).
+        if force_keyframe && self.started {
+            self.encoder.force_intra_frame();
+        }
+        let millis = frame_index * 1000 / u64::from(self.params.fps);
+        let bitstream = self
+            .encoder
+            .encode_at(&slices(frame), Timestamp::from_millis(millis))
+            .map_err(|e| backend_err(format!("encoding frame {frame_index}"), e))?;
+        self.started = true;
+        if bitstream.frame_type() == FrameType::Skip || bitstream.num_layers() == 0 {
+            return Err(EncodeError::Bitstream {
+                backend: BACKEND,
+                reason: format!("frame {frame_index} was skipped"),
+            });
+        }
+        let annex_b = bitstream.to_vec();
+        let au = AccessUnit::from_annex_b(BACKEND, frame_index, &annex_b, &self.parameter_sets)?;
+        Ok(vec![au])
+    }
+
+    fn flush(&mut self) -> Result<Vec<AccessUnit>, EncodeError> {
+        Ok(Vec::new()) // OpenH264 never holds frames back
+    }
+}

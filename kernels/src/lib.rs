@@ -1,0 +1,26 @@
+//! Tensor type and the ops the Wan DiT and VAE need.
+//!
+//! - [`Tensor`]: a shape, a [`DType`] (f32 or bf16 storage) and a [`Device`]; always contiguous,
+//!   row-major. Layout changes (`permute`, `narrow`, `concat`, `split`) produce contiguous copies;
+//!   `reshape` of contiguous data is free.
+//! - [`ops`]: every op the models call, one folder each. An op's `mod.rs` checks shapes and dispatches on
+//!   the device; its `cpu.rs` is the f32 reference, written to be read. The CUDA backend slots in as a
+//!   second arm of each dispatch (today that arm answers [`KernelError::UnsupportedDevice`]).
+//! - [`weights`]: checkpoints (safetensors, sharded or not) and seeded random weights, by name.
+//! - [`testing`]: approximate-equality helpers shared by the unit tests here and the model crates.
+//!
+//! Dtype rule for every op: maths runs in f32; the output takes the dtype of the op's first (primary)
+//! input; secondary inputs (weights, modulation, gates) may be f32 or bf16 independently. LSE is always f32.
+
+mod device;
+mod error;
+pub mod ops;
+mod rng;
+mod tensor;
+pub mod testing;
+pub mod weights;
+
+pub use device::{DType, Device};
+pub use error::{KernelError, Result};
+pub use ops::*;
+pub use tensor::Tensor;

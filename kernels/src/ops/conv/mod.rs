@@ -1,0 +1,234 @@
+//! Convolutions and resampling for the VAE (and the DiT's patch embedding): general Conv3d, Wan's causal
+//! Conv3d with its cached previous frames, Conv2d, nearest ×2 upsampling, and the upsample3d step that
+//! turns time_conv's doubled channels into doubled frames.
+
+pub(crate) mod cpu;
+#[cfg(test)]
+mod tests;
+
+use super::{dims, expect_rank, same_device, unsupported};
+use crate::{Device, KernelError, Result, Tensor};
+use cpu::ConvGeometry;
+
+/// Checks x [B, C_in, T, H, W], w [C_out, C_in, kt, kh, kw], bias [C_out] and returns the geometry with
+/// the given stride and (front, back) padding per axis.
+fn geometry(
+    op: &'static str,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    stride: [usize; 3],
+    pad_front: [usize; 3],
+    pad_back: [usize; 3],
+) -> Result<ConvGeometry> {
+    expect_rank(op, "x [B, C_in, T, H, W]", x, 5)?;
+    expect_rank(op, "w [C_out, C_in, kt, kh, kw]", w, 5)?;
+    let (xs, ws) = (x.shape(), w.shape());
+    let bias_ok = bias.is_none_or(|b| b.shape() == [ws[0]]);
+    if ws[1] != xs[1] || !bias_ok {
+        let mut shapes = vec![xs, ws];
+        shapes.extend(bias.map(|b| b.shape()));
+        return Err(KernelError::shape(
+            op,
+            "x [B, C_in, T, H, W], w [C_out, C_in, kt, kh, kw], bias [C_out]",
+            &shapes,
+        ));
+    }
+    if stride.contains(&0) {
+        return Err(KernelError::arg(
+            op,
+            "stride",
+            format!("{stride:?}"),
+            "strides must be ≥ 1",
+        ));
+    }
+    let input = [xs[2], xs[3], xs[4]];
+    let kernel = [ws[2], ws[3], ws[4]];
+    for axis in 0..3 {
+        if input[axis] + pad_front[axis] + pad_back[axis] < kernel[axis] {
+            return Err(KernelError::shape(
+                op,
+                format!(
+                    "padded input is smaller than the kernel on axis {}",
+                    axis + 2
+                ),
+                &[xs, ws],
+            ));
+        }
+    }
+    Ok(ConvGeometry {
+        batch: xs[0],
+        in_channels: xs[1],
+        out_channels: ws[0],
+        input,
+        kernel,
+        stride,
+        pad_front,
+        pad_back,
+    })
+}
+
+/// Runs a checked geometry on the operands' device; output in x's dtype.
+fn run(
+    op: &'static str,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    geometry: &ConvGeometry,
+) -> Result<Tensor> {
+    let mut operands = vec![x, w];
+    operands.extend(bias);
+    match same_device(op, &operands)? {
+        Device::Cpu => {
+            let bias = bias.map(|b| b.cpu_f32(op)).transpose()?;
+            let out = cpu::conv3d(&x.cpu_f32(op)?, &w.cpu_f32(op)?, bias.as_deref(), geometry);
+            Tensor::from_f32_cpu(out, &geometry.output_shape(), x.dtype())
+        }
+        device @ Device::Cuda(_) => unsupported(op, device),
+    }
+}
+
+/// Conv3d with symmetric zero padding (PyTorch `nn.Conv3d`, dilation 1, groups 1):
+/// x [B, C_in, T, H, W], w [C_out, C_in, kt, kh, kw], bias [C_out] →
+/// [B, C_out, (T + 2p_t − kt)/s_t + 1, (H + 2p_h − kh)/s_h + 1, (W + 2p_w − kw)/s_w + 1], x's dtype.
+/// The DiT's patch embedding is kernel = stride = (1, 2, 2), padding 0.
+pub fn conv3d(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    stride: [usize; 3],
+    padding: [usize; 3],
+) -> Result<Tensor> {
+    let geometry = geometry("conv3d", x, w, bias, stride, padding, padding)?;
+    run("conv3d", x, w, bias, &geometry)
+}
+
+/// Wan's causal Conv3d (diffusers `WanCausalConv3d`, stride 1, padding p = k/2 per axis for odd kernels:
+/// 3×3×3, 1×1×1, 3×1×1): H and W are zero-padded by p on both sides, time by 2·p_t in front only, so
+/// x [B, C_in, T, H, W] → [B, C_out, T, H, W] in x's dtype.
+///
+/// `cache` [B, C_in, T_c, H, W] with T_c ≤ 2·p_t holds the previous chunk's last input frames: they are
+/// prepended to x and the front zero padding shrinks by T_c (frame-at-a-time decoding, wan.md §2.4).
+pub fn causal_conv3d(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    cache: Option<&Tensor>,
+) -> Result<Tensor> {
+    const OP: &str = "causal_conv3d";
+    expect_rank(OP, "w [C_out, C_in, kt, kh, kw]", w, 5)?;
+    let kernel = [w.shape()[2], w.shape()[3], w.shape()[4]];
+    if kernel.iter().any(|k| k % 2 == 0) {
+        return Err(KernelError::arg(
+            OP,
+            "kernel",
+            format!("{kernel:?}"),
+            "causal padding needs odd kernel sizes",
+        ));
+    }
+    let front_frames = kernel[0] - 1; // 2·p_t with p_t = kt/2
+    let [p_h, p_w] = [kernel[1] / 2, kernel[2] / 2];
+    let (input, cached_frames) = match cache {
+        None => (x.clone(), 0),
+        Some(cache) => {
+            expect_rank(OP, "cache [B, C_in, T_c, H, W]", cache, 5)?;
+            let (cs, xs) = (cache.shape(), x.shape());
+            if x.rank() != 5 || [cs[0], cs[1], cs[3], cs[4]] != [xs[0], xs[1], xs[3], xs[4]] {
+                return Err(KernelError::shape(
+                    OP,
+                    "cache [B, C_in, T_c, H, W] must match x [B, C_in, T, H, W] except in T",
+                    &[xs, cs],
+                ));
+            }
+            if cs[2] > front_frames {
+                return Err(KernelError::arg(
+                    OP,
+                    "cache frames",
+                    cs[2],
+                    format!("at most kt − 1 = {front_frames} frames can be cached"),
+                ));
+            }
+            (Tensor::concat(&[cache, x], 2)?, cs[2])
+        }
+    };
+    let geometry = geometry(
+        OP,
+        &input,
+        w,
+        bias,
+        [1, 1, 1],
+        [front_frames - cached_frames, p_h, p_w],
+        [0, p_h, p_w],
+    )?;
+    run(OP, &input, w, bias, &geometry)
+}
+
+/// Conv2d with symmetric zero padding (PyTorch `nn.Conv2d`, dilation 1, groups 1):
+/// x [N, C_in, H, W], w [C_out, C_in, kh, kw], bias [C_out] →
+/// [N, C_out, (H + 2p_h − kh)/s_h + 1, (W + 2p_w − kw)/s_w + 1] in x's dtype. The VAE's per-frame 3×3
+/// resample conv is stride 1, padding 1 on x reshaped to [B·T, C, H, W].
+pub fn conv2d(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    stride: [usize; 2],
+    padding: [usize; 2],
+) -> Result<Tensor> {
+    const OP: &str = "conv2d";
+    expect_rank(OP, "x [N, C_in, H, W]", x, 4)?;
+    expect_rank(OP, "w [C_out, C_in, kh, kw]", w, 4)?;
+    let (xs, ws) = (x.shape(), w.shape());
+    // A 2-D conv is a 3-D conv over a single frame with a single-frame kernel.
+    let x3 = x.reshape(&[xs[0], xs[1], 1, xs[2], xs[3]])?;
+    let w3 = w.reshape(&[ws[0], ws[1], 1, ws[2], ws[3]])?;
+    let pad = [0, padding[0], padding[1]];
+    let geometry = geometry(OP, &x3, &w3, bias, [1, stride[0], stride[1]], pad, pad)?;
+    let out = run(OP, &x3, &w3, bias, &geometry)?;
+    let os = out.shape();
+    out.reshape(&[os[0], os[1], os[3], os[4]])
+}
+
+/// Nearest-neighbour ×2 upsampling of the last two dims (PyTorch `nearest-exact` at factor 2:
+/// out[.., i, j] = x[.., ⌊i/2⌋, ⌊j/2⌋]): x [.., H, W] → [.., 2H, 2W] in x's dtype.
+pub fn upsample_nearest2x(x: &Tensor) -> Result<Tensor> {
+    const OP: &str = "upsample_nearest2x";
+    if x.rank() < 2 {
+        return Err(KernelError::shape(
+            OP,
+            "x must be [.., H, W] (rank ≥ 2)",
+            &[x.shape()],
+        ));
+    }
+    let (h, w) = (x.shape()[x.rank() - 2], x.shape()[x.rank() - 1]);
+    let mut out_shape = x.shape().to_vec();
+    let rank = out_shape.len();
+    out_shape[rank - 2] = 2 * h;
+    out_shape[rank - 1] = 2 * w;
+    match x.device() {
+        Device::Cpu => {
+            let out = cpu::upsample_nearest2x(&x.cpu_f32(OP)?, h, w);
+            Tensor::from_f32_cpu(out, &out_shape, x.dtype())
+        }
+        device @ Device::Cuda(_) => unsupported(OP, device),
+    }
+}
+
+/// Upsample3d's reshape after time_conv: channels [0:C] become frames 2i and channels [C:2C] frames 2i+1:
+/// x [B, 2C, T, H, W] → [B, C, 2T, H, W] (diffusers: reshape to [B, 2, C, T, H, W], stack the two
+/// halves on a new axis after T, merge).
+pub fn channels_to_frames(x: &Tensor) -> Result<Tensor> {
+    const OP: &str = "channels_to_frames";
+    let [b, c2, t, h, w] = dims(OP, "x [B, 2C, T, H, W]", x)?;
+    if c2 % 2 != 0 {
+        return Err(KernelError::shape(
+            OP,
+            "the channel count must be even (x [B, 2C, T, H, W])",
+            &[x.shape()],
+        ));
+    }
+    let c = c2 / 2;
+    // [B, 2, C, T, H, W] → [B, C, T, 2, H, W] → [B, C, 2T, H, W]
+    x.reshape(&[b, 2, c, t, h, w])?
+        .permute(&[0, 2, 3, 1, 4, 5])?
+        .reshape(&[b, c, 2 * t, h, w])
+}

@@ -1,0 +1,252 @@
+//! Convolutions against a naive loop over an explicitly zero-padded input, chunked causal decoding
+//! against the full sequence, and hand cases for the resampling ops.
+//!
+//! Tolerance: an output is a dot product over K = C_in·kt·kh·kw ≤ 81 taps plus a bias; f32 summation
+//! error ≤ γ_K·Σ|x w| ≈ 81·6e-8·(0.64·81) ≈ 2.5e-4 as a worst case for N(0,1) data, far above the typical
+//! ~1e-6; the f64 reference has no error to speak of. We allow atol 2.5e-4.
+
+use super::*;
+use crate::testing::{assert_close, assert_close_slices};
+use crate::{DType, Device};
+
+const ATOL: f32 = 2.5e-4;
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    Tensor::randn(shape, DType::F32, seed, Device::Cpu).expect("randn")
+}
+
+/// Zero-pads x [B, C, T, H, W] explicitly: `front`/`back` frames/rows/cols per axis.
+fn pad(x: &Tensor, front: [usize; 3], back: [usize; 3]) -> Result<(Vec<f32>, [usize; 5])> {
+    let s = x.shape();
+    let v = x.to_vec_f32()?;
+    let dims = [
+        s[0],
+        s[1],
+        s[2] + front[0] + back[0],
+        s[3] + front[1] + back[1],
+        s[4] + front[2] + back[2],
+    ];
+    let mut out = vec![0.0; dims.iter().product()];
+    for b in 0..s[0] {
+        for c in 0..s[1] {
+            for t in 0..s[2] {
+                for h in 0..s[3] {
+                    for w in 0..s[4] {
+                        let src = (((b * s[1] + c) * s[2] + t) * s[3] + h) * s[4] + w;
+                        let (pt, ph, pw) = (t + front[0], h + front[1], w + front[2]);
+                        out[(((b * dims[1] + c) * dims[2] + pt) * dims[3] + ph) * dims[4] + pw] =
+                            v[src];
+                    }
+                }
+            }
+        }
+    }
+    Ok((out, dims))
+}
+
+/// "Valid" Conv3d of an already padded input, straight from the definition, in f64.
+fn naive_valid_conv3d(
+    (x, xd): (&[f32], [usize; 5]),
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    stride: [usize; 3],
+) -> Result<(Vec<f32>, Vec<usize>)> {
+    let ws = w.shape();
+    let (wv, bv) = (w.to_vec_f32()?, bias.map(|b| b.to_vec_f32()).transpose()?);
+    let out_dims: Vec<usize> = (0..3)
+        .map(|a| (xd[2 + a] - ws[2 + a]) / stride[a] + 1)
+        .collect();
+    let mut out = Vec::new();
+    for b in 0..xd[0] {
+        for o in 0..ws[0] {
+            for ot in 0..out_dims[0] {
+                for oh in 0..out_dims[1] {
+                    for ow in 0..out_dims[2] {
+                        let mut acc = bv.as_ref().map_or(0.0, |bv| bv[o] as f64);
+                        for c in 0..ws[1] {
+                            for dt in 0..ws[2] {
+                                for dh in 0..ws[3] {
+                                    for dw in 0..ws[4] {
+                                        let (it, ih, iw) = (
+                                            ot * stride[0] + dt,
+                                            oh * stride[1] + dh,
+                                            ow * stride[2] + dw,
+                                        );
+                                        let xi = (((b * xd[1] + c) * xd[2] + it) * xd[3] + ih)
+                                            * xd[4]
+                                            + iw;
+                                        let wi = (((o * ws[1] + c) * ws[2] + dt) * ws[3] + dh)
+                                            * ws[4]
+                                            + dw;
+                                        acc += x[xi] as f64 * wv[wi] as f64;
+                                    }
+                                }
+                            }
+                        }
+                        out.push(acc as f32);
+                    }
+                }
+            }
+        }
+    }
+    Ok((
+        out,
+        vec![xd[0], ws[0], out_dims[0], out_dims[1], out_dims[2]],
+    ))
+}
+
+#[test]
+fn conv3d_matches_naive_for_wan_kernels() -> Result<()> {
+    // (kernel, stride, padding): VAE 3×3×3 / 1×1×1 / 3×1×1, the DiT patch embedding, a strided case.
+    let cases = [
+        ([3, 3, 3], [1, 1, 1], [1, 1, 1]),
+        ([1, 1, 1], [1, 1, 1], [0, 0, 0]),
+        ([3, 1, 1], [1, 1, 1], [1, 0, 0]),
+        ([1, 2, 2], [1, 2, 2], [0, 0, 0]),
+        ([3, 3, 3], [1, 2, 2], [0, 1, 1]),
+    ];
+    for (i, (kernel, stride, padding)) in cases.into_iter().enumerate() {
+        let seed = 10 * i as u64;
+        let x = randn(&[2, 3, 4, 6, 5], seed);
+        let w = randn(&[4, 3, kernel[0], kernel[1], kernel[2]], seed + 1);
+        let bias = randn(&[4], seed + 2);
+        let out = conv3d(&x, &w, Some(&bias), stride, padding)?;
+        let (padded, dims) = pad(&x, padding, padding)?;
+        let (expect, shape) = naive_valid_conv3d((&padded, dims), &w, Some(&bias), stride)?;
+        assert_eq!(out.shape(), shape.as_slice(), "case {i}");
+        assert_close_slices(&out.to_vec_f32()?, &expect, ATOL, 0.0);
+    }
+    Ok(())
+}
+
+#[test]
+fn causal_conv3d_pads_two_frames_in_front() -> Result<()> {
+    for (kernel, front) in [([3, 3, 3], 2), ([3, 1, 1], 2), ([1, 1, 1], 0)] {
+        let x = randn(&[1, 3, 5, 4, 6], 40);
+        let w = randn(&[2, 3, kernel[0], kernel[1], kernel[2]], 41);
+        let bias = randn(&[2], 42);
+        let out = causal_conv3d(&x, &w, Some(&bias), None)?;
+        assert_eq!(out.shape(), [1, 2, 5, 4, 6]);
+        let spatial = [kernel[1] / 2, kernel[2] / 2];
+        let (padded, dims) = pad(
+            &x,
+            [front, spatial[0], spatial[1]],
+            [0, spatial[0], spatial[1]],
+        )?;
+        let (expect, _) = naive_valid_conv3d((&padded, dims), &w, Some(&bias), [1, 1, 1])?;
+        assert_close_slices(&out.to_vec_f32()?, &expect, ATOL, 0.0);
+    }
+    Ok(())
+}
+
+#[test]
+fn causal_conv3d_with_cache_equals_full_sequence() -> Result<()> {
+    // Frame-at-a-time decoding: each chunk's conv sees the previous chunk's last frames as its cache.
+    let x = randn(&[1, 3, 5, 4, 4], 50);
+    let w = randn(&[2, 3, 3, 3, 3], 51);
+    let bias = randn(&[2], 52);
+    let full = causal_conv3d(&x, &w, Some(&bias), None)?;
+    // Two cached frames.
+    let tail = causal_conv3d(
+        &x.narrow(2, 2, 3)?,
+        &w,
+        Some(&bias),
+        Some(&x.narrow(2, 0, 2)?),
+    )?;
+    assert_close(&tail, &full.narrow(2, 2, 3)?, 1e-6, 0.0);
+    // One cached frame (the decode after a 1-frame first chunk): one zero frame remains in front.
+    let tail = causal_conv3d(
+        &x.narrow(2, 1, 4)?,
+        &w,
+        Some(&bias),
+        Some(&x.narrow(2, 0, 1)?),
+    )?;
+    assert_close(&tail, &full.narrow(2, 1, 4)?, 1e-6, 0.0);
+    // Too many cached frames, or a cache of the wrong size, are errors.
+    assert!(causal_conv3d(&x, &w, None, Some(&x.narrow(2, 0, 3)?)).is_err());
+    assert!(causal_conv3d(&x, &w, None, Some(&randn(&[1, 3, 1, 4, 5], 53))).is_err());
+    Ok(())
+}
+
+#[test]
+fn conv2d_matches_naive() -> Result<()> {
+    for (stride, padding) in [([1, 1], [1, 1]), ([2, 2], [1, 1]), ([1, 1], [0, 0])] {
+        let x = randn(&[3, 4, 7, 6], 60);
+        let w = randn(&[5, 4, 3, 3], 61);
+        let bias = randn(&[5], 62);
+        let out = conv2d(&x, &w, Some(&bias), stride, padding)?;
+        // Naive: as a one-frame 3-D conv of the explicitly padded input.
+        let x3 = x.reshape(&[3, 4, 1, 7, 6])?;
+        let w3 = w.reshape(&[5, 4, 1, 3, 3])?;
+        let (padded, dims) = pad(
+            &x3,
+            [0, padding[0], padding[1]],
+            [0, padding[0], padding[1]],
+        )?;
+        let (expect, shape) =
+            naive_valid_conv3d((&padded, dims), &w3, Some(&bias), [1, stride[0], stride[1]])?;
+        assert_eq!(out.shape(), [shape[0], shape[1], shape[3], shape[4]]);
+        assert_close_slices(&out.to_vec_f32()?, &expect, ATOL, 0.0);
+    }
+    Ok(())
+}
+
+#[test]
+fn conv_shape_errors() {
+    let x = randn(&[1, 3, 2, 4, 4], 70);
+    let w = randn(&[2, 4, 3, 3, 3], 71);
+    assert!(conv3d(&x, &w, None, [1, 1, 1], [1, 1, 1]).is_err());
+    let w_even = randn(&[2, 3, 2, 2, 2], 72);
+    assert!(causal_conv3d(&x, &w_even, None, None).is_err());
+    let w_big = randn(&[2, 3, 1, 7, 7], 73);
+    assert!(conv3d(&x, &w_big, None, [1, 1, 1], [0, 0, 0]).is_err());
+}
+
+#[test]
+fn upsample_nearest2x_hand_case() -> Result<()> {
+    let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[1, 1, 2, 3])?;
+    let up = upsample_nearest2x(&x)?;
+    assert_eq!(up.shape(), [1, 1, 4, 6]);
+    #[rustfmt::skip]
+    let expect = [
+        1., 1., 2., 2., 3., 3.,
+        1., 1., 2., 2., 3., 3.,
+        4., 4., 5., 5., 6., 6.,
+        4., 4., 5., 5., 6., 6.,
+    ];
+    assert_eq!(up.to_vec_f32()?, expect);
+    // Works on [B, C, T, H, W] directly, frame by frame.
+    assert_eq!(
+        upsample_nearest2x(&randn(&[1, 2, 3, 2, 2], 80))?.shape(),
+        [1, 2, 3, 4, 4]
+    );
+    Ok(())
+}
+
+#[test]
+fn channels_to_frames_interleaves_halves() -> Result<()> {
+    // C = 1, T = 2: channel 0 frames [a0, a1], channel 1 frames [b0, b1] → frames [a0, b0, a1, b1].
+    let x = Tensor::from_vec(vec![1.0, 2.0, 10.0, 20.0], &[1, 2, 2, 1, 1])?;
+    let y = channels_to_frames(&x)?;
+    assert_eq!(y.shape(), [1, 1, 4, 1, 1]);
+    assert_eq!(y.to_vec_f32()?, [1.0, 10.0, 2.0, 20.0]);
+    // General case: out[b, c, 2t + i, h, w] = x[b, i·C + c, t, h, w].
+    let (b, c, t, h, w) = (2, 3, 2, 2, 3);
+    let x = randn(&[b, 2 * c, t, h, w], 90);
+    let (xv, yv) = (x.to_vec_f32()?, channels_to_frames(&x)?.to_vec_f32()?);
+    for bi in 0..b {
+        for ci in 0..c {
+            for ti in 0..t {
+                for i in 0..2 {
+                    for p in 0..h * w {
+                        let src = ((bi * 2 * c + i * c + ci) * t + ti) * h * w + p;
+                        let dst = ((bi * c + ci) * 2 * t + 2 * ti + i) * h * w + p;
+                        assert_eq!(yv[dst], xv[src]);
+                    }
+                }
+            }
+        }
+    }
+    assert!(channels_to_frames(&randn(&[1, 3, 1, 1, 1], 91)).is_err());
+    Ok(())
+}

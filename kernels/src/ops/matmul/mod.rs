@@ -1,0 +1,81 @@
+//! GEMM ops: batched `matmul` and `linear` with PyTorch's `x @ W.T + b` layout.
+
+pub(crate) mod cpu;
+#[cfg(test)]
+mod tests;
+
+use super::{same_device, unsupported};
+use crate::{Device, KernelError, Result, Tensor};
+
+/// a [.., M, K] @ b [.., K, N] → [.., M, N] in a's dtype, f32 accumulation.
+///
+/// The leading (batch) dims of `a` and `b` must be equal, or `b` may be rank 2 and is then shared by every
+/// batch entry.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "matmul";
+    let contract = "a [.., M, K] @ b [.., K, N] with equal batch dims, or b [K, N]";
+    if a.rank() < 2 || b.rank() < 2 {
+        return Err(KernelError::shape(OP, contract, &[a.shape(), b.shape()]));
+    }
+    let (a_batch, a_mat) = a.shape().split_at(a.rank() - 2);
+    let (b_batch, b_mat) = b.shape().split_at(b.rank() - 2);
+    let (m, k, n) = (a_mat[0], a_mat[1], b_mat[1]);
+    if b_mat[0] != k || !(b_batch.is_empty() || b_batch == a_batch) {
+        return Err(KernelError::shape(OP, contract, &[a.shape(), b.shape()]));
+    }
+    let mut out_shape = a_batch.to_vec();
+    out_shape.extend([m, n]);
+    match same_device(OP, &[a, b])? {
+        Device::Cpu => {
+            let batch: usize = a_batch.iter().product();
+            let out = cpu::batched_matmul(
+                &a.cpu_f32(OP)?,
+                &b.cpu_f32(OP)?,
+                batch,
+                b_batch.is_empty(),
+                m,
+                k,
+                n,
+            );
+            Tensor::from_f32_cpu(out, &out_shape, a.dtype())
+        }
+        device @ Device::Cuda(_) => unsupported(OP, device),
+    }
+}
+
+/// x [.., in] · W [out, in]ᵀ + bias [out] → [.., out] in x's dtype (PyTorch `nn.Linear`), f32 accumulation.
+pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    const OP: &str = "linear";
+    let contract = "x [.., in], w [out, in], bias [out]";
+    let shapes_ok = x.rank() >= 1
+        && w.rank() == 2
+        && x.shape()[x.rank() - 1] == w.shape()[1]
+        && bias.is_none_or(|b| b.shape() == [w.shape()[0]]);
+    if !shapes_ok {
+        let mut shapes = vec![x.shape(), w.shape()];
+        shapes.extend(bias.map(|b| b.shape()));
+        return Err(KernelError::shape(OP, contract, &shapes));
+    }
+    let (out_features, in_features) = (w.shape()[0], w.shape()[1]);
+    let rows: usize = x.shape()[..x.rank() - 1].iter().product();
+    let mut out_shape = x.shape().to_vec();
+    let last = out_shape.len() - 1; // rank ≥ 1 checked above
+    out_shape[last] = out_features;
+    let mut operands = vec![x, w];
+    operands.extend(bias);
+    match same_device(OP, &operands)? {
+        Device::Cpu => {
+            let bias = bias.map(|b| b.cpu_f32(OP)).transpose()?;
+            let out = cpu::linear(
+                &x.cpu_f32(OP)?,
+                &w.cpu_f32(OP)?,
+                bias.as_deref(),
+                rows,
+                in_features,
+                out_features,
+            );
+            Tensor::from_f32_cpu(out, &out_shape, x.dtype())
+        }
+        device @ Device::Cuda(_) => unsupported(OP, device),
+    }
+}

@@ -1,0 +1,95 @@
+//! matmul / linear against a naive f64 triple loop.
+//!
+//! Tolerance: an f32 dot product of K terms has error ≤ γ_K·Σ|a_i b_i| with γ_K ≈ K·2⁻²⁴ (blocked
+//! summation does better). With N(0,1) inputs Σ|a_i b_i| ≈ 0.64·K, so for K ≤ 70 the bound is
+//! ≈ 70·6e-8·45 ≈ 2e-4; we allow atol 2e-4 (typical errors are ~1e-6).
+
+use super::*;
+use crate::testing::assert_close_slices;
+use crate::{DType, Device};
+
+fn naive_matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let dot: f64 = (0..k)
+                .map(|p| a[i * k + p] as f64 * b[p * n + j] as f64)
+                .sum();
+            out[i * n + j] = dot as f32;
+        }
+    }
+    out
+}
+
+#[test]
+fn matmul_batched_and_shared_b_match_naive() -> Result<()> {
+    let (batch, m, k, n) = (3, 5, 7, 9);
+    let a = Tensor::randn(&[batch, m, k], DType::F32, 1, Device::Cpu)?;
+    let b = Tensor::randn(&[batch, k, n], DType::F32, 2, Device::Cpu)?;
+    let b_shared = Tensor::randn(&[k, n], DType::F32, 3, Device::Cpu)?;
+    let (av, bv, bs) = (a.to_vec_f32()?, b.to_vec_f32()?, b_shared.to_vec_f32()?);
+
+    let out = matmul(&a, &b)?;
+    assert_eq!(out.shape(), [batch, m, n]);
+    let shared = matmul(&a, &b_shared)?;
+    let (out, shared) = (out.to_vec_f32()?, shared.to_vec_f32()?);
+    for i in 0..batch {
+        let a_i = &av[i * m * k..(i + 1) * m * k];
+        let expect = naive_matmul(a_i, &bv[i * k * n..(i + 1) * k * n], m, k, n);
+        assert_close_slices(&out[i * m * n..(i + 1) * m * n], &expect, 2e-4, 0.0);
+        let expect = naive_matmul(a_i, &bs, m, k, n);
+        assert_close_slices(&shared[i * m * n..(i + 1) * m * n], &expect, 2e-4, 0.0);
+    }
+    Ok(())
+}
+
+#[test]
+fn linear_is_x_times_w_transposed_plus_bias() -> Result<()> {
+    let (rows, d_in, d_out) = (2 * 11, 67, 13);
+    let x = Tensor::randn(&[2, 11, d_in], DType::F32, 4, Device::Cpu)?;
+    let w = Tensor::randn(&[d_out, d_in], DType::F32, 5, Device::Cpu)?;
+    let bias = Tensor::randn(&[d_out], DType::F32, 6, Device::Cpu)?;
+    let (xv, wv, bv) = (x.to_vec_f32()?, w.to_vec_f32()?, bias.to_vec_f32()?);
+
+    let with_bias = linear(&x, &w, Some(&bias))?;
+    let without = linear(&x, &w, None)?;
+    assert_eq!(with_bias.shape(), [2, 11, d_out]);
+    let mut expect = vec![0.0; rows * d_out];
+    for r in 0..rows {
+        for o in 0..d_out {
+            let dot: f64 = (0..d_in)
+                .map(|i| xv[r * d_in + i] as f64 * wv[o * d_in + i] as f64)
+                .sum();
+            expect[r * d_out + o] = dot as f32;
+        }
+    }
+    assert_close_slices(&without.to_vec_f32()?, &expect, 2e-4, 0.0);
+    for row in expect.chunks_exact_mut(d_out) {
+        for (v, b) in row.iter_mut().zip(&bv) {
+            *v += b;
+        }
+    }
+    assert_close_slices(&with_bias.to_vec_f32()?, &expect, 2e-4, 0.0);
+    Ok(())
+}
+
+#[test]
+fn linear_hand_computed_and_bf16_output() -> Result<()> {
+    // [[1, 2]] · [[1, 0], [0, 1], [1, 1]]ᵀ + [0.5, 0, -1] = [1.5, 2, 2]
+    let x = Tensor::from_vec(vec![1.0, 2.0], &[1, 2])?.to_dtype(DType::BF16)?;
+    let w = Tensor::from_vec(vec![1.0, 0.0, 0.0, 1.0, 1.0, 1.0], &[3, 2])?;
+    let b = Tensor::from_vec(vec![0.5, 0.0, -1.0], &[3])?;
+    let y = linear(&x, &w, Some(&b))?;
+    assert_eq!(y.dtype(), DType::BF16);
+    assert_eq!(y.to_vec_f32()?, vec![1.5, 2.0, 2.0]);
+    Ok(())
+}
+
+#[test]
+fn shape_errors_name_the_shapes() {
+    let x = Tensor::zeros(&[2, 3], DType::F32, Device::Cpu).expect("zeros");
+    let w = Tensor::zeros(&[4, 5], DType::F32, Device::Cpu).expect("zeros");
+    let err = linear(&x, &w, None).expect_err("in-dims differ");
+    assert!(err.to_string().contains("[2, 3]") && err.to_string().contains("[4, 5]"));
+    assert!(matmul(&x, &w).is_err());
+}

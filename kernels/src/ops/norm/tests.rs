@@ -1,0 +1,112 @@
+//! Norms against f64 formulas and hand-computed cases.
+//!
+//! Tolerance: each output is a handful of f32 operations on a mean over ≤ 64 values; the sums carry
+//! ≤ D·2⁻²⁴ relative error (≈ 4e-6 for D = 64) and the outputs are O(1–4) for N(0,1) inputs, so
+//! atol 2e-5 + rtol 1e-5 covers them with margin.
+
+use super::*;
+use crate::testing::assert_close_slices;
+use crate::{DType, Device};
+
+#[test]
+fn layer_norm_hand_case() -> Result<()> {
+    // Row [1, 2, 3, 4]: mean 2.5, biased var 1.25 → (x − 2.5)/sqrt(1.25) = [−1.3416, −0.4472, 0.4472, 1.3416].
+    let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0], &[1, 4])?;
+    let plain = layer_norm(&x, None, None, 0.0)?;
+    let s = 1.25f32.sqrt();
+    let expect = [-1.5 / s, -0.5 / s, 0.5 / s, 1.5 / s];
+    assert_close_slices(&plain.to_vec_f32()?, &expect, 1e-6, 1e-6);
+    let w = Tensor::from_vec(vec![2.0, 2.0, 2.0, 2.0], &[4])?;
+    let b = Tensor::from_vec(vec![1.0, 1.0, 1.0, 1.0], &[4])?;
+    let affine = layer_norm(&x, Some(&w), Some(&b), 0.0)?;
+    let expect: Vec<f32> = expect.iter().map(|v| 2.0 * v + 1.0).collect();
+    assert_close_slices(&affine.to_vec_f32()?, &expect, 1e-6, 1e-6);
+    Ok(())
+}
+
+#[test]
+fn layer_norm_random_against_f64() -> Result<()> {
+    let (rows, d, eps) = (7, 64, 1e-6);
+    let x = Tensor::randn(&[rows, d], DType::F32, 11, Device::Cpu)?;
+    let w = Tensor::randn(&[d], DType::F32, 12, Device::Cpu)?;
+    let b = Tensor::randn(&[d], DType::F32, 13, Device::Cpu)?;
+    let (xv, wv, bv) = (x.to_vec_f32()?, w.to_vec_f32()?, b.to_vec_f32()?);
+    let mut expect = Vec::new();
+    for row in xv.chunks(d) {
+        let mean = row.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
+        let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
+        for (i, &v) in row.iter().enumerate() {
+            let n = (v as f64 - mean) / (var + eps as f64).sqrt();
+            expect.push((n * wv[i] as f64 + bv[i] as f64) as f32);
+        }
+    }
+    let out = layer_norm(&x, Some(&w), Some(&b), eps)?;
+    assert_close_slices(&out.to_vec_f32()?, &expect, 2e-5, 1e-5);
+    assert!(layer_norm(&x, Some(&b.narrow(0, 0, 3)?), None, eps).is_err());
+    Ok(())
+}
+
+#[test]
+fn rms_norm_against_f64_and_hand_case() -> Result<()> {
+    // [3, 4]: mean(x²) = 12.5 → x / sqrt(12.5) · [1, 2].
+    let x = Tensor::from_vec(vec![3.0, 4.0], &[1, 2])?;
+    let w = Tensor::from_vec(vec![1.0, 2.0], &[2])?;
+    let r = 12.5f32.sqrt();
+    assert_close_slices(
+        &rms_norm(&x, &w, 0.0)?.to_vec_f32()?,
+        &[3.0 / r, 8.0 / r],
+        1e-6,
+        1e-6,
+    );
+
+    let (rows, d, eps) = (5, 48, 1e-6);
+    let x = Tensor::randn(&[rows, d], DType::F32, 21, Device::Cpu)?;
+    let w = Tensor::randn(&[d], DType::F32, 22, Device::Cpu)?;
+    let (xv, wv) = (x.to_vec_f32()?, w.to_vec_f32()?);
+    let mut expect = Vec::new();
+    for row in xv.chunks(d) {
+        let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / d as f64;
+        for (i, &v) in row.iter().enumerate() {
+            expect.push((v as f64 / (ms + eps as f64).sqrt() * wv[i] as f64) as f32);
+        }
+    }
+    assert_close_slices(&rms_norm(&x, &w, eps)?.to_vec_f32()?, &expect, 2e-5, 1e-5);
+    Ok(())
+}
+
+#[test]
+fn rms_norm_channels_normalises_over_dim_1() -> Result<()> {
+    // [B, C, T, H, W] = [2, 3, 2, 2, 3]; gamma in checkpoint shape [C, 1, 1, 1].
+    let shape = [2, 3, 2, 2, 3];
+    let (b, c, p) = (2, 3, 12);
+    let x = Tensor::randn(&shape, DType::F32, 31, Device::Cpu)?;
+    let gamma = Tensor::randn(&[c, 1, 1, 1], DType::F32, 32, Device::Cpu)?;
+    let bias = Tensor::randn(&[c], DType::F32, 33, Device::Cpu)?;
+    let (xv, gv, bv) = (x.to_vec_f32()?, gamma.to_vec_f32()?, bias.to_vec_f32()?);
+    let mut expect = vec![0.0; xv.len()];
+    for bi in 0..b {
+        for pi in 0..p {
+            let at = |ci: usize| (bi * c + ci) * p + pi;
+            let norm = (0..c)
+                .map(|ci| (xv[at(ci)] as f64).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            for ci in 0..c {
+                let y = xv[at(ci)] as f64 / norm.max(1e-12) * (c as f64).sqrt() * gv[ci] as f64;
+                expect[at(ci)] = (y + bv[ci] as f64) as f32;
+            }
+        }
+    }
+    let out = rms_norm_channels(&x, &gamma, Some(&bias))?;
+    assert_eq!(out.shape(), shape);
+    assert_close_slices(&out.to_vec_f32()?, &expect, 2e-5, 1e-5);
+
+    // One channel (the diffusers test VAE's 1-channel layers): y = sign(x)·gamma; zero stays zero.
+    let x1 = Tensor::from_vec(vec![-2.0, 0.0, 0.5], &[1, 1, 3])?;
+    let g1 = Tensor::from_vec(vec![3.0], &[1, 1])?;
+    assert_eq!(
+        rms_norm_channels(&x1, &g1, None)?.to_vec_f32()?,
+        [-3.0, 0.0, 3.0]
+    );
+    Ok(())
+}

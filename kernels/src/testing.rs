@@ -1,0 +1,108 @@
+//! Approximate-equality helpers for tests: max abs / max rel differences and an `allclose`-style assert.
+//!
+//! Tests here and in the model crates compare tensors through these so that every tolerance is stated
+//! the same way: `|actual − expected| ≤ atol + rtol·|expected|` per element (NumPy's `allclose`).
+//! Infinities compare equal when both sides hold the same infinity (masked LSE is −∞); NaN never does.
+
+use crate::{KernelError, Result, Tensor};
+
+fn values_of(a: &Tensor, b: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
+    if a.shape() != b.shape() {
+        return Err(KernelError::shape(
+            "compare",
+            "tensors must have the same shape",
+            &[a.shape(), b.shape()],
+        ));
+    }
+    Ok((a.to_vec_f32()?, b.to_vec_f32()?))
+}
+
+fn abs_diff(a: f32, b: f32) -> f32 {
+    if a == b {
+        0.0 // also covers equal infinities, whose difference would be NaN
+    } else {
+        (a - b).abs()
+    }
+}
+
+/// max_i |a_i − b_i| (NaN if either side holds NaN). Shapes must match.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let (a, b) = values_of(a, b)?;
+    Ok(a.iter().zip(&b).fold(0.0, |worst, (&x, &y)| {
+        let d = abs_diff(x, y);
+        if d.is_nan() || worst.is_nan() {
+            f32::NAN
+        } else {
+            worst.max(d)
+        }
+    }))
+}
+
+/// max_i |actual_i − expected_i| / |expected_i| over the elements where expected_i ≠ 0 and the values
+/// differ. Shapes must match.
+pub fn max_rel_diff(actual: &Tensor, expected: &Tensor) -> Result<f32> {
+    let (a, e) = values_of(actual, expected)?;
+    Ok(a.iter()
+        .zip(&e)
+        .filter(|&(&x, &y)| y != 0.0 && x != y)
+        .map(|(&x, &y)| (x - y).abs() / y.abs())
+        .fold(
+            0.0,
+            |worst, r| if r.is_nan() { f32::NAN } else { worst.max(r) },
+        ))
+}
+
+/// Panics unless every element satisfies `|actual − expected| ≤ atol + rtol·|expected|`, naming the
+/// worst element (index, both values) and the max abs difference. For tests only.
+pub fn assert_close(actual: &Tensor, expected: &Tensor, atol: f32, rtol: f32) {
+    let (a, e) = match values_of(actual, expected) {
+        Ok(values) => values,
+        Err(err) => panic!("assert_close: {err}"),
+    };
+    assert_close_slices(&a, &e, atol, rtol);
+}
+
+/// [`assert_close`] on flat slices of equal length.
+pub fn assert_close_slices(actual: &[f32], expected: &[f32], atol: f32, rtol: f32) {
+    assert_eq!(actual.len(), expected.len(), "assert_close: lengths differ");
+    let mut worst: Option<(usize, f32)> = None; // (index, excess over the allowed error)
+    for (i, (&x, &y)) in actual.iter().zip(expected).enumerate() {
+        let diff = abs_diff(x, y);
+        let excess = if diff.is_nan() {
+            f32::INFINITY
+        } else {
+            diff - (atol + rtol * y.abs())
+        };
+        if excess > 0.0 && worst.is_none_or(|(_, w)| excess > w) {
+            worst = Some((i, excess));
+        }
+    }
+    if let Some((i, _)) = worst {
+        let max_abs = actual
+            .iter()
+            .zip(expected)
+            .map(|(&x, &y)| abs_diff(x, y))
+            .fold(0.0f32, f32::max);
+        panic!(
+            "assert_close failed (atol {atol}, rtol {rtol}): element {i} is {} vs expected {}; \
+             max abs diff {max_abs}",
+            actual[i], expected[i]
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn diffs_and_assert() -> Result<()> {
+        let a = Tensor::from_vec(vec![1.0, 2.0, f32::NEG_INFINITY], &[3])?;
+        let b = Tensor::from_vec(vec![1.0, 2.5, f32::NEG_INFINITY], &[3])?;
+        assert_eq!(max_abs_diff(&a, &b)?, 0.5);
+        assert_eq!(max_rel_diff(&a, &b)?, 0.2);
+        assert_close(&a, &b, 0.5, 0.0);
+        assert!(std::panic::catch_unwind(|| assert_close(&a, &b, 0.1, 0.0)).is_err());
+        Ok(())
+    }
+}

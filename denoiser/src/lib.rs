@@ -1,4 +1,6 @@
-//! The denoiser pool: flow-matching samplers and classifier-free guidance (the Wan transformer,
-//! the parallel wrappers and the denoise loop build on these).
+//! The denoiser pool: the Wan transformer (`model`), flow-matching samplers and CFG (`sampler`),
+//! and the denoise loop on one rank (`denoise`).
 
+pub mod denoise;
+pub mod model;
 pub mod sampler;

@@ -202,6 +202,22 @@ impl Checkpoint {
         })
     }
 
+    /// The stored shape of tensor `name`, if present.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let file = &self.files[*self.index.get(name)?];
+        file.metadata.info(name).map(|info| info.shape.clone())
+    }
+
+    /// The tensor `name` in the shape it is stored in (fixtures and tools; models pass the shape
+    /// their config implies through [`WeightSource::tensor`]).
+    pub fn stored(&self, name: &str, dtype: DType) -> Result<Tensor, WeightsError> {
+        let shape = self.shape(name).ok_or_else(|| WeightsError::Missing {
+            origin: self.origin.clone(),
+            name: name.to_string(),
+        })?;
+        self.tensor(name, &shape, dtype)
+    }
+
     /// Every tensor name in the checkpoint.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.index.keys().map(String::as_str)

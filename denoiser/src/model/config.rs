@@ -1,0 +1,136 @@
+//! The Wan transformer's dimensions: read from a diffusers checkpoint's `transformer/config.json`,
+//! or from a built-in preset.
+
+use std::path::Path;
+
+use ditstream_common::config::Preset;
+use serde::Deserialize;
+
+use super::ModelError;
+
+/// `WanTransformer3DModel`'s config (diffusers names). Keys this code does not read are ignored,
+/// as diffusers itself does; values it cannot run are refused by [`WanConfig::check`].
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct WanConfig {
+    /// Patch size (t, h, w); Wan uses (1, 2, 2).
+    pub patch_size: [usize; 3],
+    /// Attention heads.
+    pub num_attention_heads: usize,
+    /// Head dimension (128 in every Wan model).
+    pub attention_head_dim: usize,
+    /// Latent channels in.
+    pub in_channels: usize,
+    /// Latent channels out.
+    pub out_channels: usize,
+    /// Text-encoder width (4096 for umT5-XXL).
+    pub text_dim: usize,
+    /// Timestep sinusoid width.
+    pub freq_dim: usize,
+    /// Feed-forward width.
+    pub ffn_dim: usize,
+    /// Transformer blocks.
+    pub num_layers: usize,
+    /// Whether cross-attention normalises its input (LayerNorm with affine).
+    #[serde(default = "yes")]
+    pub cross_attn_norm: bool,
+    /// q/k normalisation; only `rms_norm_across_heads` is used by Wan.
+    #[serde(default)]
+    pub qk_norm: Option<String>,
+    /// Epsilon of every norm.
+    #[serde(default = "default_eps")]
+    pub eps: f64,
+    /// Image-conditioning width (I2V checkpoints only).
+    #[serde(default)]
+    pub image_dim: Option<usize>,
+    /// Extra K/V projection width for image tokens (I2V checkpoints only).
+    #[serde(default)]
+    pub added_kv_proj_dim: Option<usize>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_eps() -> f64 {
+    1e-6
+}
+
+impl WanConfig {
+    /// The dimensions of a built-in preset (reference/wan.md §1.1). `tiny` is the embedded
+    /// default: 2 heads of dim 128 (so it runs the real kernels' shapes), 2 layers.
+    pub fn preset(preset: Preset) -> WanConfig {
+        let (heads, layers, ffn, channels, text_dim) = match preset {
+            Preset::Tiny => (2, 2, 256, 16, 64),
+            Preset::Wan21T2v1_3b => (12, 30, 8960, 16, 4096),
+            Preset::Wan21T2v14b | Preset::Wan22T2vA14b => (40, 40, 13824, 16, 4096),
+            Preset::Wan22Ti2v5b => (24, 30, 14336, 48, 4096),
+        };
+        WanConfig {
+            patch_size: [1, 2, 2],
+            num_attention_heads: heads,
+            attention_head_dim: 128,
+            in_channels: channels,
+            out_channels: channels,
+            text_dim,
+            freq_dim: 256,
+            ffn_dim: ffn,
+            num_layers: layers,
+            cross_attn_norm: true,
+            qk_norm: Some("rms_norm_across_heads".to_string()),
+            eps: 1e-6,
+            image_dim: None,
+            added_kv_proj_dim: None,
+        }
+    }
+
+    /// Reads `config.json` from a diffusers transformer folder and checks it.
+    pub fn from_dir(dir: &Path) -> Result<WanConfig, ModelError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::Config {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        let cfg: WanConfig = serde_json::from_str(&text).map_err(|e| ModelError::Config {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        cfg.check()
+            .map_err(|message| ModelError::Config { path, message })?;
+        Ok(cfg)
+    }
+
+    /// Refuses what this implementation cannot run, naming the key.
+    pub fn check(&self) -> Result<(), String> {
+        if self.image_dim.is_some() || self.added_kv_proj_dim.is_some() {
+            return Err("image_dim/added_kv_proj_dim are set: image-to-video checkpoints are not supported yet".into());
+        }
+        if let Some(norm) = &self.qk_norm
+            && norm != "rms_norm_across_heads"
+        {
+            return Err(format!(
+                "qk_norm = {norm:?}: only \"rms_norm_across_heads\" is supported"
+            ));
+        }
+        if self.patch_size[0] != 1 || self.patch_size[1] == 0 || self.patch_size[2] == 0 {
+            return Err(format!(
+                "patch_size = {:?}: must be (1, ph, pw)",
+                self.patch_size
+            ));
+        }
+        if self.attention_head_dim % 2 != 0 || self.attention_head_dim < 6 {
+            return Err(format!(
+                "attention_head_dim = {}: must be even and at least 6 (3-D RoPE)",
+                self.attention_head_dim
+            ));
+        }
+        if self.freq_dim % 2 != 0 {
+            return Err(format!("freq_dim = {}: must be even", self.freq_dim));
+        }
+        Ok(())
+    }
+
+    /// Model width D = heads × head_dim.
+    pub fn dim(&self) -> usize {
+        self.num_attention_heads * self.attention_head_dim
+    }
+}

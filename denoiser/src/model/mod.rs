@@ -1,0 +1,51 @@
+//! The denoiser's model: the Wan 2.x transformer, its config, and how it is loaded.
+
+mod config;
+mod wan;
+
+use std::path::{Path, PathBuf};
+
+use ditstream_kernels::DType;
+use ditstream_kernels::weights::{Checkpoint, WeightsError};
+
+pub use config::WanConfig;
+pub use wan::{Conditioning, LocalAttention, SelfAttention, WanTransformer, timestep_sinusoid};
+
+/// Why the model could not be built or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The checkpoint's `config.json` is unreadable or asks for something unsupported.
+    #[error("{path}: {message}")]
+    Config {
+        /// The config file.
+        path: PathBuf,
+        /// What is wrong, naming the key.
+        message: String,
+    },
+    /// A weight is missing, misshapen or unreadable.
+    #[error(transparent)]
+    Weights(#[from] WeightsError),
+    /// An input breaks the model's shape contract.
+    #[error("{what} shape {value}: {rule}")]
+    Input {
+        /// Which input.
+        what: &'static str,
+        /// Its shape.
+        value: String,
+        /// The rule.
+        rule: String,
+    },
+    /// An op failed (a bug if inputs were checked; carries the op's own message).
+    #[error(transparent)]
+    Kernel(#[from] ditstream_kernels::KernelError),
+}
+
+impl WanTransformer {
+    /// Loads a diffusers `transformer/` folder (`config.json` and
+    /// `diffusion_pytorch_model.safetensors`, sharded or not) in `dtype`.
+    pub fn from_dir(dir: &Path, dtype: DType) -> Result<WanTransformer, ModelError> {
+        let cfg = WanConfig::from_dir(dir)?;
+        let weights = Checkpoint::open_dir(dir, "diffusion_pytorch_model")?;
+        WanTransformer::new(cfg, &weights, dtype)
+    }
+}

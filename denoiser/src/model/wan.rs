@@ -1,0 +1,484 @@
+//! Wan 2.x transformer (diffusers `WanTransformer3DModel`), op by op as reference/wan.md §1 gives
+//! it. Construction walks the checkpoint's tensor names, so the code reads like the checkpoint.
+//!
+//! The forward is split at the two places sequence parallelism needs: [`WanTransformer::embed`]
+//! (patchify, conditioning, RoPE tables) and [`WanTransformer::head`] (final norm and unpatchify)
+//! around the blocks, and the blocks' self-attention goes through a [`SelfAttention`] the caller
+//! chooses, so a parallel wrapper can gather heads or keys without the model knowing.
+
+use ditstream_kernels::weights::WeightSource;
+use ditstream_kernels::{
+    AttentionOptions, DType, Tensor, apply_rope, attention, conv3d, gated_residual, gelu_tanh,
+    layer_norm, linear, modulate, rms_norm, rope_tables_3d, silu,
+};
+
+use super::{ModelError, WanConfig};
+
+/// Wan's RoPE base.
+const ROPE_THETA: f64 = 10_000.0;
+
+/// Runs self-attention for the blocks. The local implementation attends over the tokens it is
+/// given; parallel wrappers exchange shards around an inner attention.
+pub trait SelfAttention {
+    /// q, k, v: [B, S, H, D] (RoPE applied) → out [B, S, H, D].
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor, ModelError>;
+}
+
+/// Self-attention over the local tokens only (single rank), masking keys at or past `kv_len`
+/// (padding tokens of a padded sequence).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LocalAttention {
+    /// Valid keys; `None` means all.
+    pub kv_len: Option<usize>,
+}
+
+impl SelfAttention for LocalAttention {
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor, ModelError> {
+        let options = AttentionOptions {
+            scale: None,
+            kv_len: self.kv_len,
+        };
+        Ok(attention(q, k, v, options)?.0)
+    }
+}
+
+/// A `Linear` layer: weight [out, in], optional bias [out].
+#[derive(Debug, Clone)]
+struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn load(
+        ws: &dyn WeightSource,
+        name: &str,
+        out: usize,
+        inp: usize,
+        dtype: DType,
+    ) -> Result<Linear, ModelError> {
+        Ok(Linear {
+            weight: ws.tensor(&format!("{name}.weight"), &[out, inp], dtype)?,
+            bias: Some(ws.tensor(&format!("{name}.bias"), &[out], dtype)?),
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        Ok(linear(x, &self.weight, self.bias.as_ref())?)
+    }
+}
+
+/// One attention module (`attn1` self, `attn2` cross): q/k/v/out projections and the q/k
+/// RMSNorms across all heads.
+#[derive(Debug, Clone)]
+struct Attention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+    norm_q: Tensor,
+    norm_k: Tensor,
+}
+
+impl Attention {
+    fn load(
+        ws: &dyn WeightSource,
+        name: &str,
+        dim: usize,
+        dtype: DType,
+    ) -> Result<Attention, ModelError> {
+        Ok(Attention {
+            to_q: Linear::load(ws, &format!("{name}.to_q"), dim, dim, dtype)?,
+            to_k: Linear::load(ws, &format!("{name}.to_k"), dim, dim, dtype)?,
+            to_v: Linear::load(ws, &format!("{name}.to_v"), dim, dim, dtype)?,
+            to_out: Linear::load(ws, &format!("{name}.to_out.0"), dim, dim, dtype)?,
+            norm_q: ws.tensor(&format!("{name}.norm_q.weight"), &[dim], dtype)?,
+            norm_k: ws.tensor(&format!("{name}.norm_k.weight"), &[dim], dtype)?,
+        })
+    }
+}
+
+/// One transformer block (`blocks.i`).
+#[derive(Debug, Clone)]
+struct Block {
+    /// [1, 6, D]: shift, scale, gate (self-attention), then shift, scale, gate (FFN).
+    scale_shift_table: Tensor,
+    attn1: Attention,
+    attn2: Attention,
+    /// Cross-attention input norm (`norm2`), LayerNorm with affine, when `cross_attn_norm`.
+    norm2: Option<(Tensor, Tensor)>,
+    ffn_in: Linear,
+    ffn_out: Linear,
+}
+
+/// What every block needs besides the hidden states, computed once per forward by
+/// [`WanTransformer::embed`].
+#[derive(Debug, Clone)]
+pub struct Conditioning {
+    /// Time embedding: [B, D], or [B, L, D] for per-token timesteps.
+    pub temb: Tensor,
+    /// Block modulation input: [B, 6, D], or [B, L, 6, D] for per-token timesteps.
+    pub timestep_proj: Tensor,
+    /// Projected text: [B, S_txt, D].
+    pub context: Tensor,
+    /// RoPE angles for the tokens, [L, head_dim/2] each.
+    pub rope_cos: Tensor,
+    /// See `rope_cos`.
+    pub rope_sin: Tensor,
+    /// Latent token grid (F', H', W') after patchification.
+    pub grid: [usize; 3],
+}
+
+/// The Wan transformer.
+#[derive(Debug, Clone)]
+pub struct WanTransformer {
+    cfg: WanConfig,
+    dtype: DType,
+    /// Conv3d patch embedding as a Linear over flattened patches: [D, C_in·pt·ph·pw].
+    patch_embedding: (Tensor, Tensor),
+    time_embedder: (Linear, Linear),
+    time_proj: Linear,
+    text_embedder: (Linear, Linear),
+    blocks: Vec<Block>,
+    /// [1, 2, D]: shift and scale of the output norm.
+    scale_shift_table: Tensor,
+    proj_out: Linear,
+}
+
+impl WanTransformer {
+    /// Builds the model from `ws` (names as in diffusers' `transformer/` safetensors), in `dtype`.
+    pub fn new(
+        cfg: WanConfig,
+        ws: &dyn WeightSource,
+        dtype: DType,
+    ) -> Result<WanTransformer, ModelError> {
+        cfg.check().map_err(|message| ModelError::Config {
+            path: "<config>".into(),
+            message,
+        })?;
+        let d = cfg.dim();
+        let [pt, ph, pw] = cfg.patch_size;
+        let patch_w = ws.tensor(
+            "patch_embedding.weight",
+            &[d, cfg.in_channels, pt, ph, pw],
+            dtype,
+        )?;
+        let patch_b = ws.tensor("patch_embedding.bias", &[d], dtype)?;
+        let ce = "condition_embedder";
+        let blocks = (0..cfg.num_layers)
+            .map(|i| {
+                let p = format!("blocks.{i}");
+                let norm2 = if cfg.cross_attn_norm {
+                    Some((
+                        ws.tensor(&format!("{p}.norm2.weight"), &[d], dtype)?,
+                        ws.tensor(&format!("{p}.norm2.bias"), &[d], dtype)?,
+                    ))
+                } else {
+                    None
+                };
+                Ok(Block {
+                    scale_shift_table: ws.tensor(
+                        &format!("{p}.scale_shift_table"),
+                        &[1, 6, d],
+                        DType::F32,
+                    )?,
+                    attn1: Attention::load(ws, &format!("{p}.attn1"), d, dtype)?,
+                    attn2: Attention::load(ws, &format!("{p}.attn2"), d, dtype)?,
+                    norm2,
+                    ffn_in: Linear::load(
+                        ws,
+                        &format!("{p}.ffn.net.0.proj"),
+                        cfg.ffn_dim,
+                        d,
+                        dtype,
+                    )?,
+                    ffn_out: Linear::load(ws, &format!("{p}.ffn.net.2"), d, cfg.ffn_dim, dtype)?,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let out_features = cfg.out_channels * pt * ph * pw;
+        Ok(WanTransformer {
+            patch_embedding: (patch_w, patch_b),
+            // The time embedder stays in f32, as diffusers keeps it (`_keep_in_fp32_modules`).
+            time_embedder: (
+                Linear::load(
+                    ws,
+                    &format!("{ce}.time_embedder.linear_1"),
+                    d,
+                    cfg.freq_dim,
+                    DType::F32,
+                )?,
+                Linear::load(
+                    ws,
+                    &format!("{ce}.time_embedder.linear_2"),
+                    d,
+                    d,
+                    DType::F32,
+                )?,
+            ),
+            time_proj: Linear::load(ws, &format!("{ce}.time_proj"), 6 * d, d, dtype)?,
+            text_embedder: (
+                Linear::load(
+                    ws,
+                    &format!("{ce}.text_embedder.linear_1"),
+                    d,
+                    cfg.text_dim,
+                    dtype,
+                )?,
+                Linear::load(ws, &format!("{ce}.text_embedder.linear_2"), d, d, dtype)?,
+            ),
+            blocks,
+            scale_shift_table: ws.tensor("scale_shift_table", &[1, 2, d], DType::F32)?,
+            proj_out: Linear::load(ws, "proj_out", out_features, d, dtype)?,
+            cfg,
+            dtype,
+        })
+    }
+
+    /// The model's dimensions.
+    pub fn config(&self) -> &WanConfig {
+        &self.cfg
+    }
+
+    /// Full forward on one rank: x [B, C_in, T, H, W], timestep [B] (or [B, L] per token),
+    /// context [B, S_txt, text_dim] → velocity [B, C_out, T, H, W].
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        timestep: &Tensor,
+        context: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let (tokens, cond) = self.embed(x, timestep, context)?;
+        let mut h = tokens;
+        for i in 0..self.blocks.len() {
+            h = self.block(
+                i,
+                &h,
+                &cond,
+                &cond.rope_cos,
+                &cond.rope_sin,
+                &cond.timestep_proj,
+                &LocalAttention::default(),
+            )?;
+        }
+        self.head(&h, &cond.temb, cond.grid)
+    }
+
+    /// Patchify and condition: → tokens [B, L, D] (token index (f·H' + h)·W' + w) and the
+    /// [`Conditioning`] every block reads.
+    pub fn embed(
+        &self,
+        x: &Tensor,
+        timestep: &Tensor,
+        context: &Tensor,
+    ) -> Result<(Tensor, Conditioning), ModelError> {
+        let cfg = &self.cfg;
+        let d = cfg.dim();
+        let s = x.shape();
+        let [pt, ph, pw] = cfg.patch_size;
+        if s.len() != 5
+            || s[1] != cfg.in_channels
+            || s[2] % pt != 0
+            || s[3] % ph != 0
+            || s[4] % pw != 0
+        {
+            return Err(ModelError::Input {
+                what: "latent",
+                value: format!("{s:?}"),
+                rule: format!(
+                    "must be [B, {}, T, H, W] with H divisible by {ph} and W by {pw}",
+                    cfg.in_channels
+                ),
+            });
+        }
+        let b = s[0];
+        let grid = [s[2] / pt, s[3] / ph, s[4] / pw];
+        let l = grid.iter().product::<usize>();
+        let c = context.shape();
+        if c.len() != 3 || c[0] != b || c[2] != cfg.text_dim {
+            return Err(ModelError::Input {
+                what: "context",
+                value: format!("{c:?}"),
+                rule: format!("must be [{b}, S_txt, {}]", cfg.text_dim),
+            });
+        }
+        let per_token = match timestep.shape() {
+            [tb] if *tb == b => false,
+            [tb, tl] if *tb == b && *tl == l => true,
+            other => {
+                return Err(ModelError::Input {
+                    what: "timestep",
+                    value: format!("{other:?}"),
+                    rule: format!("must be [{b}] or [{b}, {l}] (per token)"),
+                });
+            }
+        };
+
+        // Patch embedding: Conv3d with kernel = stride = patch, then [B, D, F', H', W'] → [B, L, D].
+        let (pw_, pb) = &self.patch_embedding;
+        let x = x.to_dtype(self.dtype)?;
+        let patches = conv3d(&x, pw_, Some(pb), cfg.patch_size, [0, 0, 0])?;
+        let tokens = patches.reshape(&[b, d, l])?.permute(&[0, 2, 1])?;
+
+        // Timestep sinusoid (f32), then the time MLP in f32; its output feeds the projections.
+        let t_flat = timestep.reshape(&[timestep.numel()])?.to_vec_f32()?;
+        let sinusoid = Tensor::from_vec(
+            timestep_sinusoid(&t_flat, cfg.freq_dim),
+            &[t_flat.len(), cfg.freq_dim],
+        )?;
+        let (l1, l2) = &self.time_embedder;
+        let temb = l2.forward(&silu(&l1.forward(&sinusoid)?)?)?;
+        let tproj = self
+            .time_proj
+            .forward(&silu(&temb.to_dtype(self.dtype)?)?)?;
+        let (temb, timestep_proj) = if per_token {
+            (temb.reshape(&[b, l, d])?, tproj.reshape(&[b, l, 6, d])?)
+        } else {
+            (temb.reshape(&[b, d])?, tproj.reshape(&[b, 6, d])?)
+        };
+
+        let (t1, t2) = &self.text_embedder;
+        let context = t2.forward(&gelu_tanh(&t1.forward(&context.to_dtype(self.dtype)?)?)?)?;
+        let (rope_cos, rope_sin) =
+            rope_tables_3d(grid, cfg.attention_head_dim, ROPE_THETA, x.device())?;
+        Ok((
+            tokens,
+            Conditioning {
+                temb,
+                timestep_proj,
+                context,
+                rope_cos,
+                rope_sin,
+                grid,
+            },
+        ))
+    }
+
+    /// Number of blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Block `i` on the tokens `x` [B, L_local, D]. `rope_cos`/`rope_sin` [L_local, hd/2] and
+    /// `timestep_proj` ([B, 6, D], or [B, L_local, 6, D]) must be sliced to the same tokens;
+    /// `attn` decides which keys the self-attention sees.
+    #[allow(clippy::too_many_arguments)]
+    pub fn block(
+        &self,
+        i: usize,
+        x: &Tensor,
+        cond: &Conditioning,
+        rope_cos: &Tensor,
+        rope_sin: &Tensor,
+        timestep_proj: &Tensor,
+        attn: &dyn SelfAttention,
+    ) -> Result<Tensor, ModelError> {
+        let blk = &self.blocks[i];
+        let cfg = &self.cfg;
+        let (d, heads, hd) = (cfg.dim(), cfg.num_attention_heads, cfg.attention_head_dim);
+        let eps = cfg.eps as f32;
+        let (b, l) = (x.shape()[0], x.shape()[1]);
+
+        // Modulation rows m0..m5 in f32: table [1, 6, D] + projection.
+        let m: Vec<Tensor> = if timestep_proj.rank() == 4 {
+            let table = blk.scale_shift_table.reshape(&[1, 1, 6, d])?;
+            let sum = ditstream_kernels::add(&timestep_proj.to_dtype(DType::F32)?, &table)?;
+            (0..6)
+                .map(|j| sum.narrow(2, j, 1)?.reshape(&[b, l, d]))
+                .collect::<Result<_, _>>()?
+        } else {
+            let sum = ditstream_kernels::add(
+                &timestep_proj.to_dtype(DType::F32)?,
+                &blk.scale_shift_table,
+            )?;
+            (0..6)
+                .map(|j| sum.narrow(1, j, 1))
+                .collect::<Result<_, _>>()?
+        };
+
+        // Self-attention: h = LN(x)·(1 + m1) + m0; q/k RMSNorm across heads, RoPE, attention.
+        let h = modulate(&layer_norm(x, None, None, eps)?, &m[0], &m[1])?;
+        let a = &blk.attn1;
+        let q = rms_norm(&a.to_q.forward(&h)?, &a.norm_q, eps)?.reshape(&[b, l, heads, hd])?;
+        let k = rms_norm(&a.to_k.forward(&h)?, &a.norm_k, eps)?.reshape(&[b, l, heads, hd])?;
+        let v = a.to_v.forward(&h)?.reshape(&[b, l, heads, hd])?;
+        let q = apply_rope(&q, rope_cos, rope_sin)?;
+        let k = apply_rope(&k, rope_cos, rope_sin)?;
+        let o = attn.attend(&q, &k, &v)?.reshape(&[b, l, d])?;
+        let x = gated_residual(x, &a.to_out.forward(&o)?, &m[2])?;
+
+        // Cross-attention to the text: no RoPE, no mask, no gate.
+        let h = match &blk.norm2 {
+            Some((w, bias)) => layer_norm(&x, Some(w), Some(bias), eps)?,
+            None => x.clone(),
+        };
+        let a = &blk.attn2;
+        let s_txt = cond.context.shape()[1];
+        let q = rms_norm(&a.to_q.forward(&h)?, &a.norm_q, eps)?.reshape(&[b, l, heads, hd])?;
+        let k = rms_norm(&a.to_k.forward(&cond.context)?, &a.norm_k, eps)?
+            .reshape(&[b, s_txt, heads, hd])?;
+        let v = a
+            .to_v
+            .forward(&cond.context)?
+            .reshape(&[b, s_txt, heads, hd])?;
+        let o = attention(&q, &k, &v, AttentionOptions::default())?
+            .0
+            .reshape(&[b, l, d])?;
+        let x = ditstream_kernels::add(&x, &a.to_out.forward(&o)?)?;
+
+        // Feed-forward: h = LN(x)·(1 + m4) + m3; x + W2·GELU(W1·h)·m5.
+        let h = modulate(&layer_norm(&x, None, None, eps)?, &m[3], &m[4])?;
+        let f = blk.ffn_out.forward(&gelu_tanh(&blk.ffn_in.forward(&h)?)?)?;
+        Ok(gated_residual(&x, &f, &m[5])?)
+    }
+
+    /// Output norm, projection and unpatchify: tokens [B, L, D] (all of them, in order) and temb
+    /// ([B, D] or [B, L, D]) → [B, C_out, T, H, W].
+    pub fn head(&self, x: &Tensor, temb: &Tensor, grid: [usize; 3]) -> Result<Tensor, ModelError> {
+        let cfg = &self.cfg;
+        let d = cfg.dim();
+        let (b, l) = (x.shape()[0], x.shape()[1]);
+        // shift, scale = table [1, 2, D] + temb, per sample or per token.
+        let (shift, scale) = if temb.rank() == 3 {
+            let sum = ditstream_kernels::add(
+                &temb.to_dtype(DType::F32)?.reshape(&[b, l, 1, d])?,
+                &self.scale_shift_table.reshape(&[1, 1, 2, d])?,
+            )?;
+            (
+                sum.narrow(2, 0, 1)?.reshape(&[b, l, d])?,
+                sum.narrow(2, 1, 1)?.reshape(&[b, l, d])?,
+            )
+        } else {
+            let sum = ditstream_kernels::add(
+                &temb.to_dtype(DType::F32)?.reshape(&[b, 1, d])?,
+                &self.scale_shift_table,
+            )?;
+            (sum.narrow(1, 0, 1)?, sum.narrow(1, 1, 1)?)
+        };
+        let h = modulate(&layer_norm(x, None, None, cfg.eps as f32)?, &shift, &scale)?;
+        let out = self.proj_out.forward(&h)?;
+        // [B, F', H', W', pt, ph, pw, C] → [B, C, F', pt, H', ph, W', pw] → [B, C, T, H, W].
+        let [pt, ph, pw] = cfg.patch_size;
+        let [f, hh, ww] = grid;
+        let c = cfg.out_channels;
+        let out = out
+            .reshape(&[b, f, hh, ww, pt, ph, pw, c])?
+            .permute(&[0, 7, 1, 4, 2, 5, 3, 6])?;
+        Ok(out.reshape(&[b, c, f * pt, hh * ph, ww * pw])?)
+    }
+}
+
+/// Diffusers' `Timesteps(flip_sin_to_cos=True, downscale_freq_shift=0)` in f32:
+/// ω_j = exp(−ln(10⁴)·j/half), e = [cos(t·ω) ‖ sin(t·ω)] per timestep → [N, dim] row-major.
+pub fn timestep_sinusoid(timesteps: &[f32], dim: usize) -> Vec<f32> {
+    let half = dim / 2;
+    let freqs: Vec<f32> = (0..half)
+        .map(|j| (-(10_000f32.ln()) * j as f32 / half as f32).exp())
+        .collect();
+    let mut out = Vec::with_capacity(timesteps.len() * dim);
+    for &t in timesteps {
+        out.extend(freqs.iter().map(|w| (t * w).cos()));
+        out.extend(freqs.iter().map(|w| (t * w).sin()));
+    }
+    out
+}

@@ -1,5 +1,7 @@
 //! Pieces every ditstream pool shares: the YAML config and its validation, the device mesh,
 //! collectives over mesh groups (CPU threads and NCCL), rendezvous, and tracing setup.
 
+pub mod collectives;
 pub mod config;
 pub mod mesh;
+pub mod rendezvous;

@@ -1,0 +1,1067 @@
+//! The NCCL collective backend (feature `cuda`), through cudarc's `nccl` and `driver` layers:
+//! one thread per GPU, one rank per thread.
+//!
+//! Start-up: one rank makes an [`NcclId`] and shares it (in-process: [`NcclWorld::run_local`]
+//! does it all; across processes: through [`crate::rendezvous`]); each rank calls
+//! [`NcclWorld::init`] (`ncclCommInitRank`) with its device; [`CommWorld::split`]
+//! (`ncclCommSplit`, collective over the world) makes one [`NcclComm`] per mesh group.
+//!
+//! Streams: every communicator of a rank runs on that rank's single communication stream
+//! ([`NcclWorld::stream`]); one stream per rank keeps the ranks' NCCL calls in one order, which
+//! is what avoids cross-communicator deadlocks, and makes buffers from [`Communicator::alloc`]
+//! safe to use on any communicator of the rank. Event tracking is off on the context
+//! (`disable_event_tracking`): buffers written on *another* stream must be complete (or ordered
+//! by an event) before they are passed here.
+//!
+//! No hangs: after enqueueing, every operation polls `cuStreamQuery` and
+//! `ncclCommGetAsyncError` until the stream is done, an error appears, or the timeout passes;
+//! then it calls `ncclCommAbort` and returns an error (the communicator is unusable afterwards,
+//! and the peers' own operations time out or fail the same way). Initialisation and splits,
+//! which block inside NCCL until every rank arrives, run on a helper thread that is abandoned
+//! on timeout. A missing `libcuda`/`libnccl` is an error ([`probe`]), not a panic.
+
+use std::cell::RefCell;
+use std::ffi::{CStr, c_void};
+use std::marker::PhantomData;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::{self as cu, CUresult};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::nccl::result as nccl_result;
+use cudarc::nccl::sys::{self as nccl, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t};
+
+use super::{
+    CollectiveError, CommWorld, Communicator, DEFAULT_TIMEOUT, DType, Element, Pending, ReduceOp,
+    Result, check, locate_in_groups, prefix_offsets,
+};
+
+/// `NCCL_SPLIT_NOCOLOR` from nccl.h: the rank joins no new communicator.
+const NCCL_SPLIT_NOCOLOR: i32 = -1;
+
+/// Checks that the CUDA driver library and NCCL can be loaded (cudarc would panic on first use
+/// otherwise). Cheap; call it before anything else CUDA.
+pub fn probe() -> Result<()> {
+    // SAFETY: is_culib_present only tries to dlopen the candidate names and drops the handles.
+    if !unsafe { cu::is_culib_present() } {
+        return Err(CollectiveError::LibraryMissing {
+            library: "libcuda.so",
+            detail: format!("tried {:?}", cudarc::get_lib_name_candidates("cuda")),
+        });
+    }
+    // SAFETY: as above.
+    if !unsafe { nccl::is_culib_present() } {
+        return Err(CollectiveError::LibraryMissing {
+            library: "libnccl.so",
+            detail: format!(
+                "tried {:?}; cudarc never tries libnccl.so.2, symlink it as libnccl.so",
+                cudarc::get_lib_name_candidates("nccl")
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Number of visible CUDA devices (0 when the driver loads but sees none).
+pub fn device_count() -> Result<usize> {
+    probe()?;
+    let n = catch("cuDeviceGetCount", CudaContext::device_count)?
+        .map_err(|e| cuda_err("cuDeviceGetCount", e))?;
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// Runs `f`, turning a panic inside cudarc (a missing symbol in an old library) into an error.
+fn catch<R>(call: &'static str, f: impl FnOnce() -> R) -> Result<R> {
+    std::panic::catch_unwind(AssertUnwindSafe(f)).map_err(|p| CollectiveError::Cuda {
+        call,
+        detail: format!(
+            "panicked in cudarc: {}",
+            p.downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_string()))
+                .unwrap_or_default()
+        ),
+    })
+}
+
+fn cuda_err(call: &'static str, e: impl std::fmt::Debug) -> CollectiveError {
+    CollectiveError::Cuda {
+        call,
+        detail: format!("{e:?}"),
+    }
+}
+
+/// NCCL's name and message for a result code, plus the communicator's last error text.
+fn nccl_detail(code: ncclResult_t, comm: Option<ncclComm_t>) -> String {
+    // SAFETY: ncclGetErrorString returns a static C string for any code.
+    let what = unsafe { CStr::from_ptr(nccl::ncclGetErrorString(code)) }.to_string_lossy();
+    // SAFETY: ncclGetLastError accepts any communicator (or null) and returns a C string owned
+    // by NCCL, valid until the next NCCL call on this thread; we copy it at once.
+    let last = unsafe {
+        let p = nccl::ncclGetLastError(comm.unwrap_or(std::ptr::null_mut()));
+        if p.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    };
+    if last.is_empty() {
+        format!("{code:?} ({what})")
+    } else {
+        format!("{code:?} ({what}): {last}")
+    }
+}
+
+fn dtype(d: DType) -> ncclDataType_t {
+    match d {
+        DType::F32 => ncclDataType_t::ncclFloat32,
+        DType::Bf16 => ncclDataType_t::ncclBfloat16,
+        DType::F16 => ncclDataType_t::ncclFloat16,
+        DType::F64 => ncclDataType_t::ncclFloat64,
+        DType::I32 => ncclDataType_t::ncclInt32,
+        DType::I64 => ncclDataType_t::ncclInt64,
+        DType::U8 => ncclDataType_t::ncclUint8,
+    }
+}
+
+fn red_op(op: ReduceOp) -> ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => ncclRedOp_t::ncclSum,
+        ReduceOp::Max => ncclRedOp_t::ncclMax,
+        ReduceOp::Min => ncclRedOp_t::ncclMin,
+    }
+}
+
+/// The 128-byte NCCL unique id rank 0 makes and every rank needs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct NcclId([u8; 128]);
+
+impl std::fmt::Debug for NcclId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclId({:02x?}…)", &self.0[..8])
+    }
+}
+
+impl NcclId {
+    /// A fresh id (`ncclGetUniqueId`); call on one rank only.
+    pub fn new() -> Result<Self> {
+        probe()?;
+        let id = catch("ncclGetUniqueId", nccl_result::get_uniqueid)?.map_err(|e| {
+            CollectiveError::Nccl {
+                call: "ncclGetUniqueId",
+                ranks: vec![],
+                detail: nccl_detail(e.0, None),
+            }
+        })?;
+        Ok(Self(id.internal.map(|c| c as u8)))
+    }
+
+    /// The id's bytes, to send to the other ranks.
+    pub fn as_bytes(&self) -> &[u8; 128] {
+        &self.0
+    }
+
+    /// An id received from rank 0; `bytes` must be exactly 128 bytes.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let arr: [u8; 128] = bytes
+            .try_into()
+            .map_err(|_| CollectiveError::LengthMismatch {
+                op: "NcclId::from_bytes",
+                what: "id",
+                expected: 128,
+                actual: bytes.len(),
+            })?;
+        Ok(Self(arr))
+    }
+
+    fn raw(&self) -> nccl::ncclUniqueId {
+        nccl::ncclUniqueId {
+            internal: self.0.map(|b| b as std::ffi::c_char),
+        }
+    }
+}
+
+/// A raw communicator handle that may cross to the helper thread running a blocking NCCL call.
+struct SendComm(ncclComm_t);
+// SAFETY: NCCL communicators are not tied to a thread; the handle is used by one thread at a
+// time (the owner waits while the helper runs).
+unsafe impl Send for SendComm {}
+
+/// Runs a blocking NCCL start-up call on a helper thread bound to `ctx`, waiting at most
+/// `timeout`. On timeout the helper is abandoned (it stays blocked inside NCCL).
+fn blocking_with_timeout(
+    call: &'static str,
+    ranks: &[usize],
+    ctx: &Arc<CudaContext>,
+    timeout: Duration,
+    f: impl FnOnce() -> std::result::Result<SendComm, String> + Send + 'static,
+) -> Result<ncclComm_t> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let ctx = ctx.clone();
+    std::thread::Builder::new()
+        .name(format!("nccl-{call}"))
+        .spawn(move || {
+            let out = match ctx.bind_to_thread() {
+                Ok(()) => std::panic::catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+                    Err("panicked inside cudarc/NCCL (missing symbol?)".into())
+                }),
+                Err(e) => Err(format!("binding the CUDA context: {e:?}")),
+            };
+            // The receiver may have given up (timeout); nothing to do then.
+            let _ = tx.send(out);
+        })
+        .map_err(|e| cuda_err(call, e))?;
+    match rx.recv_timeout(timeout) {
+        Ok(Ok(comm)) => Ok(comm.0),
+        Ok(Err(detail)) => Err(CollectiveError::Nccl {
+            call,
+            ranks: ranks.to_vec(),
+            detail,
+        }),
+        Err(_) => Err(CollectiveError::Timeout {
+            op: call,
+            ranks: ranks.to_vec(),
+            group_rank: usize::MAX,
+            after: timeout,
+        }),
+    }
+}
+
+/// A rank's handle on the NCCL world: its device context, its communication stream and the
+/// world communicator that groups are split from.
+#[derive(Debug)]
+pub struct NcclWorld {
+    rank: usize,
+    world_size: usize,
+    stream: Arc<CudaStream>,
+    comm: ncclComm_t,
+    timeout: Duration,
+    /// Set when a blocking call on `comm` was abandoned: the handle may still be in use by the
+    /// abandoned helper thread, so it is neither used nor aborted again.
+    abandoned: RefCell<Option<String>>,
+}
+
+impl NcclWorld {
+    /// Joins the world as `rank` of `world_size` on CUDA device `device` (`ncclCommInitRank`,
+    /// ~0.5 s; blocks until every rank has joined or `timeout` passes).
+    pub fn init(
+        device: usize,
+        rank: usize,
+        world_size: usize,
+        id: &NcclId,
+        timeout: Duration,
+    ) -> Result<Self> {
+        probe()?;
+        if rank >= world_size {
+            return Err(CollectiveError::RankOutOfRange {
+                rank,
+                ranks: (0..world_size).collect(),
+                world_size,
+            });
+        }
+        let ctx = catch("cuCtxCreate", || CudaContext::new(device))?
+            .map_err(|e| cuda_err("CudaContext::new", e))?;
+        // SAFETY: this backend orders its own work on one stream per rank and every operation
+        // completes before returning; the module docs tell callers to order foreign streams.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_err("cuStreamCreate", e))?;
+        let raw_id = id.raw();
+        let (n, r) = (world_size as i32, rank as i32);
+        let world: Vec<usize> = (0..world_size).collect();
+        let comm = blocking_with_timeout("ncclCommInitRank", &world, &ctx, timeout, move || {
+            let mut comm = std::mem::MaybeUninit::<ncclComm_t>::uninit();
+            // SAFETY: `comm` is a valid out-pointer; NCCL writes the handle on success.
+            match unsafe { nccl_result::comm_init_rank(comm.as_mut_ptr(), n, raw_id, r) } {
+                // SAFETY: success means NCCL initialised `comm`.
+                Ok(_) => Ok(SendComm(unsafe { comm.assume_init() })),
+                Err(e) => Err(nccl_detail(e.0, None)),
+            }
+        })?;
+        tracing::info!(rank, world_size, device, "NCCL world communicator ready");
+        Ok(Self {
+            rank,
+            world_size,
+            stream,
+            comm,
+            timeout,
+            abandoned: RefCell::new(None),
+        })
+    }
+
+    /// Runs `f` on `n_gpus` local GPUs, one thread per GPU (rank = device index), each with its
+    /// own [`NcclWorld`]; results in rank order, `Err(message)` for a rank whose start-up failed
+    /// or that panicked. Fails early if NCCL/CUDA are missing or fewer GPUs are visible.
+    pub fn run_local<R, F>(
+        n_gpus: usize,
+        timeout: Duration,
+        f: F,
+    ) -> Result<Vec<std::result::Result<R, String>>>
+    where
+        R: Send,
+        F: Fn(NcclWorld) -> R + Sync,
+    {
+        let found = device_count()?;
+        if found < n_gpus {
+            return Err(CollectiveError::NotEnoughDevices {
+                wanted: n_gpus,
+                found,
+            });
+        }
+        let id = NcclId::new()?;
+        let f = &f;
+        Ok(std::thread::scope(|s| {
+            let handles: Vec<_> = (0..n_gpus)
+                .map(|rank| {
+                    std::thread::Builder::new()
+                        .name(format!("gpu-rank-{rank}"))
+                        .spawn_scoped(s, move || {
+                            NcclWorld::init(rank, rank, n_gpus, &id, timeout)
+                                .map(f)
+                                .map_err(|e| e.to_string())
+                        })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| match h {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|_| Err("rank thread panicked".into())),
+                    Err(e) => Err(format!("could not spawn rank thread: {e}")),
+                })
+                .collect()
+        }))
+    }
+
+    /// The default timeout, for callers of [`NcclWorld::init`].
+    pub fn default_timeout() -> Duration {
+        DEFAULT_TIMEOUT
+    }
+
+    /// This rank's communication stream (every communicator of this rank uses it).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// This rank's CUDA context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.stream.context()
+    }
+}
+
+impl Drop for NcclWorld {
+    fn drop(&mut self) {
+        if self.abandoned.borrow().is_some() {
+            return; // an abandoned helper thread may still be inside NCCL with this handle
+        }
+        release(self.comm, self.context(), self.timeout, &[]);
+    }
+}
+
+/// Frees a healthy communicator: `ncclCommDestroy` (which finalizes, so peers still using
+/// shared buffers are not cut off) on a helper thread, waited for at most `timeout`; a peer
+/// that has vanished can make it block, and then it is abandoned with a warning.
+fn release(comm: ncclComm_t, ctx: &Arc<CudaContext>, timeout: Duration, ranks: &[usize]) {
+    let handle = SendComm(comm);
+    let out = blocking_with_timeout("ncclCommDestroy", ranks, ctx, timeout, move || {
+        let handle = handle;
+        // SAFETY: the owner is being dropped and never touches the handle again.
+        match unsafe { nccl_result::comm_destroy(handle.0) } {
+            Ok(_) => Ok(SendComm(std::ptr::null_mut())),
+            Err(e) => Err(nccl_detail(e.0, None)),
+        }
+    });
+    if let Err(e) = out {
+        tracing::warn!(error = %e, "releasing an NCCL communicator failed");
+    }
+}
+
+impl CommWorld for NcclWorld {
+    type Comm = NcclComm;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn split(&self, groups: &[Vec<usize>]) -> Result<Option<NcclComm>> {
+        let world: Vec<usize> = (0..self.world_size).collect();
+        if let Some(reason) = self.abandoned.borrow().as_ref() {
+            return Err(CollectiveError::Poisoned {
+                ranks: world,
+                reason: reason.clone(),
+            });
+        }
+        let place = locate_in_groups(groups, self.rank, self.world_size)?;
+        let (color, key) = match place {
+            Some((gi, pos)) => (gi as i32, pos as i32),
+            None => (NCCL_SPLIT_NOCOLOR, 0),
+        };
+        let parent = SendComm(self.comm);
+        let result = blocking_with_timeout(
+            "ncclCommSplit",
+            &world,
+            self.context(),
+            self.timeout,
+            move || {
+                let parent = parent;
+                let mut child: ncclComm_t = std::ptr::null_mut();
+                // SAFETY: `parent` is a live communicator (the owner waits for us); `child` is a valid
+                // out-pointer; a null config inherits the parent's (no struct-version mismatch
+                // between cudarc's bindings and the loaded NCCL).
+                let code = unsafe {
+                    nccl::ncclCommSplit(parent.0, color, key, &mut child, std::ptr::null_mut())
+                };
+                match code {
+                    ncclResult_t::ncclSuccess => Ok(SendComm(child)),
+                    e => Err(nccl_detail(e, Some(parent.0))),
+                }
+            },
+        );
+        let child = match result {
+            Ok(c) => c,
+            Err(e) => {
+                if matches!(e, CollectiveError::Timeout { .. }) {
+                    *self.abandoned.borrow_mut() = Some(format!("ncclCommSplit timed out: {e}"));
+                }
+                return Err(e);
+            }
+        };
+        let Some((gi, pos)) = place else {
+            return Ok(None);
+        };
+        let barrier = self
+            .stream
+            .alloc_zeros::<f32>(1)
+            .map_err(|e| cuda_err("cuMemAlloc", e))?;
+        tracing::debug!(rank = self.rank, ranks = ?groups[gi], group_rank = pos, "NCCL group communicator ready");
+        Ok(Some(NcclComm {
+            comm: child,
+            ranks: groups[gi].clone(),
+            rank: pos,
+            stream: self.stream.clone(),
+            timeout: self.timeout,
+            broken: RefCell::new(None),
+            barrier_buf: RefCell::new(barrier),
+        }))
+    }
+}
+
+/// A communicator of the NCCL backend over one group. `Buf<T>` is `CudaSlice<T>` (allocate it
+/// with [`Communicator::alloc`] or on [`NcclComm::stream`]).
+#[derive(Debug)]
+pub struct NcclComm {
+    comm: ncclComm_t,
+    ranks: Vec<usize>,
+    rank: usize,
+    stream: Arc<CudaStream>,
+    timeout: Duration,
+    /// Why the communicator was aborted, once it has been.
+    broken: RefCell<Option<String>>,
+    barrier_buf: RefCell<CudaSlice<f32>>,
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        if self.broken.borrow().is_some() {
+            return; // already aborted
+        }
+        if let Err(e) = self.sync("drop") {
+            self.abort(format!(
+                "work still pending when the communicator was dropped: {e}"
+            ));
+            return;
+        }
+        release(self.comm, self.stream.context(), self.timeout, &self.ranks);
+    }
+}
+
+impl NcclComm {
+    /// The stream this communicator's work runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn ensure_usable(&self) -> Result<()> {
+        match self.broken.borrow().as_ref() {
+            Some(reason) => Err(CollectiveError::Poisoned {
+                ranks: self.ranks.clone(),
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Aborts the communicator (unblocking any kernel waiting on a peer) and remembers why.
+    fn abort(&self, reason: String) {
+        if self.broken.borrow().is_some() {
+            return;
+        }
+        tracing::error!(ranks = ?self.ranks, group_rank = self.rank, %reason, "aborting NCCL communicator");
+        // SAFETY: `comm` is live (not yet aborted, checked above).
+        if let Err(e) = unsafe { nccl_result::comm_abort(self.comm) } {
+            tracing::warn!(detail = nccl_detail(e.0, None), "ncclCommAbort failed");
+        }
+        *self.broken.borrow_mut() = Some(reason);
+    }
+
+    /// Runs an operation: refuses on an aborted communicator, aborts on any failure.
+    fn guarded(&self, op: &'static str, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        self.ensure_usable()?;
+        let out = f();
+        if let Err(e) = &out {
+            self.abort(format!("group rank {} failed in {op}: {e}", self.rank));
+        }
+        out
+    }
+
+    fn nccl(
+        &self,
+        call: &'static str,
+        r: std::result::Result<nccl_result::NcclStatus, nccl_result::NcclError>,
+    ) -> Result<()> {
+        r.map(|_| ()).map_err(|e| CollectiveError::Nccl {
+            call,
+            ranks: self.ranks.clone(),
+            detail: nccl_detail(e.0, Some(self.comm)),
+        })
+    }
+
+    fn cu(&self, call: &'static str, code: CUresult) -> Result<()> {
+        match code {
+            CUresult::CUDA_SUCCESS => Ok(()),
+            e => Err(cuda_err(call, e)),
+        }
+    }
+
+    fn raw_stream(&self) -> nccl::cudaStream_t {
+        self.stream.cu_stream() as nccl::cudaStream_t
+    }
+
+    /// Waits until everything enqueued on the stream is done, polling for NCCL errors and the
+    /// deadline. Spins briefly first (collectives take ~1 ms; a sleep would distort them), then
+    /// backs off to short sleeps.
+    fn sync(&self, op: &'static str) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        let mut polls: u32 = 0;
+        loop {
+            // SAFETY: the stream handle is valid while `self.stream` lives.
+            match unsafe { cu::cuStreamQuery(self.stream.cu_stream()) } {
+                CUresult::CUDA_SUCCESS => return Ok(()),
+                CUresult::CUDA_ERROR_NOT_READY => {}
+                e => return Err(cuda_err("cuStreamQuery", e)),
+            }
+            if polls & 63 == 0 {
+                let mut async_err = ncclResult_t::ncclSuccess;
+                // SAFETY: `comm` is live; `async_err` is a valid out-pointer.
+                let code = unsafe { nccl::ncclCommGetAsyncError(self.comm, &mut async_err) };
+                let bad = [code, async_err].into_iter().find(|c| {
+                    !matches!(c, ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress)
+                });
+                if let Some(c) = bad {
+                    return Err(CollectiveError::Nccl {
+                        call: "ncclCommGetAsyncError",
+                        ranks: self.ranks.clone(),
+                        detail: nccl_detail(c, Some(self.comm)),
+                    });
+                }
+                if Instant::now() >= deadline {
+                    return Err(CollectiveError::Timeout {
+                        op,
+                        ranks: self.ranks.clone(),
+                        group_rank: self.rank,
+                        after: self.timeout,
+                    });
+                }
+            }
+            polls = polls.wrapping_add(1);
+            if polls < 20_000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    /// Grouped point-to-point transfers: (send ptr, count, peer) and (recv ptr, count, peer).
+    fn grouped_p2p(
+        &self,
+        dt: ncclDataType_t,
+        sends: &[(u64, usize, usize)],
+        recvs: &[(u64, usize, usize)],
+    ) -> Result<()> {
+        self.nccl("ncclGroupStart", nccl_result::group_start())?;
+        let mut first_err = Ok(());
+        for &(ptr, count, peer) in sends {
+            if count == 0 {
+                continue;
+            }
+            // SAFETY: `ptr` points at `count` live elements of type `dt` on this rank's device,
+            // kept alive by the caller's borrow until the operation completes (synced or waited).
+            let r = unsafe {
+                nccl_result::send(
+                    ptr as *const c_void,
+                    count,
+                    dt,
+                    peer as i32,
+                    self.comm,
+                    self.raw_stream(),
+                )
+            };
+            if first_err.is_ok() {
+                first_err = self.nccl("ncclSend", r);
+            }
+        }
+        for &(ptr, count, peer) in recvs {
+            if count == 0 {
+                continue;
+            }
+            // SAFETY: as above, for a buffer the caller borrows mutably.
+            let r = unsafe {
+                nccl_result::recv(
+                    ptr as *mut c_void,
+                    count,
+                    dt,
+                    peer as i32,
+                    self.comm,
+                    self.raw_stream(),
+                )
+            };
+            if first_err.is_ok() {
+                first_err = self.nccl("ncclRecv", r);
+            }
+        }
+        // The group must be closed even after an error, or NCCL's group state leaks into the
+        // next call on this thread.
+        let end = self.nccl("ncclGroupEnd", nccl_result::group_end());
+        first_err.and(end)
+    }
+
+    /// A zero-length buffer (an uneven last shard can be empty). The driver refuses 0-byte
+    /// allocations, so this allocates one element and hands it out with length 0; dropping the
+    /// slice frees it as usual.
+    fn empty<T: Element>(&self) -> Result<CudaSlice<T>> {
+        let one = self
+            .stream
+            .alloc_zeros::<T>(1)
+            .map_err(|e| cuda_err("cuMemAllocAsync", e))?;
+        let ptr = one.leak();
+        // SAFETY: `ptr` was just allocated on this stream for one T and leaked, so the new slice
+        // is its only owner; with length 0 nothing is ever read or written through it.
+        Ok(unsafe { self.stream.upgrade_device_ptr(ptr, 0) })
+    }
+
+    /// Device-to-device copy of `bytes` bytes, stream-ordered.
+    fn copy_bytes(&self, src: u64, dst: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges lie inside live device buffers (bounds checked by the callers).
+        self.cu("cuMemcpyDtoDAsync", unsafe {
+            cu::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream.cu_stream())
+        })
+    }
+}
+
+fn bytes_of<T>(n: usize) -> usize {
+    n * std::mem::size_of::<T>()
+}
+
+impl Communicator for NcclComm {
+    type Buf<T: Element> = CudaSlice<T>;
+    type Owned<T: Element> = CudaSlice<T>;
+    type Pending<'a> = NcclPending<'a>;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    fn len<T: Element>(&self, buf: &CudaSlice<T>) -> usize {
+        buf.len()
+    }
+
+    fn alloc<T: Element>(&self, len: usize) -> Result<CudaSlice<T>> {
+        if len == 0 {
+            return self.empty();
+        }
+        self.stream
+            .alloc_zeros::<T>(len)
+            .map_err(|e| cuda_err("cuMemAllocAsync", e))
+    }
+
+    fn upload<T: Element>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        if host.is_empty() {
+            return self.empty();
+        }
+        self.stream
+            .clone_htod(host)
+            .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))
+    }
+
+    fn download<T: Element>(&self, buf: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.guarded("download", || self.sync("download"))?;
+        if buf.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.stream
+            .clone_dtoh(buf)
+            .map_err(|e| cuda_err("cuMemcpyDtoH", e))
+    }
+
+    fn all_gather<T: Element>(&self, send: &CudaSlice<T>, recv: &mut CudaSlice<T>) -> Result<()> {
+        self.guarded("all_gather", || {
+            let n = send.len();
+            check::len("all_gather", "recv", n * self.size(), recv.len())?;
+            let (s, _gs) = send.device_ptr(&self.stream);
+            let (r, _gr) = recv.device_ptr_mut(&self.stream);
+            // SAFETY: `s` holds n and `r` P·n elements of T (checked), alive for the call + sync.
+            let res = unsafe {
+                nccl_result::all_gather(
+                    s as *const c_void,
+                    r as *mut c_void,
+                    n,
+                    dtype(T::DTYPE),
+                    self.comm,
+                    self.raw_stream(),
+                )
+            };
+            self.nccl("ncclAllGather", res)?;
+            self.sync("all_gather")
+        })
+    }
+
+    fn all_gather_v<T: Element>(
+        &self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+        counts: &[usize],
+    ) -> Result<()> {
+        self.guarded("all_gather_v", || {
+            let p = self.size();
+            check::counts("all_gather_v", "counts", counts, p)?;
+            check::len("all_gather_v", "send", counts[self.rank], send.len())?;
+            let off = prefix_offsets(counts);
+            check::len("all_gather_v", "recv", off[p], recv.len())?;
+            let (s, _gs) = send.device_ptr(&self.stream);
+            let (r, _gr) = recv.device_ptr_mut(&self.stream);
+            let el = bytes_of::<T>(1) as u64;
+            self.copy_bytes(
+                s,
+                r + off[self.rank] as u64 * el,
+                bytes_of::<T>(counts[self.rank]),
+            )?;
+            let sends: Vec<_> = (0..p)
+                .filter(|&i| i != self.rank)
+                .map(|i| (s, counts[self.rank], i))
+                .collect();
+            let recvs: Vec<_> = (0..p)
+                .filter(|&i| i != self.rank)
+                .map(|i| (r + off[i] as u64 * el, counts[i], i))
+                .collect();
+            self.grouped_p2p(dtype(T::DTYPE), &sends, &recvs)?;
+            self.sync("all_gather_v")
+        })
+    }
+
+    fn all_to_all<T: Element>(&self, send: &CudaSlice<T>, recv: &mut CudaSlice<T>) -> Result<()> {
+        self.guarded("all_to_all", || {
+            let p = self.size();
+            let n = check::chunk("all_to_all", "send", send.len(), p)?;
+            check::len("all_to_all", "recv", send.len(), recv.len())?;
+            let (s, _gs) = send.device_ptr(&self.stream);
+            let (r, _gr) = recv.device_ptr_mut(&self.stream);
+            let chunk = bytes_of::<T>(n) as u64;
+            let sends: Vec<_> = (0..p).map(|j| (s + j as u64 * chunk, n, j)).collect();
+            let recvs: Vec<_> = (0..p).map(|i| (r + i as u64 * chunk, n, i)).collect();
+            self.grouped_p2p(dtype(T::DTYPE), &sends, &recvs)?;
+            self.sync("all_to_all")
+        })
+    }
+
+    fn all_to_all_v<T: Element>(
+        &self,
+        send: &CudaSlice<T>,
+        send_counts: &[usize],
+        recv: &mut CudaSlice<T>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.guarded("all_to_all_v", || {
+            let p = self.size();
+            check::counts("all_to_all_v", "send_counts", send_counts, p)?;
+            check::counts("all_to_all_v", "recv_counts", recv_counts, p)?;
+            let so = prefix_offsets(send_counts);
+            let ro = prefix_offsets(recv_counts);
+            check::len("all_to_all_v", "send", so[p], send.len())?;
+            check::len("all_to_all_v", "recv", ro[p], recv.len())?;
+            let (s, _gs) = send.device_ptr(&self.stream);
+            let (r, _gr) = recv.device_ptr_mut(&self.stream);
+            let el = bytes_of::<T>(1) as u64;
+            let sends: Vec<_> = (0..p)
+                .map(|j| (s + so[j] as u64 * el, send_counts[j], j))
+                .collect();
+            let recvs: Vec<_> = (0..p)
+                .map(|i| (r + ro[i] as u64 * el, recv_counts[i], i))
+                .collect();
+            self.grouped_p2p(dtype(T::DTYPE), &sends, &recvs)?;
+            self.sync("all_to_all_v")
+        })
+    }
+
+    fn all_reduce<T: Element>(
+        &self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.guarded("all_reduce", || {
+            check::len("all_reduce", "recv", send.len(), recv.len())?;
+            let (s, _gs) = send.device_ptr(&self.stream);
+            let (r, _gr) = recv.device_ptr_mut(&self.stream);
+            // SAFETY: both buffers hold send.len() elements of T, alive for the call + sync.
+            let res = unsafe {
+                nccl_result::all_reduce(
+                    s as *const c_void,
+                    r as *mut c_void,
+                    send.len(),
+                    dtype(T::DTYPE),
+                    red_op(op),
+                    self.comm,
+                    self.raw_stream(),
+                )
+            };
+            self.nccl("ncclAllReduce", res)?;
+            self.sync("all_reduce")
+        })
+    }
+
+    fn all_reduce_in_place<T: Element>(&self, buf: &mut CudaSlice<T>, op: ReduceOp) -> Result<()> {
+        self.guarded("all_reduce_in_place", || {
+            let n = buf.len();
+            let (b, _g) = buf.device_ptr_mut(&self.stream);
+            // SAFETY: in-place all-reduce is allowed by NCCL (send == recv); n elements of T.
+            let res = unsafe {
+                nccl_result::all_reduce(
+                    b as *const c_void,
+                    b as *mut c_void,
+                    n,
+                    dtype(T::DTYPE),
+                    red_op(op),
+                    self.comm,
+                    self.raw_stream(),
+                )
+            };
+            self.nccl("ncclAllReduce", res)?;
+            self.sync("all_reduce_in_place")
+        })
+    }
+
+    fn reduce_scatter<T: Element>(
+        &self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.guarded("reduce_scatter", || {
+            let n = recv.len();
+            check::len("reduce_scatter", "send", n * self.size(), send.len())?;
+            let (s, _gs) = send.device_ptr(&self.stream);
+            let (r, _gr) = recv.device_ptr_mut(&self.stream);
+            // SAFETY: send holds P·n and recv n elements of T (checked), alive for call + sync.
+            let res = unsafe {
+                nccl_result::reduce_scatter(
+                    s as *const c_void,
+                    r as *mut c_void,
+                    n,
+                    dtype(T::DTYPE),
+                    red_op(op),
+                    self.comm,
+                    self.raw_stream(),
+                )
+            };
+            self.nccl("ncclReduceScatter", res)?;
+            self.sync("reduce_scatter")
+        })
+    }
+
+    fn broadcast<T: Element>(&self, buf: &mut CudaSlice<T>, root: usize) -> Result<()> {
+        self.guarded("broadcast", || {
+            check::peer("broadcast", "root", root, self.size())?;
+            let n = buf.len();
+            let (b, _g) = buf.device_ptr_mut(&self.stream);
+            // SAFETY: in-place broadcast (send == recv) of n elements of T.
+            let res = unsafe {
+                nccl_result::broadcast(
+                    b as *const c_void,
+                    b as *mut c_void,
+                    n,
+                    dtype(T::DTYPE),
+                    root as i32,
+                    self.comm,
+                    self.raw_stream(),
+                )
+            };
+            self.nccl("ncclBroadcast", res)?;
+            self.sync("broadcast")
+        })
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.guarded("barrier", || {
+            let mut buf = self.barrier_buf.borrow_mut();
+            let (b, _g) = buf.device_ptr_mut(&self.stream);
+            // SAFETY: one f32 owned by this communicator; an all-reduce is a barrier.
+            let res = unsafe {
+                nccl_result::all_reduce(
+                    b as *const c_void,
+                    b as *mut c_void,
+                    1,
+                    ncclDataType_t::ncclFloat32,
+                    ncclRedOp_t::ncclSum,
+                    self.comm,
+                    self.raw_stream(),
+                )
+            };
+            self.nccl("ncclAllReduce", res)?;
+            self.sync("barrier")
+        })
+    }
+
+    fn send_recv<'a, T: Element>(
+        &'a self,
+        send: &'a CudaSlice<T>,
+        to: usize,
+        recv: &'a mut CudaSlice<T>,
+        from: usize,
+    ) -> Result<NcclPending<'a>> {
+        self.guarded("send_recv", || {
+            check::peer("send_recv", "to", to, self.size())?;
+            check::peer("send_recv", "from", from, self.size())?;
+            let recv_len = recv.len();
+            let (s, _gs) = send.device_ptr(&self.stream);
+            let (r, _gr) = recv.device_ptr_mut(&self.stream);
+            self.grouped_p2p(
+                dtype(T::DTYPE),
+                &[(s, send.len(), to)],
+                &[(r, recv_len, from)],
+            )
+        })?;
+        Ok(NcclPending {
+            comm: self,
+            done: false,
+            _buffers: PhantomData,
+        })
+    }
+
+    fn copy_2d<T: Element>(
+        &self,
+        src: &CudaSlice<T>,
+        src_offset: usize,
+        src_pitch: usize,
+        dst: &mut CudaSlice<T>,
+        dst_offset: usize,
+        dst_pitch: usize,
+        width: usize,
+        height: usize,
+    ) -> Result<()> {
+        self.guarded("copy_2d", || {
+            check::copy_bounds("src", src_offset, src_pitch, width, height, src.len())?;
+            check::copy_bounds("dst", dst_offset, dst_pitch, width, height, dst.len())?;
+            if width == 0 || height == 0 {
+                return Ok(());
+            }
+            let el = bytes_of::<T>(1);
+            let (s, _gs) = src.device_ptr(&self.stream);
+            let (d, _gd) = dst.device_ptr_mut(&self.stream);
+            let s = s + (src_offset * el) as u64;
+            let d = d + (dst_offset * el) as u64;
+            if height == 1 || (width == src_pitch && width == dst_pitch) {
+                return self.copy_bytes(s, d, width * height * el);
+            }
+            // cuMemcpy2D limits pitches to CU_DEVICE_ATTRIBUTE_MAX_PITCH (2^31 − 1 bytes on
+            // current GPUs); few tall rows go row by row instead.
+            let max_pitch = (1usize << 31) - 1;
+            if src_pitch * el > max_pitch || dst_pitch * el > max_pitch || height <= 4 {
+                for y in 0..height {
+                    self.copy_bytes(
+                        s + (y * src_pitch * el) as u64,
+                        d + (y * dst_pitch * el) as u64,
+                        width * el,
+                    )?;
+                }
+                return Ok(());
+            }
+            let copy = cu::CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: cu::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                srcHost: std::ptr::null(),
+                srcDevice: s,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: src_pitch * el,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: cu::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: d,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: dst_pitch * el,
+                WidthInBytes: width * el,
+                Height: height,
+            };
+            // SAFETY: both regions were bounds-checked above; the descriptor lives across the call.
+            self.cu("cuMemcpy2DAsync", unsafe {
+                cu::cuMemcpy2DAsync_v2(&copy, self.stream.cu_stream())
+            })
+        })
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.guarded("synchronize", || self.sync("synchronize"))
+    }
+}
+
+/// A posted send/recv pair of the NCCL backend; both buffers stay borrowed until it completes.
+#[derive(Debug)]
+pub struct NcclPending<'a> {
+    comm: &'a NcclComm,
+    done: bool,
+    _buffers: PhantomData<&'a mut ()>,
+}
+
+impl NcclPending<'_> {
+    fn finish(&mut self) -> Result<()> {
+        if std::mem::replace(&mut self.done, true) {
+            return Ok(());
+        }
+        self.comm
+            .guarded("send_recv", || self.comm.sync("send_recv"))
+    }
+}
+
+impl Pending for NcclPending<'_> {
+    fn wait(mut self) -> Result<()> {
+        self.finish()
+    }
+}
+
+impl Drop for NcclPending<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.finish() {
+            tracing::error!(error = %e, "send_recv dropped without wait, and it failed");
+        }
+    }
+}

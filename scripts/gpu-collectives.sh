@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repo root, with prebuilt binaries in target/gpu/
+# (made here by scripts/build-gpu.sh; carry target/gpu with the working tree):
+#   1. the NCCL collective test suite, with DITSTREAM_REQUIRE_GPUS (default 2) so a missing GPU
+#      or library fails instead of skipping;
+#   2. our collective benchmark (bench/src/bin/collectives.rs) at 256 MiB per rank;
+#   3. the torch.distributed reference (bench/collectives_torch.py), same sizes and timing;
+#   4. a short table last: ours vs torch bus bandwidth, and vs GPU.md's NCCL ceilings.
+# Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu.
+# Exits non-zero if any step failed (the table is printed anyway).
+# Knobs: DITSTREAM_REQUIRE_GPUS (2), SIZE_MIB (256), ITERS (20).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+SP=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+PY=/opt/torch/.venv/bin/python
+LOGS=${OUT:-/tmp/ditstream-gpu}
+REQUIRE=${DITSTREAM_REQUIRE_GPUS:-2}
+SIZE_MIB=${SIZE_MIB:-256}
+ITERS=${ITERS:-20}
+mkdir -p "$LOGS"
+
+# Library set-up (GPU.md): cudarc tries unversioned names first and never libnccl.so.2.
+mkdir -p /tmp/cudalinks
+link() { [ -e "$1" ] && ln -sf "$1" "/tmp/cudalinks/$2"; }
+link "$SP/nccl/lib/libnccl.so.2"      libnccl.so
+link "$SP/cudnn/lib/libcudnn.so.9"    libcudnn.so
+link "$SP/cu13/lib/libcublas.so.13"   libcublas.so
+link "$SP/cu13/lib/libcublasLt.so.13" libcublasLt.so
+link "$SP/cu13/lib/libnvrtc.so.13"    libnvrtc.so
+export LD_LIBRARY_PATH=/tmp/cudalinks:$SP/cu13/lib:$SP/cudnn/lib:$SP/nccl/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# NVLink multicast can take the host's GPUs out of service: keep it off in every process.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+status=0
+step() { echo; echo "=== $* ==="; }
+
+step "machine"
+date -u
+nvidia-smi -L 2>&1 || echo "nvidia-smi not available"
+ls -l target/gpu/ 2>&1
+
+for bin in target/gpu/collectives_nccl target/gpu/collectives; do
+  if [ ! -x "$bin" ]; then
+    echo "missing $bin: run scripts/build-gpu.sh on the build machine and carry target/gpu" >&2
+    exit 2
+  fi
+done
+
+step "NCCL collective test suite (DITSTREAM_REQUIRE_GPUS=$REQUIRE)"
+DITSTREAM_REQUIRE_GPUS=$REQUIRE timeout 480 target/gpu/collectives_nccl --test-threads=1 --nocapture \
+  2>&1 | tee "$LOGS/collectives_nccl.log"
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] || { echo "NCCL test suite FAILED (exit $rc)"; status=1; }
+
+step "ours: target/gpu/collectives --size-mib $SIZE_MIB --iters $ITERS"
+timeout 300 target/gpu/collectives --size-mib "$SIZE_MIB" --iters "$ITERS" 2>&1 | tee "$LOGS/collectives_ours.log"
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] || { echo "our benchmark FAILED (exit $rc)"; status=1; }
+
+step "torch reference: bench/collectives_torch.py --size-mib $SIZE_MIB --iters $ITERS"
+timeout 300 "$PY" bench/collectives_torch.py --size-mib "$SIZE_MIB" --iters "$ITERS" 2>&1 \
+  | tee "$LOGS/collectives_torch.log"
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] || { echo "torch reference FAILED (exit $rc)"; status=1; }
+
+step "summary: bus bandwidth, GB/s (ceilings from GPU.md: all-to-all 284, all-reduce 300)"
+grep -h '^RESULT' "$LOGS/collectives_ours.log" "$LOGS/collectives_torch.log" 2>/dev/null | awk -F'\t' '
+  { key = $3; p[key] = $4; bus[$2, key] = $8; ms[$2, key] = $6; if (!(key in seen)) { seen[key] = 1; order[n++] = key } }
+  END {
+    if (n == 0) { print "no RESULT lines (see the logs above)"; exit }
+    printf "%-28s %3s %10s %10s %10s %8s %9s %10s\n", "op", "P", "ours ms", "ours bus", "torch bus", "ours/tr", "ceiling", "ours/ceil"
+    for (i = 0; i < n; i++) {
+      k = order[i]
+      ceil = (k == "all_reduce" || k == "all_gather") ? 300 : 284
+      o = ((("ours", k) in bus)) ? bus["ours", k] : "-"
+      t = ((("torch", k) in bus)) ? bus["torch", k] : "-"
+      om = ((("ours", k) in ms)) ? sprintf("%.3f", ms["ours", k]) : "-"
+      r = (o != "-" && t != "-" && t > 0) ? sprintf("%.3f", o / t) : "-"
+      c = (o != "-") ? sprintf("%.3f", o / ceil) : "-"
+      printf "%-28s %3s %10s %10s %10s %8s %9s %10s\n", k, p[k], om, o, t, r, ceil, c
+    }
+    print "(all_gather has no measured ceiling in GPU.md; all-reduce'"'"'s 300 is shown)"
+  }'
+echo
+[ "$status" -eq 0 ] && echo "gpu-collectives: all steps passed" || echo "gpu-collectives: SOME STEPS FAILED"
+exit "$status"

@@ -175,7 +175,9 @@ def text():
     pipeline's token ids, attention masks, the encoder's raw last hidden states and the prompt embeddings
     exactly as diffusers' `WanPipeline._get_t5_prompt_embeds` makes them (cut, zero-padded)."""
     import json
+    import math
     import types
+    import unicodedata
 
     from diffusers.pipelines.wan.pipeline_wan import WanPipeline, prompt_clean
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
@@ -210,8 +212,17 @@ def text():
     trainer = trainers.UnigramTrainer(vocab_size=300, special_tokens=["<pad>", "</s>", "<unk>"],
                                       unk_token="<unk>", max_piece_length=8)
     trainer_tok.train_from_iterator(corpus, trainer)
-    vocab = [tuple(v) for v in json.loads(trainer_tok.to_str())["model"]["vocab"]]
-    assert [v[0] for v in vocab[:3]] == ["<pad>", "</s>", "<unk>"], vocab[:3]
+    trained = [v[0] for v in json.loads(trainer_tok.to_str())["model"]["vocab"]]
+    assert trained[:3] == ["<pad>", "</s>", "<unk>"], trained[:3]
+    # The trainer picks the same pieces every run but its scores wobble (parallel EM): rescore each
+    # piece deterministically by its log frequency in the pre-tokenized corpus, so that re-running
+    # this script reproduces tokenizer.json byte for byte.
+    words = ["\u2581" + w for line in corpus for w in unicodedata.normalize("NFKC", line).split()]
+    counts = {p: max(sum(w.count(p) for w in words), 1) for p in trained[3:]}
+    total = sum(counts.values())
+    scored = sorted(((p, round(math.log(c / total), 6)) for p, c in counts.items()),
+                    key=lambda ps: (-ps[1], ps[0]))
+    vocab = [(p, 0.0) for p in trained[:3]] + scored
     # transformers' T5 tokenizer over that vocab: pad 0, eos 1, unk 2, `</s>` appended, 3 sentinels.
     tok = T5Tokenizer(vocab=vocab, extra_ids=3)
     tok.backend_tokenizer.normalizer = normalizers.Sequence(

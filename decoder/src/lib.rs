@@ -1,3 +1,5 @@
-//! The decoder pool: video encoding into fragmented-MP4 segments (VAE decode to follow).
+//! The decoder pool: the Wan VAE decoder (chunk by chunk) and video encoding into fragmented-MP4
+//! segments.
 
 pub mod encode;
+pub mod vae;

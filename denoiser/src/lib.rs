@@ -4,3 +4,4 @@
 pub mod denoise;
 pub mod model;
 pub mod sampler;
+pub mod text;

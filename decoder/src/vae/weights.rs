@@ -1,0 +1,50 @@
+//! Checkpoint names for the VAE: a prefix over the kernels crate's [`WeightSource`] (a diffusers
+//! safetensors checkpoint, or seeded random weights), so the building code reads like the checkpoint
+//! (`w.pp("decoder").pp("up_blocks").pp(0)`), as candle's `VarBuilder::pp`.
+
+use ditstream_kernels::weights::WeightSource;
+use ditstream_kernels::{DType, Tensor};
+
+use super::error::Result;
+
+/// A name prefix over a [`WeightSource`]; every tensor is fetched with the shape the config implies
+/// and in `dtype`.
+#[derive(Clone)]
+pub(crate) struct Prefixed<'a> {
+    source: &'a dyn WeightSource,
+    prefix: String,
+    dtype: DType,
+}
+
+impl<'a> Prefixed<'a> {
+    /// The whole checkpoint (empty prefix), tensors converted to `dtype`.
+    pub(crate) fn root(source: &'a dyn WeightSource, dtype: DType) -> Self {
+        Prefixed {
+            source,
+            prefix: String::new(),
+            dtype,
+        }
+    }
+
+    /// `prefix.name`.
+    pub(crate) fn pp(&self, name: impl std::fmt::Display) -> Prefixed<'a> {
+        Prefixed {
+            source: self.source,
+            prefix: self.join(name),
+            dtype: self.dtype,
+        }
+    }
+
+    /// The tensor `prefix.name`, which must have exactly `shape`.
+    pub(crate) fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        Ok(self.source.tensor(&self.join(name), shape, self.dtype)?)
+    }
+
+    fn join(&self, name: impl std::fmt::Display) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+}

@@ -6,7 +6,8 @@
 #   2. our collective benchmark (bench/src/bin/collectives.rs) at 256 MiB per rank;
 #   3. the torch.distributed reference (bench/collectives_torch.py), same sizes and timing;
 #   4. a short table last: ours vs torch bus bandwidth, and vs GPU.md's NCCL ceilings.
-# Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu.
+# Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu; our
+# benchmark also writes NCCL's INIT/P2P log (version, transports, channels) to nccl_debug_ours.txt.
 # Exits non-zero if any step failed (the table is printed anyway).
 # Knobs: DITSTREAM_REQUIRE_GPUS (2), SIZE_MIB (256), ITERS (20).
 set -uo pipefail
@@ -54,7 +55,8 @@ rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "NCCL test suite FAILED (exit $rc)"; status=1; }
 
 step "ours: target/gpu/collectives --size-mib $SIZE_MIB --iters $ITERS"
-timeout 300 target/gpu/collectives --size-mib "$SIZE_MIB" --iters "$ITERS" 2>&1 | tee "$LOGS/collectives_ours.log"
+NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P NCCL_DEBUG_FILE="$LOGS/nccl_debug_ours.txt" \
+  timeout 300 target/gpu/collectives --size-mib "$SIZE_MIB" --iters "$ITERS" 2>&1 | tee "$LOGS/collectives_ours.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "our benchmark FAILED (exit $rc)"; status=1; }
 

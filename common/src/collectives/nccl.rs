@@ -19,6 +19,10 @@
 //! and the peers' own operations time out or fail the same way). Initialisation and splits,
 //! which block inside NCCL until every rank arrives, run on a helper thread that is abandoned
 //! on timeout. A missing `libcuda`/`libnccl` is an error ([`probe`]), not a panic.
+//!
+//! Memory: buffers come from each device's default memory pool (`cuMemAllocAsync`), which
+//! [`NcclWorld::init`] shares with the peer GPUs (`cuMemPoolSetAccess`): ranks of one process
+//! use NCCL's P2P "direct pointer" transport, where the peer GPU accesses our buffers itself.
 
 use std::cell::RefCell;
 use std::ffi::{CStr, c_void};
@@ -228,6 +232,69 @@ fn blocking_with_timeout(
     }
 }
 
+/// Lets every peer-capable GPU read and write this device's default memory pool.
+///
+/// cudarc allocates with `cuMemAllocAsync`, i.e. from the device's default pool, and pool memory
+/// is *not* made peer-accessible by `cuCtxEnablePeerAccess` (which NCCL calls): a pool grants
+/// access per device with `cuMemPoolSetAccess`. Ranks of one process are NCCL peers of the same
+/// pid, and NCCL then uses its "P2P/direct pointer" transport: the peer GPU's kernels read and
+/// write our user buffers directly (`NCCL_DIRECT_WRITE`/`_READ`; confirmed on 2× H200 with
+/// NCCL 2.28.9: `isAllDirectP2p 1 directMode 1`). Pool memory without this grant is not
+/// mapped on the peer (NCCL documents `NCCL_P2P_DIRECT_DISABLE` for exactly such buffers).
+/// Idempotent; cheap (no allocation).
+fn grant_peer_pool_access(ctx: &Arc<CudaContext>) -> Result<()> {
+    let me = ctx.cu_device();
+    let n = catch("cuDeviceGetCount", CudaContext::device_count)?
+        .map_err(|e| cuda_err("cuDeviceGetCount", e))?;
+    let mut descs = Vec::new();
+    for ordinal in 0..n {
+        if ordinal as usize == ctx.ordinal() {
+            continue;
+        }
+        let mut peer: cu::CUdevice = 0;
+        // SAFETY: valid out-pointer; `ordinal` < device count.
+        let code = unsafe { cu::cuDeviceGet(&mut peer, ordinal) };
+        if code != CUresult::CUDA_SUCCESS {
+            return Err(cuda_err("cuDeviceGet", code));
+        }
+        let mut can: std::ffi::c_int = 0;
+        // SAFETY: valid out-pointer and device handles. Asks whether `peer` can access `me`.
+        let code = unsafe { cu::cuDeviceCanAccessPeer(&mut can, peer, me) };
+        if code != CUresult::CUDA_SUCCESS {
+            return Err(cuda_err("cuDeviceCanAccessPeer", code));
+        }
+        if can != 0 {
+            descs.push(cu::CUmemAccessDesc {
+                location: cu::CUmemLocation {
+                    type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: ordinal,
+                },
+                flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            });
+        }
+    }
+    if descs.is_empty() || !ctx.has_async_alloc() {
+        return Ok(()); // no peers over P2P (NCCL then stages through its own buffers), or no pools
+    }
+    let mut pool: cu::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and device handle.
+    let code = unsafe { cu::cuDeviceGetDefaultMemPool(&mut pool, me) };
+    if code != CUresult::CUDA_SUCCESS {
+        return Err(cuda_err("cuDeviceGetDefaultMemPool", code));
+    }
+    // SAFETY: `pool` is this device's default pool; `descs` holds descs.len() valid entries.
+    let code = unsafe { cu::cuMemPoolSetAccess(pool, descs.as_ptr(), descs.len()) };
+    if code != CUresult::CUDA_SUCCESS {
+        return Err(cuda_err("cuMemPoolSetAccess", code));
+    }
+    tracing::debug!(
+        device = ctx.ordinal(),
+        peers = descs.len(),
+        "default memory pool shared with peer GPUs"
+    );
+    Ok(())
+}
+
 /// A rank's handle on the NCCL world: its device context, its communication stream and the
 /// world communicator that groups are split from.
 #[derive(Debug)]
@@ -265,6 +332,7 @@ impl NcclWorld {
         // SAFETY: this backend orders its own work on one stream per rank and every operation
         // completes before returning; the module docs tell callers to order foreign streams.
         unsafe { ctx.disable_event_tracking() };
+        grant_peer_pool_access(&ctx)?;
         let stream = ctx
             .new_stream()
             .map_err(|e| cuda_err("cuStreamCreate", e))?;

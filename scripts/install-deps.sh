@@ -3,13 +3,12 @@
 # (or with sudo available). Called by scripts/test.sh, scripts/demo.sh and .ci/run.
 set -euo pipefail
 
+# The default build needs none of these (protox parses the .proto files; openh264 builds without
+# nasm, only slower): they serve the `ffmpeg` feature and the tests.
 packages=(
-  pkg-config clang libclang-dev      # bindgen (UCX bindings)
-  protobuf-compiler                  # tonic/prost code generation
-  nasm                               # openh264's assembly (the static H.264 encoder)
+  pkg-config nasm                    # openh264's assembly (faster encoding)
   libavcodec-dev libavformat-dev libavutil-dev libswscale-dev  # ffmpeg-next (x264 backend)
-  libucx-dev                         # UCX latent link
-  ffmpeg                             # ffprobe, to check the MP4s we write
+  ffmpeg                             # ffprobe and ffmpeg, to check the MP4s we write
 )
 
 missing=()

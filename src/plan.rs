@@ -34,7 +34,8 @@ fn parse_video(text: &str) -> anyhow::Result<VideoShape> {
         height: num(h, "height")?,
         frames: num(f, "frames")?,
     };
-    if v.width == 0 || v.width % 16 != 0 || v.height == 0 || v.height % 16 != 0 {
+    if v.width == 0 || !v.width.is_multiple_of(16) || v.height == 0 || !v.height.is_multiple_of(16)
+    {
         bail!("--video {text:?}: width and height must be positive multiples of 16");
     }
     if v.frames % 4 != 1 {

@@ -1,6 +1,8 @@
 //! `ditstream plan` as an operator runs it: every shipped config validates and prints its layout;
 //! every kind of bad config fails with one line naming the key, and a non-zero exit.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
+
 use std::path::Path;
 use std::process::{Command, Output};
 

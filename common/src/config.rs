@@ -289,6 +289,17 @@ pub enum DeviceKind {
     Cuda,
 }
 
+/// H.264 encoder backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum EncoderKind {
+    /// The vendored static openh264 (runs anywhere; the GPU hosts have no FFmpeg).
+    #[default]
+    Openh264,
+    /// x264 through the system FFmpeg (binaries built with `--features ffmpeg`).
+    X264,
+}
+
 /// `serving:` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -315,6 +326,8 @@ pub struct ServingConfig {
     pub max_prompt_bytes: usize,
     /// Requests that may wait for a denoiser before new ones are refused.
     pub queue_depth: usize,
+    /// H.264 encoder backend.
+    pub encoder: EncoderKind,
 }
 
 impl Default for ServingConfig {
@@ -331,6 +344,7 @@ impl Default for ServingConfig {
             max_steps: 100,
             max_prompt_bytes: 8192,
             queue_depth: 16,
+            encoder: EncoderKind::Openh264,
         }
     }
 }

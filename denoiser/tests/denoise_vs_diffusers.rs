@@ -7,6 +7,8 @@
 //! more, so ~1e-5·(1 + |x|) is the expected worst case; 1e-4·(1 + |x|) leaves margin while a
 //! wrong expert, guidance scale or order shows up at 1e-2.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
+
 use std::path::{Path, PathBuf};
 
 use ditstream_common::config::SamplerKind;

@@ -9,6 +9,8 @@
 //! below ~1e-5·(1 + |x|); 1e-4·(1 + |x|) leaves margin and still catches any wrong op (a swapped
 //! RoPE band or modulation row changes outputs at 1e-2 or more).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
+
 use std::path::{Path, PathBuf};
 
 use ditstream_denoiser::model::{LocalAttention, WanTransformer};

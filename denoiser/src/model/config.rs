@@ -117,13 +117,13 @@ impl WanConfig {
                 self.patch_size
             ));
         }
-        if self.attention_head_dim % 2 != 0 || self.attention_head_dim < 6 {
+        if !self.attention_head_dim.is_multiple_of(2) || self.attention_head_dim < 6 {
             return Err(format!(
                 "attention_head_dim = {}: must be even and at least 6 (3-D RoPE)",
                 self.attention_head_dim
             ));
         }
-        if self.freq_dim % 2 != 0 {
+        if !self.freq_dim.is_multiple_of(2) {
             return Err(format!("freq_dim = {}: must be even", self.freq_dim));
         }
         Ok(())

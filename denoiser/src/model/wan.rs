@@ -278,9 +278,9 @@ impl WanTransformer {
         let [pt, ph, pw] = cfg.patch_size;
         if s.len() != 5
             || s[1] != cfg.in_channels
-            || s[2] % pt != 0
-            || s[3] % ph != 0
-            || s[4] % pw != 0
+            || !s[2].is_multiple_of(pt)
+            || !s[3].is_multiple_of(ph)
+            || !s[4].is_multiple_of(pw)
         {
             return Err(ModelError::Input {
                 what: "latent",

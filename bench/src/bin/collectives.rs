@@ -1,4 +1,5 @@
-//! Collective benchmark through ditstream's own layer (`collectives::nccl`): all-gather,
+//! Collective benchmark through ditstream's own layer (`collectives::nccl`): all-gather (and,
+//! for reference, NCCL's own ring `ncclAllGather` called directly on the same communicator),
 //! all-to-all, the two Ulysses layouts (pack/unpack + all-to-all) and all-reduce, bf16,
 //! 256 MiB per rank by default, on all local GPUs with one thread per GPU.
 //!
@@ -11,10 +12,13 @@
 //! the same operations the same way with torch.distributed; `scripts/gpu-collectives.sh` runs
 //! both and compares the `RESULT` lines.
 
+use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
 use clap::Parser;
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::nccl::sys::ncclDataType_t;
 use ditstream_bench::{Collective, algbw_gbs, bus_factor, median};
 use ditstream_common::collectives::nccl::{self, NcclComm, NcclWorld};
 use ditstream_common::collectives::{CommWorld, Communicator, ReduceOp, UlyssesExt, UlyssesShape};
@@ -102,6 +106,32 @@ fn rank_main(world: &NcclWorld, args: &Args) -> Result<(String, Vec<Timing>)> {
         let seconds = time_op(&comm, args, || Ok(comm.all_gather(&send, &mut recv)?))?;
         out.push(Timing {
             name: "all_gather",
+            kind: Collective::AllGather,
+            bytes: per * p * el,
+            seconds,
+        });
+        // Reference: NCCL's own all-gather (`ncclAllGather`, ring) on the same communicator,
+        // buffers and stream, finished the same way (our synchronize polls the stream).
+        let seconds = time_op(&comm, args, || {
+            let (s, _gs) = send.device_ptr(comm.stream());
+            let (d, _gd) = recv.device_ptr_mut(comm.stream());
+            // SAFETY: `send` holds `per` and `recv` P·per bf16 elements, alive until the
+            // synchronize below; the raw handle is used on the communicator's own stream.
+            unsafe {
+                cudarc::nccl::result::all_gather(
+                    s as *const c_void,
+                    d as *mut c_void,
+                    per,
+                    ncclDataType_t::ncclBfloat16,
+                    comm.as_raw(),
+                    comm.stream().cu_stream() as cudarc::nccl::sys::cudaStream_t,
+                )
+            }
+            .map_err(|e| anyhow!("ncclAllGather: {:?}", e.0))?;
+            Ok(comm.synchronize()?)
+        })?;
+        out.push(Timing {
+            name: "nccl_all_gather_ring",
             kind: Collective::AllGather,
             bytes: per * p * el,
             seconds,

@@ -516,3 +516,55 @@ async fn a_full_queue_is_resource_exhausted() {
     }
     server.stop().await.unwrap();
 }
+
+/// A diffusers-layout checkpoint folder assembled from the parity fixtures (the head-dim-128
+/// mini transformer, the tiny umT5 and its tokenizer, the base-16 VAE), served through
+/// `weights: checkpoint`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_diffusers_checkpoint_folder_serves() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let ckpt = std::env::temp_dir().join(format!("ditstream-e2e-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&ckpt).unwrap();
+    for (link, target) in [
+        (
+            "transformer",
+            "denoiser/tests/fixtures/dit_mini128/transformer",
+        ),
+        (
+            "text_encoder",
+            "denoiser/tests/fixtures/text_umt5/text_encoder",
+        ),
+        ("tokenizer", "denoiser/tests/fixtures/text_umt5/tokenizer"),
+        ("vae", "decoder/tests/fixtures/vae_base16/vae"),
+    ] {
+        let _ = std::fs::remove_file(ckpt.join(link));
+        std::os::unix::fs::symlink(root.join(target), ckpt.join(link)).unwrap();
+    }
+    let yaml = format!(
+        "model:\n  checkpoint: {}\n  weights: checkpoint\nsampler:\n  steps: 2\nserving:\n  width: 64\n  \
+         height: 48\n  num_frames: 5\n",
+        ckpt.display()
+    );
+    let cfg = Config::parse(&yaml, "<test>").unwrap();
+    cfg.validate(Some(1)).unwrap();
+    let (server, mut client) = server(cfg).await;
+    let models = client
+        .list_models(pb::ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let name = models.models[0].name.clone();
+    assert!(name.starts_with("ditstream-e2e-ckpt"), "{name}");
+    let (events, status) = collect(
+        &mut client,
+        pb::GenerateRequest {
+            model: name,
+            ..request("a checkpoint", 4)
+        },
+    )
+    .await;
+    assert!(status.is_none(), "{status:?}");
+    let path = temp_file("checkpoint.mp4", &mp4_of(&events));
+    probe(&path, 5, 64, 48, "16/1", &[0, 1]);
+    server.stop().await.unwrap();
+}

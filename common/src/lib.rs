@@ -3,5 +3,6 @@
 
 pub mod collectives;
 pub mod config;
+pub mod link;
 pub mod mesh;
 pub mod rendezvous;

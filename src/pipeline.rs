@@ -1,19 +1,22 @@
-//! The whole path in one process: text → denoise → decode chunk by chunk → encode → segments,
-//! each event handed to a [`Sink`] the moment it exists. The models are built once from the
-//! config; a request only allocates its own state.
+//! The path from text to segments, in two halves that the pools own separately:
+//! [`DenoiseStage`] (text encoder and transformer(s): prompt → latent) and [`DecodeStage`] (VAE
+//! and H.264 encoder: latent chunks → fragmented-MP4 segments). [`Pipeline`] joins them in one
+//! process for `ditstream serve`; the denoiser and decoder pools each build one half.
+//!
+//! The models are built once from the config; a request only allocates its own state.
 
 use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use ditstream_common::config::{
-    Config, DeviceKind, EncoderKind, Preset, WeightSource as SourceKind,
+    Config, DeviceKind, EncoderKind, Preset, SamplerConfig, WeightSource as SourceKind,
 };
 use ditstream_decoder::encode::{
-    EncoderBackend, OpenH264Options, RgbFrame, SegmentPlan, SegmentWriter, VideoParams,
-    X264Options, encode_single_fragment, vae_output_to_rgb,
+    EncoderBackend, MediaSegment, OpenH264Options, RgbFrame, SegmentPlan, SegmentWriter,
+    VideoParams, X264Options, encode_single_fragment, vae_output_to_rgb,
 };
-use ditstream_decoder::vae::{VaeConfig, WanVaeDecoder};
+use ditstream_decoder::vae::{DecodeStream, VaeConfig, WanVaeDecoder};
 use ditstream_denoiser::denoise::{
     Control, DenoiseError, DenoiseParams, Experts, StepProgress, denoise, initial_noise,
 };
@@ -71,47 +74,57 @@ pub struct Done {
     pub segments: u32,
 }
 
-/// The models of one served configuration.
-pub struct Pipeline {
-    name: String,
+/// Seed of the built-in tiny model's random weights: fixed, so every process of a deployment
+/// (gateway, denoiser and decoder pools) serves the same model.
+const TINY_WEIGHT_SEED: u64 = 0;
+
+/// The model name a config serves: the preset, or the checkpoint folder's name.
+pub fn model_name(cfg: &Config) -> String {
+    match (&cfg.model.checkpoint, cfg.model.weights) {
+        (Some(dir), SourceKind::Checkpoint) => dir.file_name().map_or_else(
+            || dir.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        ),
+        _ => cfg
+            .model
+            .preset
+            .map_or_else(|| "?".to_string(), |p| p.name().to_string()),
+    }
+}
+
+fn check_device(cfg: &Config) -> anyhow::Result<()> {
+    if cfg.serving.device == DeviceKind::Cuda {
+        bail!("serving.device = cuda: the CUDA backend is not built yet; use `device: cpu`");
+    }
+    Ok(())
+}
+
+/// The denoiser pool's half: text encoder and transformer(s).
+pub struct DenoiseStage {
     text: TextEncoder,
     high: WanTransformer,
     /// Wan2.2-A14B's low-noise expert and its boundary ratio.
     low: Option<(WanTransformer, f64)>,
-    vae: WanVaeDecoder,
-    encoder: EncoderBackend,
-    cfg: Config,
+    sampler: SamplerConfig,
 }
 
-/// Seed of the built-in tiny model's random weights: fixed, so every run serves the same model.
-const TINY_WEIGHT_SEED: u64 = 0;
-
-impl Pipeline {
-    /// Builds every model the config names (validated already).
-    pub fn from_config(cfg: &Config) -> anyhow::Result<Pipeline> {
-        if cfg.serving.device == DeviceKind::Cuda {
-            bail!("serving.device = cuda: the CUDA backend is not built yet; use `device: cpu`");
-        }
+impl DenoiseStage {
+    /// Builds the text encoder and transformer(s) the config names (validated already).
+    pub fn from_config(cfg: &Config) -> anyhow::Result<DenoiseStage> {
+        check_device(cfg)?;
         let m = &cfg.model;
-        let (name, text, high, low, vae) = match (m.weights, &m.checkpoint, m.preset) {
+        let (text, high, low) = match (m.weights, &m.checkpoint, m.preset) {
             (SourceKind::Random, _, Some(Preset::Tiny)) => {
                 let weights = RandomWeights::new(TINY_WEIGHT_SEED);
                 let dit =
                     WanTransformer::new(WanConfig::preset(Preset::Tiny), &weights, DType::F32)?;
-                let vae = WanVaeDecoder::from_weights(tiny_vae_config(), &weights)?;
-                (
-                    "tiny".to_string(),
-                    TextEncoder::tiny(TINY_WEIGHT_SEED)?,
-                    dit,
-                    None,
-                    vae,
-                )
+                (TextEncoder::tiny(TINY_WEIGHT_SEED)?, dit, None)
             }
             (SourceKind::Random, _, Some(p)) => bail!(
                 "model.preset = {p} with random weights: the CPU backend only runs `tiny` this way \
                  (the text encoder alone would be umT5-XXL); point model.checkpoint at a checkpoint"
             ),
-            (SourceKind::Checkpoint, Some(dir), _) => load_checkpoint(dir)?,
+            (SourceKind::Checkpoint, Some(dir), _) => load_denoiser_checkpoint(dir)?,
             _ => bail!("model: validation should have refused this combination"),
         };
         if high.config().text_dim != text.d_model() {
@@ -121,13 +134,98 @@ impl Pipeline {
                 text.d_model()
             );
         }
-        if high.config().in_channels != vae.config().z_dim {
-            bail!(
-                "the transformer's in_channels {} differ from the VAE's z_dim {}",
-                high.config().in_channels,
-                vae.config().z_dim
-            );
-        }
+        Ok(DenoiseStage {
+            text,
+            high,
+            low,
+            sampler: cfg.sampler.clone(),
+        })
+    }
+
+    /// Latent channels (the transformer's `in_channels`).
+    pub fn latent_channels(&self) -> usize {
+        self.high.config().in_channels
+    }
+
+    /// Prompt and negative prompt, encoded in one batch (repeats come from the cache):
+    /// each [1, 512, text_dim].
+    pub fn text_states(&self, p: &GenerateParams) -> anyhow::Result<(Tensor, Tensor)> {
+        let embeds = self.text.encode(&[&p.prompt, &p.negative_prompt])?;
+        Ok((
+            embeds.states.narrow(0, 0, 1)?,
+            embeds.states.narrow(0, 1, 1)?,
+        ))
+    }
+
+    /// The denoised latent [1, C, T, H/8, W/8] from the request's seed.
+    pub fn denoise_latent(
+        &self,
+        p: &GenerateParams,
+        cond: &Tensor,
+        uncond: &Tensor,
+        on_step: impl FnMut(StepProgress) -> Control,
+    ) -> Result<Tensor, DenoiseError> {
+        let (lt, lh, lw) = latent_grid(p);
+        let noise = initial_noise([1, self.latent_channels(), lt, lh, lw], p.seed)?;
+        let params = DenoiseParams {
+            sampler: self.sampler.kind,
+            steps: p.steps,
+            shift: self.sampler.shift,
+            guidance_scale: p.guidance_scale,
+            guidance_scale_2: p.guidance_scale_2,
+        };
+        let experts = Experts {
+            high: &self.high,
+            low: self.low.as_ref().map(|(m, b)| (m, *b)),
+        };
+        denoise(experts, &params, noise, cond, Some(uncond), on_step)
+    }
+}
+
+/// Latent frames, height and width of a request (Wan 2.1 VAE: 4× in time, causal; 8× in space).
+pub fn latent_grid(p: &GenerateParams) -> (usize, usize, usize) {
+    ((p.num_frames - 1) / 4 + 1, p.height / 8, p.width / 8)
+}
+
+/// The decoder pool's half: VAE and H.264 encoder.
+pub struct DecodeStage {
+    vae: WanVaeDecoder,
+    encoder: EncoderBackend,
+}
+
+/// One request's decode state: the VAE's causal caches and the segment writer.
+pub struct DecodeSession<'a> {
+    stage: &'a DecodeStage,
+    stream: DecodeStream,
+    writer: SegmentWriter,
+    latent_frames: usize,
+    latent_frames_done: usize,
+    /// Video frames decoded so far.
+    pub frames: u32,
+    /// Segments produced so far.
+    pub segments: u32,
+    /// VAE time so far.
+    pub decode_ms: f64,
+    /// Colour conversion, encoding and muxing time so far.
+    pub encode_ms: f64,
+}
+
+impl DecodeStage {
+    /// Builds the VAE and checks the encoder backend the config names.
+    pub fn from_config(cfg: &Config) -> anyhow::Result<DecodeStage> {
+        check_device(cfg)?;
+        let m = &cfg.model;
+        let vae = match (m.weights, &m.checkpoint, m.preset) {
+            (SourceKind::Random, _, Some(Preset::Tiny)) => WanVaeDecoder::from_weights(
+                tiny_vae_config(),
+                &RandomWeights::new(TINY_WEIGHT_SEED),
+            )?,
+            (SourceKind::Random, _, Some(p)) => bail!(
+                "model.preset = {p} with random weights: the CPU backend only runs `tiny` this way"
+            ),
+            (SourceKind::Checkpoint, Some(dir), _) => WanVaeDecoder::load(&dir.join("vae"))?,
+            _ => bail!("model: validation should have refused this combination"),
+        };
         let encoder = match cfg.serving.encoder {
             EncoderKind::Openh264 => EncoderBackend::OpenH264(OpenH264Options::default()),
             EncoderKind::X264 => EncoderBackend::X264(X264Options::default()),
@@ -140,14 +238,121 @@ impl Pipeline {
                 fps: 16,
             })
             .with_context(|| format!("serving.encoder = {:?}", cfg.serving.encoder))?;
+        Ok(DecodeStage { vae, encoder })
+    }
+
+    /// Latent channels the VAE decodes.
+    pub fn latent_channels(&self) -> usize {
+        self.vae.config().z_dim
+    }
+
+    /// Starts a request's decode; the init segment is ready at once.
+    pub fn start(&self, p: &GenerateParams) -> anyhow::Result<DecodeSession<'_>> {
+        let (lt, lh, lw) = latent_grid(p);
+        Ok(DecodeSession {
+            stage: self,
+            stream: self.vae.new_stream(lh, lw)?,
+            writer: SegmentWriter::new(&self.encoder, video_params(p), segment_plan(p)?)?,
+            latent_frames: lt,
+            latent_frames_done: 0,
+            frames: 0,
+            segments: 0,
+            decode_ms: 0.0,
+            encode_ms: 0.0,
+        })
+    }
+
+    /// The non-streamed path, for reference: the whole latent decoded at once, then every frame
+    /// encoded into a single-fragment MP4 with the same keyframes. Streaming must produce the
+    /// same pictures.
+    pub fn render_whole(&self, p: &GenerateParams, latent: &Tensor) -> anyhow::Result<Vec<u8>> {
+        let frames = to_rgb(&self.vae.decode(latent)?)?;
+        Ok(encode_single_fragment(
+            &self.encoder,
+            video_params(p),
+            segment_plan(p)?,
+            &frames,
+        )?)
+    }
+}
+
+impl DecodeSession<'_> {
+    /// The init segment (`ftyp` + `moov`) and its MIME type with codecs.
+    pub fn init_event(&self) -> Event {
+        Event::Init {
+            data: self.writer.init_segment().to_vec(),
+            mime_type: self.writer.mime_type(),
+        }
+    }
+
+    /// Decodes the next latent frames [1, C, n, h, w] and encodes the frames; returns the segments
+    /// they completed (after the last latent frame, the final segment too).
+    pub fn push(&mut self, latent: &Tensor) -> anyhow::Result<Vec<Segment>> {
+        let n = latent.shape().get(2).copied().unwrap_or(0);
+        if self.latent_frames_done + n > self.latent_frames {
+            bail!(
+                "latent frames {}..{} exceed the request's {} latent frames",
+                self.latent_frames_done,
+                self.latent_frames_done + n,
+                self.latent_frames
+            );
+        }
+        let t = Instant::now();
+        let decoded = self.stage.vae.decode_chunk(&mut self.stream, latent)?;
+        self.decode_ms += ms(t.elapsed());
+        let t = Instant::now();
+        let rgb = to_rgb(&decoded)?;
+        let mut ready: Vec<MediaSegment> = Vec::new();
+        for frame in &rgb {
+            ready.extend(self.writer.push_frame(frame)?);
+        }
+        self.latent_frames_done += n;
+        if self.latent_frames_done == self.latent_frames {
+            ready.extend(self.writer.finish()?);
+        }
+        self.encode_ms += ms(t.elapsed());
+        self.frames += rgb.len() as u32;
+        self.segments += ready.len() as u32;
+        Ok(ready
+            .into_iter()
+            .map(|s| Segment {
+                sequence_number: s.sequence_number,
+                first_frame: s.first_frame as u32,
+                frame_count: s.frame_count,
+                data: s.bytes,
+            })
+            .collect())
+    }
+
+    /// Whether every latent frame has been decoded.
+    pub fn is_done(&self) -> bool {
+        self.latent_frames_done == self.latent_frames
+    }
+}
+
+/// Both halves in one process (`ditstream serve`, the embedded default).
+pub struct Pipeline {
+    name: String,
+    denoise: DenoiseStage,
+    decode: DecodeStage,
+}
+
+impl Pipeline {
+    /// Builds every model the config names (validated already).
+    pub fn from_config(cfg: &Config) -> anyhow::Result<Pipeline> {
+        let denoise = DenoiseStage::from_config(cfg)?;
+        let decode = DecodeStage::from_config(cfg)?;
+        if denoise.latent_channels() != decode.latent_channels() {
+            bail!(
+                "the transformer's in_channels {} differ from the VAE's z_dim {}",
+                denoise.latent_channels(),
+                decode.latent_channels()
+            );
+        }
         Ok(Pipeline {
-            name,
-            text,
-            high,
-            low,
-            vae,
-            encoder,
-            cfg: cfg.clone(),
+            name: model_name(cfg),
+            denoise,
+            decode,
         })
     }
 
@@ -177,7 +382,7 @@ impl Pipeline {
         })
         .map_err(stopped)?;
         let t = Instant::now();
-        let (cond, uncond) = self.text_states(p)?;
+        let (cond, uncond) = self.denoise.text_states(p)?;
         timings.text_ms = ms(t.elapsed());
         sink.send(Event::Progress {
             phase: Phase::Text,
@@ -188,7 +393,7 @@ impl Pipeline {
 
         let t = Instant::now();
         let mut stop = None;
-        let latent = self.denoise_latent(p, &cond, &uncond, |s| {
+        let latent = self.denoise.denoise_latent(p, &cond, &uncond, |s| {
             let event = Event::Progress {
                 phase: Phase::Denoise,
                 done: s.step as u32,
@@ -208,127 +413,53 @@ impl Pipeline {
         };
         timings.denoise_ms = ms(t.elapsed());
 
-        // Decode one latent frame at a time (frame 0 → 1 video frame, then 4 each), encoding and
-        // sending every segment as soon as its last frame exists.
-        let mut writer = SegmentWriter::new(&self.encoder, Self::video_params(p), Self::plan(p)?)?;
-        let init = Event::Init {
-            data: writer.init_segment().to_vec(),
-            mime_type: writer.mime_type(),
-        };
-        sink.send(init).map_err(stopped)?;
-        let (lt, lh, lw) = (latent.shape()[2], latent.shape()[3], latent.shape()[4]);
-        let mut stream = self.vae.new_stream(lh, lw)?;
-        let (mut frames, mut segments) = (0u32, 0u32);
-        for chunk in 0..lt {
+        // Decode one latent frame at a time (frame 0 → 1 video frame, then 4 each), sending every
+        // segment as soon as its last frame is encoded.
+        let mut session = self.decode.start(p)?;
+        sink.send(session.init_event()).map_err(stopped)?;
+        for chunk in 0..latent.shape()[2] {
             sink.check().map_err(stopped)?;
-            let t = Instant::now();
-            let decoded = self
-                .vae
-                .decode_chunk(&mut stream, &latent.narrow(2, chunk, 1)?)?;
-            timings.decode_ms += ms(t.elapsed());
-            let t = Instant::now();
-            let rgb = to_rgb(&decoded)?;
-            let mut ready = Vec::new();
-            for frame in &rgb {
-                ready.extend(writer.push_frame(frame)?);
+            for seg in session.push(&latent.narrow(2, chunk, 1)?)? {
+                sink.send(Event::Segment(seg)).map_err(stopped)?;
             }
-            if chunk + 1 == lt {
-                ready.extend(writer.finish()?);
-            }
-            timings.encode_ms += ms(t.elapsed());
-            frames += rgb.len() as u32;
-            for seg in ready {
-                segments += 1;
-                sink.send(Event::Segment(Segment {
-                    sequence_number: seg.sequence_number,
-                    first_frame: seg.first_frame as u32,
-                    frame_count: seg.frame_count,
-                    data: seg.bytes,
-                }))
-                .map_err(stopped)?;
-            }
-            let total = p.num_frames as u32;
-            sink.send(Event::Progress {
+            let event = Event::Progress {
                 phase: Phase::Decode,
-                done: frames,
-                total,
-            })
-            .map_err(stopped)?;
+                done: session.frames,
+                total: p.num_frames as u32,
+            };
+            sink.send(event).map_err(stopped)?;
         }
+        timings.decode_ms = session.decode_ms;
+        timings.encode_ms = session.encode_ms;
         Ok(Done {
             timings,
-            frames,
-            segments,
+            frames: session.frames,
+            segments: session.segments,
         })
     }
 
-    /// The non-streamed path, for reference: the whole latent decoded at once, then every frame
-    /// encoded into a single-fragment MP4 with the same keyframes. Streaming must produce the
-    /// same pictures.
+    /// The non-streamed path, for reference (see [`DecodeStage::render_whole`]).
     pub fn render_whole(&self, p: &GenerateParams) -> anyhow::Result<Vec<u8>> {
-        let (cond, uncond) = self.text_states(p)?;
-        let latent = self.denoise_latent(p, &cond, &uncond, |_| Control::Continue)?;
-        let frames = to_rgb(&self.vae.decode(&latent)?)?;
-        Ok(encode_single_fragment(
-            &self.encoder,
-            Self::video_params(p),
-            Self::plan(p)?,
-            &frames,
-        )?)
+        let (cond, uncond) = self.denoise.text_states(p)?;
+        let latent = self
+            .denoise
+            .denoise_latent(p, &cond, &uncond, |_| Control::Continue)?;
+        self.decode.render_whole(p, &latent)
     }
+}
 
-    /// Prompt and negative prompt, encoded in one batch (repeats come from the cache):
-    /// each [1, 512, text_dim].
-    fn text_states(&self, p: &GenerateParams) -> anyhow::Result<(Tensor, Tensor)> {
-        let embeds = self.text.encode(&[&p.prompt, &p.negative_prompt])?;
-        Ok((
-            embeds.states.narrow(0, 0, 1)?,
-            embeds.states.narrow(0, 1, 1)?,
-        ))
+fn video_params(p: &GenerateParams) -> VideoParams {
+    VideoParams {
+        width: p.width as u32,
+        height: p.height as u32,
+        fps: p.fps,
     }
+}
 
-    /// The denoised latent [1, C, T, H/8, W/8] from the request's seed.
-    fn denoise_latent(
-        &self,
-        p: &GenerateParams,
-        cond: &Tensor,
-        uncond: &Tensor,
-        on_step: impl FnMut(StepProgress) -> Control,
-    ) -> Result<Tensor, DenoiseError> {
-        let spatial = self.vae.config().spatial_scale();
-        let (lt, lh, lw) = (
-            (p.num_frames - 1) / 4 + 1,
-            p.height / spatial,
-            p.width / spatial,
-        );
-        let noise = initial_noise([1, self.high.config().in_channels, lt, lh, lw], p.seed)?;
-        let params = DenoiseParams {
-            sampler: self.cfg.sampler.kind,
-            steps: p.steps,
-            shift: self.cfg.sampler.shift,
-            guidance_scale: p.guidance_scale,
-            guidance_scale_2: p.guidance_scale_2,
-        };
-        let experts = Experts {
-            high: &self.high,
-            low: self.low.as_ref().map(|(m, b)| (m, *b)),
-        };
-        denoise(experts, &params, noise, cond, Some(uncond), on_step)
-    }
-
-    fn video_params(p: &GenerateParams) -> VideoParams {
-        VideoParams {
-            width: p.width as u32,
-            height: p.height as u32,
-            fps: p.fps,
-        }
-    }
-
-    /// Frame 0 alone (the first picture leaves as soon as latent frame 0 is decoded), then
-    /// `segment_frames` each.
-    fn plan(p: &GenerateParams) -> anyhow::Result<SegmentPlan> {
-        Ok(SegmentPlan::new(1, p.segment_frames as u32)?)
-    }
+/// Frame 0 alone (the first picture leaves as soon as latent frame 0 is decoded), then
+/// `segment_frames` each.
+fn segment_plan(p: &GenerateParams) -> anyhow::Result<SegmentPlan> {
+    Ok(SegmentPlan::new(1, p.segment_frames as u32)?)
 }
 
 /// VAE output [1, 3, F, H, W] in [−1, 1] → RGB frames.
@@ -352,17 +483,12 @@ fn tiny_vae_config() -> VaeConfig {
     }
 }
 
-type Loaded = (
-    String,
-    TextEncoder,
-    WanTransformer,
-    Option<(WanTransformer, f64)>,
-    WanVaeDecoder,
-);
+type DenoiserModels = (TextEncoder, WanTransformer, Option<(WanTransformer, f64)>);
 
-/// A diffusers Wan checkpoint folder: `transformer/` (and `transformer_2/` with the
-/// `boundary_ratio` of `model_index.json` for Wan2.2-A14B), `text_encoder/`, `tokenizer/`, `vae/`.
-fn load_checkpoint(dir: &Path) -> anyhow::Result<Loaded> {
+/// The denoiser's part of a diffusers Wan checkpoint folder: `transformer/` (and
+/// `transformer_2/` with the `boundary_ratio` of `model_index.json` for Wan2.2-A14B),
+/// `text_encoder/`, `tokenizer/`.
+fn load_denoiser_checkpoint(dir: &Path) -> anyhow::Result<DenoiserModels> {
     let high = WanTransformer::from_dir(&dir.join("transformer"), DType::F32)?;
     let low = if dir.join("transformer_2").is_dir() {
         let index = dir.join("model_index.json");
@@ -387,10 +513,5 @@ fn load_checkpoint(dir: &Path) -> anyhow::Result<Loaded> {
         None
     };
     let text = TextEncoder::from_pretrained(dir, 512)?;
-    let vae = WanVaeDecoder::load(&dir.join("vae"))?;
-    let name = dir.file_name().map_or_else(
-        || dir.display().to_string(),
-        |n| n.to_string_lossy().into_owned(),
-    );
-    Ok((name, text, high, low, vae))
+    Ok((text, high, low))
 }

@@ -1,5 +1,6 @@
-//! The decoder pool: the Wan VAE decoder (chunk by chunk) and video encoding into fragmented-MP4
-//! segments.
+//! The decoder pool: the Wan VAE decoder (chunk by chunk), its spatially sharded (parallel VAE)
+//! form, and video encoding into fragmented-MP4 segments.
 
 pub mod encode;
+pub mod parallel;
 pub mod vae;

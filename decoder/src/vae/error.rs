@@ -105,6 +105,10 @@ pub enum VaeError {
     /// A tensor op failed (a shape or device error inside the decoder).
     #[error(transparent)]
     Kernel(#[from] KernelError),
+    /// A collective of a spatially sharded decode (parallel VAE, [`SpatialOps`](super::SpatialOps)
+    /// implementations that communicate) failed: a peer rank failed, left or timed out.
+    #[error(transparent)]
+    Collective(#[from] ditstream_common::collectives::CollectiveError),
 }
 
 /// Result alias for the VAE module.

@@ -1,0 +1,221 @@
+//! [`HaloOps`]: the decoder's neighbourhood operations for one rank of a parallel-VAE instance, over
+//! any [`Communicator`] backend: halo exchange before each convolution, gathered keys and values for
+//! the frame attention (`reference/wan.md` §2.5, `reference/visualgen.md` §4).
+//!
+//! **Convolutions.** A conv whose kernel is k > 1 along the split axis needs k/2 (= 1) rows of each
+//! neighbour's band at the conv's own resolution. The frame cache is per rank and holds the rank's
+//! own band (the layers store the last frames of the band they were given), so the rows exchanged are
+//! those of cache ++ x: one message per neighbour carries the cached frames' rows and the chunk's
+//! rows together. Exchanging the cache's rows again each chunk is redundant (the neighbour sent them
+//! with the previous chunk) but keeps the ops stateless; it adds ≤ 2 frames of one row per message.
+//! At a true image border the "halo" is zero rows, which is exactly the unsharded conv's zero padding.
+//! The conv then runs with padding 0 on the split axis (the halo is the padding), kw/2 on the other
+//! spatial axis, and the causal front padding as explicit zero frames, through the kernels crate's
+//! `conv3d`: the output is the rank's band, with no rows computed and thrown away, and every output
+//! pixel sees the very values the unsharded conv gives it (the same im2col column, the same GEMM).
+//!
+//! **Exchange order.** Each neighbour pair swaps rows with one `send_recv` (send my edge, receive
+//! theirs). Even ranks swap with their next neighbour first, odd ranks with their previous one first,
+//! so the pairs (0, 1), (2, 3), … run together, then (1, 2), (3, 4), …: a backend whose `send_recv`
+//! blocks on its peer (NCCL enqueues them in order on one stream) never waits in a cycle or a chain.
+//!
+//! **Attention.** The mid block attends each frame's tokens over the whole frame. Each rank
+//! all-gathers (uneven `all_gather_v`) the keys and values of its band, puts them back into the
+//! frame's row-major token order (a width split interleaves the ranks' columns within each row), and
+//! attends its local queries over all keys. Every rank needs every key, so this is an all-gather,
+//! not a halo; at 720p it moves 2 · 14,400 tokens × C per frame, small next to the convolutions.
+//!
+//! Buffers go through the communicator's `upload`/`download`, so a device backend works unchanged
+//! (staging through the host until the decoder's tensors live on the GPU).
+
+use std::borrow::{Borrow, BorrowMut};
+use std::sync::{Mutex, MutexGuard};
+
+use ditstream_common::collectives::{CollectiveError, Communicator, Pending};
+use ditstream_common::config::VaeSplitDim;
+use ditstream_kernels::{AttentionOptions, Tensor, attention, conv3d};
+
+use super::shard::Shard;
+use crate::vae::{Result, SpatialOps, Unsharded, VaeError};
+
+/// The neighbourhood operations of one rank of a parallel-VAE instance, for one request's
+/// [`Shard`]. The communicator sits in a mutex because [`SpatialOps`] is `Sync` while communicators
+/// need not be; a rank runs its ops from one thread, so the lock is never contended.
+pub struct HaloOps<'a, C> {
+    comm: &'a Mutex<C>,
+    shard: Shard,
+}
+
+impl<'a, C: Communicator> HaloOps<'a, C> {
+    /// The ops of `shard`'s rank; `comm` is the instance's communicator (group rank = shard rank).
+    pub fn new(comm: &'a Mutex<C>, shard: Shard) -> Self {
+        HaloOps { comm, shard }
+    }
+
+    fn comm(&self) -> MutexGuard<'a, C> {
+        // A poisoned lock means a panic on this rank's own thread while communicating; the panic is
+        // already unwinding (and will drop the communicator, failing the peers), so the guard is fine.
+        self.comm
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl<C: Communicator + Send> SpatialOps for HaloOps<'_, C> {
+    /// See the trait; x and cache hold this rank's band, and so does the output.
+    fn causal_conv3d(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        cache: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let ws = weight.shape();
+        let axis = self.shard.axis();
+        let cached = cache.and_then(|c| c.shape().get(2).copied()).unwrap_or(0);
+        let plain = ws.len() != 5 || x.rank() != 5 || self.shard.size() == 1;
+        let kernel = if plain {
+            [1, 1, 1]
+        } else {
+            [ws[2], ws[3], ws[4]]
+        };
+        let halo = kernel[axis - 2] / 2;
+        // No neighbourhood along the split axis (1×1 convs, time_conv, a single rank), or arguments the
+        // kernel's own checks reject (even kernels, too many cached frames): nothing to exchange.
+        if plain || halo == 0 || kernel.iter().any(|k| k % 2 == 0) || cached >= kernel[0] {
+            return Unsharded.causal_conv3d(x, weight, bias, cache);
+        }
+        let joined = match cache {
+            Some(cache) => Tensor::concat(&[cache, x], 2)?,
+            None => x.clone(),
+        };
+        let haloed = exchange_halo(&*self.comm(), &self.shard, &joined, halo)?;
+        // Causal front padding (kt − 1 frames, less the cached ones) as explicit zero frames.
+        let front = kernel[0] - 1 - cached;
+        let input = if front > 0 {
+            let mut shape = haloed.shape().to_vec();
+            shape[2] = front;
+            let zeros = Tensor::zeros(&shape, haloed.dtype(), haloed.device())?;
+            Tensor::concat(&[&zeros, &haloed], 2)?
+        } else {
+            haloed
+        };
+        let mut padding = [0, kernel[1] / 2, kernel[2] / 2];
+        padding[axis - 2] = 0;
+        Ok(conv3d(&input, weight, bias, [1, 1, 1], padding)?)
+    }
+
+    /// See the trait; q, k, v hold this rank's tokens (its band of each frame, row-major), and so
+    /// does the output.
+    fn frame_attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        if self.shard.size() == 1 || k.rank() != 4 || v.shape() != k.shape() {
+            return Unsharded.frame_attention(q, k, v);
+        }
+        let keys = gather_frame_tokens(&*self.comm(), &self.shard, &Tensor::concat(&[k, v], 0)?)?;
+        let frames = k.shape()[0];
+        let (k, v) = (keys.narrow(0, 0, frames)?, keys.narrow(0, frames, frames)?);
+        let (out, _lse) = attention(q, &k, &v, AttentionOptions::default())?;
+        Ok(out)
+    }
+}
+
+/// x [B, C, T, H, W] (this rank's band along the shard's axis) → x with `halo` rows of each
+/// neighbour's band before and after it along that axis (zeros where there is no neighbour).
+fn exchange_halo<C: Communicator>(
+    comm: &C,
+    shard: &Shard,
+    x: &Tensor,
+    halo: usize,
+) -> Result<Tensor> {
+    let axis = shard.axis();
+    let extent = x.shape()[axis];
+    let first = x.narrow(axis, 0, halo)?; // fails (a shape error) if the band is thinner than the halo
+    let last = x.narrow(axis, extent - halo, halo)?;
+    let edge_shape = first.shape().to_vec();
+    let (prev, next) = shard.neighbours();
+    // (peer, rows I send it) in the deadlock-free order of the module docs.
+    let before = (prev, &first);
+    let after = (next, &last);
+    let order = if shard.rank().is_multiple_of(2) {
+        [after, before]
+    } else {
+        [before, after]
+    };
+    let (mut from_prev, mut from_next) = (None, None);
+    for (peer, edge) in order {
+        let Some(peer) = peer else { continue };
+        let rows = swap(comm, peer, edge)?;
+        if Some(peer) == prev {
+            from_prev = Some(rows);
+        } else {
+            from_next = Some(rows);
+        }
+    }
+    let zeros = || Tensor::zeros(&edge_shape, x.dtype(), x.device());
+    let from_prev = from_prev.map_or_else(zeros, Ok)?;
+    let from_next = from_next.map_or_else(zeros, Ok)?;
+    Ok(Tensor::concat(&[&from_prev, x, &from_next], axis)?)
+}
+
+/// Sends `edge` to group rank `peer` and returns the same-shaped rows `peer` sends back.
+fn swap<C: Communicator>(comm: &C, peer: usize, edge: &Tensor) -> Result<Tensor> {
+    let send = comm.upload(&edge.to_vec_f32()?)?;
+    let mut recv = comm.alloc::<f32>(edge.numel())?;
+    comm.send_recv(send.borrow(), peer, recv.borrow_mut(), peer)?
+        .wait()?;
+    let rows = Tensor::from_vec(comm.download(recv.borrow())?, edge.shape())?;
+    Ok(rows.to_dtype(edge.dtype())?)
+}
+
+/// kv [N, S_r, H, C] (this rank's tokens of N frames: its band, row-major) → [N, S, H, C] with every
+/// rank's tokens in the whole frame's row-major order.
+fn gather_frame_tokens<C: Communicator>(comm: &C, shard: &Shard, kv: &Tensor) -> Result<Tensor> {
+    let (n, local_tokens, channels) = (kv.shape()[0], kv.shape()[1], kv.shape()[2] * kv.shape()[3]);
+    // This layer's spatial scale f: local tokens = (band · f) · (other extent · f).
+    let other = shard.latent_other_extent();
+    let at_latent = shard.band_len(shard.rank(), 1) * other;
+    let scale = (local_tokens / at_latent).isqrt();
+    if scale == 0 || scale * scale * at_latent != local_tokens {
+        return Err(VaeError::Collective(CollectiveError::LengthMismatch {
+            op: "parallel VAE frame_attention",
+            what: "local tokens (band rows × columns at a spatial scale f: f² × latent band)",
+            expected: at_latent,
+            actual: local_tokens,
+        }));
+    }
+    let lines = |rank: usize| shard.band_len(rank, scale); // rows (height split) or columns (width)
+    // Rank r's tokens as a grid [N, rows, cols, H·C]; the frame is the ranks' grids joined along the
+    // split axis.
+    let split_axis = match shard.split_dim() {
+        VaeSplitDim::Height => 1,
+        VaeSplitDim::Width => 2,
+    };
+    let grid = |r: usize| {
+        let mut grid = [n, other * scale, other * scale, channels];
+        grid[split_axis] = lines(r);
+        grid
+    };
+    let counts: Vec<usize> = (0..shard.size())
+        .map(|r| grid(r).iter().product())
+        .collect();
+    let total: usize = counts.iter().sum();
+    let send = comm.upload(&kv.to_vec_f32()?)?;
+    let mut recv = comm.alloc::<f32>(total)?;
+    comm.all_gather_v(send.borrow(), recv.borrow_mut(), &counts)?;
+    let all = Tensor::from_vec(comm.download(recv.borrow())?, &[total])?;
+    let mut offset = 0;
+    let mut parts = Vec::with_capacity(counts.len());
+    for (r, &count) in counts.iter().enumerate() {
+        parts.push(all.narrow(0, offset, count)?.reshape(&grid(r))?);
+        offset += count;
+    }
+    let frame = Tensor::concat(&parts.iter().collect::<Vec<_>>(), split_axis)?;
+    Ok(frame
+        .reshape(&[
+            n,
+            total / (n * channels).max(1),
+            kv.shape()[2],
+            kv.shape()[3],
+        ])?
+        .to_dtype(kv.dtype())?)
+}

@@ -1,0 +1,85 @@
+//! What the parallel attention wrappers have in common: the [`ChunkAttention`] trait (attention
+//! for this rank's chunk of a padded, sequence-sharded sequence), the innermost [`LocalChunk`],
+//! and [`ModelAttention`], which hands any wrapper to the model as its `SelfAttention`.
+
+use std::cell::RefCell;
+
+use ditstream_kernels::{AttentionOptions, Tensor, attention};
+
+use super::{ParallelError, Result, valid_in_chunk};
+use crate::model::{ModelError, SelfAttention};
+
+/// Self-attention for this rank's chunk of a sequence that is cut into equal chunks (padding at
+/// the end). Each implementation knows the sequence's real token count and which chunk it holds,
+/// so it masks padded keys wherever they land, and it fetches the other chunks' keys itself.
+pub trait ChunkAttention {
+    /// q, k, v: [B, S_c, H, D] (this rank's chunk, RoPE applied) → out [B, S_c, H, D], the
+    /// attention of these queries over the whole sequence's real keys.
+    fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor>;
+}
+
+impl<A: ChunkAttention + ?Sized> ChunkAttention for Box<A> {
+    fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        (**self).attend_chunk(q, k, v)
+    }
+}
+
+/// The whole (padded) sequence is local: attention over the first `tokens` keys. The inner
+/// attention of Ulysses without context parallelism, and the single-rank case.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalChunk {
+    /// Real tokens of the sequence.
+    pub tokens: usize,
+}
+
+impl ChunkAttention for LocalChunk {
+    fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let kv_len = valid_in_chunk(self.tokens, 0, k.shape()[1]);
+        let options = AttentionOptions {
+            scale: None,
+            kv_len: Some(kv_len),
+        };
+        Ok(attention(q, k, v, options)?.0)
+    }
+}
+
+/// Any [`ChunkAttention`] as the model's `SelfAttention`. The model's error type cannot carry a
+/// collective failure, so the typed error is kept here and the model gets a summary;
+/// [`ModelAttention::take_error`] gives the typed one back.
+pub struct ModelAttention<'a> {
+    inner: &'a dyn ChunkAttention,
+    failure: RefCell<Option<ParallelError>>,
+}
+
+impl<'a> ModelAttention<'a> {
+    /// Wraps `inner`.
+    pub fn new(inner: &'a dyn ChunkAttention) -> Self {
+        Self {
+            inner,
+            failure: RefCell::new(None),
+        }
+    }
+
+    /// The error a block returned, replaced by the typed error of the attention when it was the
+    /// attention that failed.
+    pub fn take_error(&self, from_model: ModelError) -> ParallelError {
+        self.failure
+            .borrow_mut()
+            .take()
+            .unwrap_or(ParallelError::Model(from_model))
+    }
+}
+
+impl SelfAttention for ModelAttention<'_> {
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor, ModelError> {
+        self.inner.attend_chunk(q, k, v).map_err(|e| {
+            let summary = ModelError::Input {
+                what: "parallel self-attention",
+                value: format!("{:?}", q.shape()),
+                rule: e.to_string(),
+            };
+            *self.failure.borrow_mut() = Some(e);
+            summary
+        })
+    }
+}

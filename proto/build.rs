@@ -1,9 +1,14 @@
 //! Generates the Rust types and service stubs for `ditstream/v1/*.proto`. The .proto files are
 //! parsed by `protox` (pure Rust), so building needs no `protoc` on the machine.
 
+/// The public API and the internal one between the gateway and the pools.
+const PROTOS: [&str; 2] = ["ditstream/v1/video.proto", "ditstream/v1/pools.proto"];
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    println!("cargo:rerun-if-changed=ditstream/v1/video.proto");
-    let descriptors = protox::compile(["ditstream/v1/video.proto"], ["."])?;
+    for proto in PROTOS {
+        println!("cargo:rerun-if-changed={proto}");
+    }
+    let descriptors = protox::compile(PROTOS, ["."])?;
     tonic_prost_build::configure().compile_fds(descriptors)?;
     Ok(())
 }

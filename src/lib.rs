@@ -8,5 +8,6 @@ pub mod generate;
 pub mod pipeline;
 pub mod plan;
 pub mod request;
+pub mod roles;
 pub mod serve;
 pub mod service;

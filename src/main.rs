@@ -1,7 +1,7 @@
 //! The `ditstream` binary: parses the command line and hands each subcommand to the library
 //! that owns it. Nothing here does work of its own.
 
-use ditstream::{generate, plan, serve};
+use ditstream::{generate, plan, roles, serve};
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -41,6 +41,37 @@ enum Command {
     },
     /// Generate a video: stream it from a server into an MP4 file, showing progress.
     Generate(generate::GenerateArgs),
+    /// Run the gateway of a disaggregated deployment: the public API, routing to the pools.
+    Gateway {
+        /// The deployment config (YAML).
+        #[arg(long)]
+        config: PathBuf,
+        /// Listen address; default: the config's `serving.listen`.
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+    },
+    /// Run a denoiser pool: text encoder and transformer; registers with the gateway.
+    Denoiser {
+        /// The deployment config (YAML).
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Run a decoder instance: VAE and encoder behind a latent link; registers with the gateway.
+    Decoder {
+        /// The deployment config (YAML).
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Write a development pool CA and certificate for the latent link (ca.pem, pool.pem,
+    /// pool-key.pem).
+    Certs {
+        /// Output folder.
+        #[arg(long)]
+        out: PathBuf,
+        /// Host names or IPs the certificate covers (repeatable).
+        #[arg(long = "host", default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
+        hosts: Vec<String>,
+    },
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -74,6 +105,16 @@ fn main() -> ExitCode {
             runtime().and_then(|rt| rt.block_on(serve::serve(config.as_deref(), listen)))
         }
         Command::Generate(args) => runtime().and_then(|rt| rt.block_on(generate::run(args))),
+        Command::Gateway { config, listen } => {
+            runtime().and_then(|rt| rt.block_on(roles::run_gateway(&config, listen)))
+        }
+        Command::Denoiser { config } => {
+            runtime().and_then(|rt| rt.block_on(roles::run_denoiser(&config)))
+        }
+        Command::Decoder { config } => {
+            runtime().and_then(|rt| rt.block_on(roles::run_decoder(&config)))
+        }
+        Command::Certs { out, hosts } => roles::write_certs(&out, &hosts),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

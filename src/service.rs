@@ -38,7 +38,7 @@ impl VideoServer {
 }
 
 /// The `grpc-timeout` header (e.g. `30S`, `500m`) as a duration.
-fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Duration> {
+pub fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Duration> {
     let value = metadata.get("grpc-timeout")?.to_str().ok()?;
     let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
     let n: u64 = digits.parse().ok()?;
@@ -53,7 +53,8 @@ fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Duration> {
     })
 }
 
-fn to_wire(event: Event) -> Result<pb::GenerateEvent, Status> {
+/// An engine event as the client sees it; failures become the stream's final status.
+pub fn to_wire(event: Event) -> Result<pb::GenerateEvent, Status> {
     use pb::generate_event::Event as E;
     let event = match event {
         Event::Progress { phase, done, total } => E::Progress(pb::Progress {

@@ -68,6 +68,50 @@ pub struct Config {
     /// Where the service listens, which device it runs on, and its request limits.
     #[serde(default)]
     pub serving: ServingConfig,
+    /// The disaggregated deployment: where the pools listen, find the gateway, and their TLS
+    /// identities for the latent link.
+    #[serde(default)]
+    pub pools: PoolsConfig,
+}
+
+/// `pools:` section, read by `ditstream gateway`, `denoiser` and `decoder`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolsConfig {
+    /// The gateway's address, where pools register (its `serving.listen`).
+    pub gateway: String,
+    /// A denoiser pool's gRPC address (port 0: any free port; the pool registers the real one).
+    pub denoiser_listen: String,
+    /// A decoder instance's gRPC address.
+    pub decoder_listen: String,
+    /// A decoder instance's QUIC latent-link address.
+    pub link_listen: String,
+    /// The host name or IP on the decoders' certificate, which denoisers check.
+    pub link_host: String,
+    /// Seconds without a heartbeat after which the gateway drops a pool.
+    pub heartbeat_timeout_s: u64,
+    /// The pool CA certificate (PEM).
+    pub tls_ca: String,
+    /// The pools' certificate (PEM), presented on both ends of the latent link.
+    pub tls_cert: String,
+    /// Its private key (PEM).
+    pub tls_key: String,
+}
+
+impl Default for PoolsConfig {
+    fn default() -> Self {
+        PoolsConfig {
+            gateway: "127.0.0.1:50051".to_string(),
+            denoiser_listen: "127.0.0.1:0".to_string(),
+            decoder_listen: "127.0.0.1:0".to_string(),
+            link_listen: "127.0.0.1:0".to_string(),
+            link_host: "localhost".to_string(),
+            heartbeat_timeout_s: 5,
+            tls_ca: "certs/ca.pem".to_string(),
+            tls_cert: "certs/pool.pem".to_string(),
+            tls_key: "certs/pool-key.pem".to_string(),
+        }
+    }
 }
 
 /// Built-in model presets: transformer dimensions known without reading a checkpoint.
@@ -505,6 +549,7 @@ impl Config {
             ));
         }
         self.validate_serving()?;
+        self.validate_pools()?;
         let s = &self.sampler;
         if s.steps < 1 || s.steps > self.serving.max_steps {
             return Err(invalid(
@@ -561,6 +606,32 @@ impl Config {
             )),
             _ => Ok(()),
         }
+    }
+
+    fn validate_pools(&self) -> Result<(), ConfigError> {
+        let p = &self.pools;
+        for (key, addr) in [
+            ("pools.gateway", &p.gateway),
+            ("pools.denoiser_listen", &p.denoiser_listen),
+            ("pools.decoder_listen", &p.decoder_listen),
+            ("pools.link_listen", &p.link_listen),
+        ] {
+            if addr.parse::<std::net::SocketAddr>().is_err() {
+                return Err(invalid(
+                    key,
+                    addr,
+                    "must be an address like 127.0.0.1:50061",
+                ));
+            }
+        }
+        if p.heartbeat_timeout_s == 0 {
+            return Err(invalid(
+                "pools.heartbeat_timeout_s",
+                0,
+                "must be at least 1",
+            ));
+        }
+        Ok(())
     }
 
     fn validate_serving(&self) -> Result<(), ConfigError> {

@@ -126,5 +126,23 @@ fn identities_load_from_pem_files() {
     .err()
     .unwrap();
     assert!(e.to_string().contains("missing.pem"), "{e}");
+    // What `ditstream certs` writes loads back and connects.
+    let (cert, key) = ca.issue_pem(&["localhost".to_string()]).unwrap();
+    std::fs::write(dir.join("pool.pem"), cert).unwrap();
+    std::fs::write(dir.join("pool-key.pem"), key).unwrap();
+    let identity = ditstream_common::link::quic::Identity::from_pem_files(
+        &dir.join("pool.pem"),
+        &dir.join("pool-key.pem"),
+        &dir.join("ca.pem"),
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let server = listen("127.0.0.1:0".parse().unwrap(), &identity).unwrap();
+        let addr = server.local_addr().unwrap();
+        let accept = tokio::spawn(async move { server.accept().await.unwrap().await.map(|_| ()) });
+        connect(addr, "localhost", &identity).await.unwrap();
+        accept.await.unwrap().unwrap();
+    });
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -11,6 +11,8 @@ use std::time::Duration;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
+pub use quinn::Connection;
+
 use super::{LatentChunk, LinkError, read_chunk, write_chunk};
 
 /// ALPN protocol id of the latent link.
@@ -86,6 +88,19 @@ impl PoolCa {
     /// The CA certificate, PEM.
     pub fn pem(&self) -> String {
         self.issuer.pem()
+    }
+
+    /// A certificate for `hosts` (DNS names or IP addresses) and its private key, both PEM: what
+    /// `ditstream certs` writes for the pools to load with [`Identity::from_pem_files`].
+    pub fn issue_pem(&self, hosts: &[String]) -> Result<(String, String), LinkError> {
+        let err = identity_error("issuing a pool certificate");
+        let params =
+            rcgen::CertificateParams::new(hosts.to_vec()).map_err(|e| err(e.to_string()))?;
+        let key = rcgen::KeyPair::generate().map_err(|e| err(e.to_string()))?;
+        let cert = params
+            .signed_by(&key, &self.issuer)
+            .map_err(|e| err(e.to_string()))?;
+        Ok((cert.pem(), key.serialize_pem()))
     }
 }
 

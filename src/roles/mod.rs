@@ -1,0 +1,105 @@
+//! The disaggregated deployment: `ditstream gateway`, `ditstream denoiser` and `ditstream decoder`
+//! as separate processes (or hosts). The gateway serves clients and routes each request to a free
+//! denoiser pool and the least-loaded decoder instance; the denoiser streams the finished latent,
+//! chunk by chunk, over the latent link to that decoder, and is free for the next request as soon
+//! as the last chunk is handed over, while the decoder is still decoding.
+//!
+//! - [`gateway`]: public `VideoService` + `PoolRegistry`, admission, routing, relaying;
+//! - [`denoiser`]: `DenoiserPool` around a [`crate::pipeline::DenoiseStage`];
+//! - [`decoder`]: `DecoderPool` and the latent-link listener around a
+//!   [`crate::pipeline::DecodeStage`];
+//! - [`registration`]: how a pool registers and keeps its heartbeat.
+
+pub mod decoder;
+pub mod denoiser;
+pub mod gateway;
+pub mod registration;
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use anyhow::Context;
+use ditstream_common::config::Config;
+use ditstream_common::link::quic::{Identity, PoolCa};
+
+/// The pools' TLS identity for the latent link, from the config's PEM files (relative paths are
+/// relative to the config file's folder).
+pub fn link_identity(cfg: &Config, config_dir: &Path) -> anyhow::Result<Identity> {
+    let p = &cfg.pools;
+    let path = |s: &str| config_dir.join(s);
+    Identity::from_pem_files(&path(&p.tls_cert), &path(&p.tls_key), &path(&p.tls_ca))
+        .context("pools.tls_*: run `ditstream certs --out certs` to make a development set")
+}
+
+/// `ditstream certs`: a fresh pool CA and one certificate for `hosts`, written as `ca.pem`,
+/// `pool.pem` and `pool-key.pem` under `out`.
+pub fn write_certs(out: &Path, hosts: &[String]) -> anyhow::Result<()> {
+    let ca = PoolCa::generate("ditstream pools")?;
+    let (cert, key) = ca.issue_pem(hosts)?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    for (name, text) in [
+        ("ca.pem", ca.pem()),
+        ("pool.pem", cert),
+        ("pool-key.pem", key),
+    ] {
+        let path = out.join(name);
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Reads and validates a pool config; returns it and the folder its relative paths start from.
+fn load(path: &Path) -> anyhow::Result<(Config, std::path::PathBuf)> {
+    let cfg = Config::from_file(path)?;
+    cfg.validate(None)?;
+    let dir = path
+        .parent()
+        .map_or_else(|| Path::new(".").to_path_buf(), Path::to_path_buf);
+    Ok((cfg, dir))
+}
+
+async fn until_ctrl_c(what: &str, addr: impl std::fmt::Display) -> anyhow::Result<()> {
+    eprintln!("ditstream {what} on {addr} (Ctrl-C stops)");
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for Ctrl-C")?;
+    Ok(())
+}
+
+/// `ditstream gateway`.
+pub async fn run_gateway(path: &Path, listen: Option<SocketAddr>) -> anyhow::Result<()> {
+    let (cfg, _) = load(path)?;
+    let listen = match listen {
+        Some(a) => a,
+        None => addr("serving.listen", &cfg.serving.listen)?,
+    };
+    let gateway = gateway::start(&cfg, listen).await?;
+    // Tests and scripts read the real address (port 0 picks one) from this line.
+    println!("gateway listening on {}", gateway.addr);
+    until_ctrl_c("gateway", gateway.addr).await
+}
+
+/// `ditstream denoiser`.
+pub async fn run_denoiser(path: &Path) -> anyhow::Result<()> {
+    let (cfg, dir) = load(path)?;
+    let pool = denoiser::start(&cfg, &dir).await?;
+    until_ctrl_c("denoiser pool", pool.addr).await
+}
+
+/// `ditstream decoder`.
+pub async fn run_decoder(path: &Path) -> anyhow::Result<()> {
+    let (cfg, dir) = load(path)?;
+    let pool = decoder::start(&cfg, &dir).await?;
+    until_ctrl_c(
+        "decoder instance",
+        format!("{} (latent link {})", pool.addr, pool.link_addr),
+    )
+    .await
+}
+
+/// Parses a config address field.
+pub fn addr(key: &str, value: &str) -> anyhow::Result<SocketAddr> {
+    value
+        .parse()
+        .with_context(|| format!("{key} = {value:?}: not an address"))
+}

@@ -1,0 +1,273 @@
+//! The disaggregated deployment as an operator runs it: `ditstream gateway`, `ditstream denoiser`
+//! and `ditstream decoder` as separate processes on loopback (gRPC between them, the latent over
+//! QUIC with mutual TLS), a real client, the MP4 checked with ffprobe. Also: the denoiser takes
+//! request N+1 while the decoder still works on N, and a decoder that dies is dropped from the
+//! registry and a new one takes over.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ditstream_proto::v1 as pb;
+use ditstream_proto::v1::generate_event::Event as E;
+use ditstream_proto::v1::video_service_client::VideoServiceClient;
+
+/// A child process killed when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ditstream"))
+}
+
+struct Deployment {
+    dir: PathBuf,
+    gateway: String,
+    _gateway: Proc,
+    pools: Vec<Proc>,
+}
+
+fn config(gateway: &str) -> String {
+    format!(
+        "model:\n  preset: tiny\nsampler:\n  steps: 3\nserving:\n  width: 128\n  height: 96\n  num_frames: 17\n  \
+         fps: 16\n  queue_depth: 4\npools:\n  gateway: {gateway}\n  heartbeat_timeout_s: 2\n  tls_ca: certs/ca.pem\n  \
+         tls_cert: certs/pool.pem\n  tls_key: certs/pool-key.pem\n"
+    )
+}
+
+impl Deployment {
+    /// Certificates, a gateway on a free port, one denoiser pool and one decoder instance.
+    fn start(name: &str) -> Deployment {
+        let dir =
+            std::env::temp_dir().join(format!("ditstream-pools-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let status = bin()
+            .args(["certs", "--out"])
+            .arg(dir.join("certs"))
+            .status()
+            .unwrap();
+        assert!(status.success());
+        std::fs::write(dir.join("gateway.yaml"), config("127.0.0.1:1")).unwrap();
+        let mut gateway = bin()
+            .args(["gateway", "--listen", "127.0.0.1:0", "--config"])
+            .arg(dir.join("gateway.yaml"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(gateway.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("gateway listening on ")
+            .expect("the gateway prints its address")
+            .to_string();
+        std::fs::write(dir.join("pools.yaml"), config(&addr)).unwrap();
+        let mut d = Deployment {
+            dir,
+            gateway: addr,
+            _gateway: Proc(gateway),
+            pools: Vec::new(),
+        };
+        d.spawn_pool("denoiser");
+        d.spawn_pool("decoder");
+        d
+    }
+
+    fn spawn_pool(&mut self, role: &str) {
+        let child = bin()
+            .args([role, "--config"])
+            .arg(self.dir.join("pools.yaml"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.pools.push(Proc(child));
+    }
+
+    async fn client(&self) -> VideoServiceClient<tonic::transport::Channel> {
+        VideoServiceClient::connect(format!("http://{}", self.gateway))
+            .await
+            .unwrap()
+            .max_decoding_message_size(64 << 20)
+    }
+
+    /// Waits until the gateway has both a denoiser and a decoder.
+    async fn ready(&self) {
+        let mut client = self.client().await;
+        let start = Instant::now();
+        while !client
+            .health(pb::HealthRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .serving
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the pools never registered"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Every event of one request with its arrival time, or the final error status.
+async fn run(
+    client: &mut VideoServiceClient<tonic::transport::Channel>,
+    prompt: &str,
+    t0: Instant,
+) -> Result<Vec<(f64, E)>, tonic::Status> {
+    let req = pb::GenerateRequest {
+        prompt: prompt.into(),
+        seed: Some(9),
+        ..Default::default()
+    };
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut out = Vec::new();
+    while let Some(e) = stream.message().await? {
+        out.push((t0.elapsed().as_secs_f64(), e.event.unwrap()));
+    }
+    Ok(out)
+}
+
+fn mp4(events: &[(f64, E)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (_, e) in events {
+        match e {
+            E::InitSegment(i) => out.extend_from_slice(&i.data),
+            E::MediaSegment(s) => out.extend_from_slice(&s.data),
+            _ => {}
+        }
+    }
+    out
+}
+
+fn probe(path: &Path) -> String {
+    let out = Command::new("ffprobe")
+        .args([
+            "-v",
+            "error",
+            "-count_frames",
+            "-show_entries",
+            "stream=width,height,nb_read_frames",
+            "-of",
+            "csv=p=0",
+        ])
+        .arg(path)
+        .output()
+        .expect("ffprobe is required (scripts/install-deps.sh installs ffmpeg)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_stream_a_playable_video_and_pipeline_requests() {
+    let d = Deployment::start("main");
+    d.ready().await;
+    let t0 = Instant::now();
+    let (mut c1, mut c2) = (d.client().await, d.client().await);
+    let (first, second) = tokio::join!(run(&mut c1, "first", t0), async {
+        // Queued behind the first (one denoiser pool).
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        run(&mut c2, "second", t0).await
+    });
+    let (first, second) = (first.unwrap(), second.unwrap());
+    for (name, events) in [("first", &first), ("second", &second)] {
+        let Some((_, E::Completed(done))) = events.last() else {
+            panic!("{name}: {:?}", events.last())
+        };
+        assert_eq!((done.frames, done.segments), (17, 5), "{name}");
+        let t = done.timings.unwrap();
+        assert!(
+            t.denoise_ms > 0.0 && t.decode_ms > 0.0 && t.first_segment_ms <= t.total_ms,
+            "{name}: {t:?}"
+        );
+        let path = d.dir.join(format!("{name}.mp4"));
+        std::fs::write(&path, mp4(events)).unwrap();
+        assert_eq!(probe(&path), "128,96,17", "{name}");
+    }
+    // Pipelining: the second request's denoising starts while the first is still decoding.
+    let first_done = first.last().unwrap().0;
+    let second_denoise = second
+        .iter()
+        .find(|(_, e)| matches!(e, E::Progress(p) if p.phase == pb::Phase::Denoise as i32))
+        .expect("the second request denoised")
+        .0;
+    let first_latent_handed = first
+        .iter()
+        .rfind(|(_, e)| matches!(e, E::Progress(p) if p.phase == pb::Phase::Denoise as i32))
+        .unwrap()
+        .0;
+    eprintln!(
+        "request 1: latent handed over at {first_latent_handed:.3} s, done at {first_done:.3} s; \
+         request 2: first denoising step at {second_denoise:.3} s"
+    );
+    assert!(
+        second_denoise < first_done,
+        "request 2 began denoising at {second_denoise:.3} s, after request 1 finished at {first_done:.3} s"
+    );
+    assert!(
+        second_denoise > first_latent_handed,
+        "one denoiser pool runs one loop at a time"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_decoder_is_dropped_and_a_new_one_serves() {
+    let mut d = Deployment::start("failover");
+    d.ready().await;
+    // Kill the decoder: after the heartbeat timeout the gateway no longer counts it.
+    d.pools.remove(1);
+    let mut client = d.client().await;
+    let start = Instant::now();
+    while client
+        .health(pb::HealthRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .serving
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the dead decoder was never dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let models = client
+        .list_models(pb::ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        models.models[0].description,
+        "1 denoiser pool(s), 0 decoder instance(s)"
+    );
+    // A request waits in the queue until a decoder registers, then completes.
+    let t0 = Instant::now();
+    let mut c = d.client().await;
+    let pending = tokio::spawn(async move { run(&mut c, "after failover", t0).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    d.spawn_pool("decoder");
+    let events = pending.await.unwrap().unwrap();
+    assert!(
+        matches!(events.last(), Some((_, E::Completed(_)))),
+        "{:?}",
+        events.last()
+    );
+}

@@ -116,7 +116,7 @@ impl MappedFile {
         let (header_len, metadata) =
             safetensors::SafeTensors::read_metadata(&map).map_err(|e| WeightsError::Format {
                 path: path.to_path_buf(),
-                message: e.to_string(),
+                message: format!("not a safetensors file: {e}"),
             })?;
         Ok(MappedFile {
             path: path.to_path_buf(),
@@ -144,7 +144,7 @@ impl Checkpoint {
         if index.is_file() {
             Self::open_index(&index)
         } else if single.is_file() {
-            Self::open_files(&[single], dir)
+            Self::open_files(std::slice::from_ref(&single), &single)
         } else {
             Err(WeightsError::NoWeights {
                 dir: dir.to_path_buf(),
@@ -181,10 +181,11 @@ impl Checkpoint {
         shards.sort();
         let dir = index.parent().unwrap_or(Path::new("."));
         let paths: Vec<PathBuf> = shards.iter().map(|s| dir.join(s)).collect();
-        Self::open_files(&paths, dir)
+        Self::open_files(&paths, index)
     }
 
-    fn open_files(paths: &[PathBuf], dir: &Path) -> Result<Checkpoint, WeightsError> {
+    /// `origin` names the checkpoint in errors: the single file, or the index.
+    fn open_files(paths: &[PathBuf], origin: &Path) -> Result<Checkpoint, WeightsError> {
         let files = paths
             .iter()
             .map(|p| MappedFile::open(p))
@@ -196,7 +197,7 @@ impl Checkpoint {
             }
         }
         Ok(Checkpoint {
-            origin: dir.display().to_string(),
+            origin: origin.display().to_string(),
             files,
             index,
         })

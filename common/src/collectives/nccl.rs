@@ -535,6 +535,13 @@ pub struct NcclComm {
     barrier_buf: RefCell<CudaSlice<f32>>,
 }
 
+// SAFETY: NCCL lets a communicator be used from any thread as long as no two calls on it run at
+// once. `NcclComm` is `Send` but not `Sync` (its `RefCell`s forbid shared use), so whoever owns it
+// calls it from one thread at a time; moving it to another thread (a rank's worker, a decoder
+// instance's thread) is the same as the `SendComm` hand-off above. The raw handle is the only
+// field that is not `Send` by itself.
+unsafe impl Send for NcclComm {}
+
 impl Drop for NcclComm {
     fn drop(&mut self) {
         if self.broken.borrow().is_some() {
@@ -1147,3 +1154,9 @@ impl Drop for NcclPending<'_> {
         }
     }
 }
+
+/// `NcclComm` moves between threads: parallel wrappers own it inside their rank's worker.
+const _: () = {
+    const fn assert_send<T: Send>() {}
+    assert_send::<NcclComm>();
+};

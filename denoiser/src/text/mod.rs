@@ -14,7 +14,6 @@
 //! prompt is encoded once per process.
 
 mod cache;
-mod checkpoint;
 pub mod config;
 pub mod t5;
 pub mod tokenizer;
@@ -25,7 +24,6 @@ use std::sync::{Arc, Mutex};
 use ditstream_kernels::{DType, Device, KernelError, Tensor};
 
 pub use cache::CacheStats;
-pub use checkpoint::{WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
 pub use config::{T5Activation, T5Config, T5Variant};
 pub use t5::{T5Encoder, relative_position_bucket};
 pub use tokenizer::{PromptTokenizer, TokenizedPrompt, prompt_clean};
@@ -63,34 +61,10 @@ pub enum TextError {
         /// The value and the rule.
         message: String,
     },
-    /// A weights file or index is malformed.
-    #[error("{path}: {message}")]
-    Checkpoint {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        message: String,
-    },
-    /// A tensor the model needs is not in the checkpoint.
-    #[error("{path}: tensor `{name}` is missing")]
-    MissingTensor {
-        /// Checkpoint name of the tensor.
-        name: String,
-        /// The weights file or index searched.
-        path: PathBuf,
-    },
-    /// A tensor has the wrong shape for the config.
-    #[error("{path}: tensor `{name}` has shape {got:?}, the config needs {expected:?}")]
-    TensorShape {
-        /// Checkpoint name of the tensor.
-        name: String,
-        /// The file holding it.
-        path: PathBuf,
-        /// The shape the config implies.
-        expected: Vec<usize>,
-        /// The shape stored.
-        got: Vec<usize>,
-    },
+    /// The weights are missing, malformed, or a tensor is absent or misshapen (names the file
+    /// and the tensor).
+    #[error(transparent)]
+    Weights(#[from] ditstream_kernels::weights::WeightsError),
     /// `tokenizer.json` cannot be parsed or lacks what the pipeline needs.
     #[error("{path}: not a usable tokenizer: {message}")]
     Tokenizer {

@@ -17,8 +17,8 @@
 use ditstream_kernels::{DType, Device, Tensor};
 
 use super::TextError;
-use super::checkpoint::Checkpoint;
 use super::config::{T5Activation, T5Config, T5Variant};
+use ditstream_kernels::weights::{Checkpoint, WeightSource};
 
 /// transformers' `_relative_position_bucket` for a bidirectional encoder: the bucket of
 /// `relative_position = key − query`.
@@ -107,6 +107,11 @@ pub struct T5Encoder {
     final_norm: Tensor,
 }
 
+/// Tensor `name` of `shape` in f32 (the CPU compute dtype; bf16 and f16 checkpoints widen).
+fn get(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Tensor, TextError> {
+    Ok(ckpt.tensor(name, shape, DType::F32)?)
+}
+
 impl T5Encoder {
     /// Loads the encoder of a transformers checkpoint folder (`config.json` plus `model.safetensors`
     /// or a sharded `model.safetensors.index.json`), with the checkpoint's tensor names
@@ -114,7 +119,7 @@ impl T5Encoder {
     /// presence and shape.
     pub fn from_dir(dir: &std::path::Path) -> Result<Self, TextError> {
         let config = T5Config::from_file(&dir.join("config.json"))?;
-        let checkpoint = Checkpoint::read_dir(dir)?;
+        let checkpoint = Checkpoint::open_dir(dir, "model")?;
         Self::from_checkpoint(config, &checkpoint)
     }
 
@@ -122,14 +127,14 @@ impl T5Encoder {
         let (d, inner, ff) = (config.d_model, config.inner_dim(), config.d_ff);
         // The embedding is tied: checkpoints save it as `shared.weight`, some also or only as
         // `encoder.embed_tokens.weight`.
-        let embedding_name = if ckpt.contains("shared.weight") {
+        let embedding_name = if ckpt.shape("shared.weight").is_some() {
             "shared.weight"
-        } else if ckpt.contains("encoder.embed_tokens.weight") {
+        } else if ckpt.shape("encoder.embed_tokens.weight").is_some() {
             "encoder.embed_tokens.weight"
         } else {
             "shared.weight"
         };
-        let embedding = ckpt.get(embedding_name, &[config.vocab_size, d])?;
+        let embedding = get(ckpt, embedding_name, &[config.vocab_size, d])?;
         let mut blocks = Vec::with_capacity(config.num_layers);
         for i in 0..config.num_layers {
             let p = format!("encoder.block.{i}.layer");
@@ -139,40 +144,41 @@ impl T5Encoder {
             };
             let relative_bias = if has_bias {
                 let name = format!("{p}.0.SelfAttention.relative_attention_bias.weight");
-                Some(
-                    ckpt.get(&name, &[config.num_buckets, config.num_heads])?
-                        .to_vec_f32()?,
-                )
+                Some(get(ckpt, &name, &[config.num_buckets, config.num_heads])?.to_vec_f32()?)
             } else {
                 None
             };
             let ffn = if config.gated {
                 FeedForward {
-                    wi_0: ckpt.get(&format!("{p}.1.DenseReluDense.wi_0.weight"), &[ff, d])?,
-                    wi_1: Some(ckpt.get(&format!("{p}.1.DenseReluDense.wi_1.weight"), &[ff, d])?),
-                    wo: ckpt.get(&format!("{p}.1.DenseReluDense.wo.weight"), &[d, ff])?,
+                    wi_0: get(ckpt, &format!("{p}.1.DenseReluDense.wi_0.weight"), &[ff, d])?,
+                    wi_1: Some(get(
+                        ckpt,
+                        &format!("{p}.1.DenseReluDense.wi_1.weight"),
+                        &[ff, d],
+                    )?),
+                    wo: get(ckpt, &format!("{p}.1.DenseReluDense.wo.weight"), &[d, ff])?,
                 }
             } else {
                 FeedForward {
-                    wi_0: ckpt.get(&format!("{p}.1.DenseReluDense.wi.weight"), &[ff, d])?,
+                    wi_0: get(ckpt, &format!("{p}.1.DenseReluDense.wi.weight"), &[ff, d])?,
                     wi_1: None,
-                    wo: ckpt.get(&format!("{p}.1.DenseReluDense.wo.weight"), &[d, ff])?,
+                    wo: get(ckpt, &format!("{p}.1.DenseReluDense.wo.weight"), &[d, ff])?,
                 }
             };
             blocks.push(Block {
-                attn_norm: ckpt.get(&format!("{p}.0.layer_norm.weight"), &[d])?,
+                attn_norm: get(ckpt, &format!("{p}.0.layer_norm.weight"), &[d])?,
                 attn: SelfAttention {
-                    q: ckpt.get(&format!("{p}.0.SelfAttention.q.weight"), &[inner, d])?,
-                    k: ckpt.get(&format!("{p}.0.SelfAttention.k.weight"), &[inner, d])?,
-                    v: ckpt.get(&format!("{p}.0.SelfAttention.v.weight"), &[inner, d])?,
-                    o: ckpt.get(&format!("{p}.0.SelfAttention.o.weight"), &[d, inner])?,
+                    q: get(ckpt, &format!("{p}.0.SelfAttention.q.weight"), &[inner, d])?,
+                    k: get(ckpt, &format!("{p}.0.SelfAttention.k.weight"), &[inner, d])?,
+                    v: get(ckpt, &format!("{p}.0.SelfAttention.v.weight"), &[inner, d])?,
+                    o: get(ckpt, &format!("{p}.0.SelfAttention.o.weight"), &[d, inner])?,
                     relative_bias,
                 },
-                ffn_norm: ckpt.get(&format!("{p}.1.layer_norm.weight"), &[d])?,
+                ffn_norm: get(ckpt, &format!("{p}.1.layer_norm.weight"), &[d])?,
                 ffn,
             });
         }
-        let final_norm = ckpt.get("encoder.final_layer_norm.weight", &[d])?;
+        let final_norm = get(ckpt, "encoder.final_layer_norm.weight", &[d])?;
         Ok(T5Encoder {
             config,
             embedding,

@@ -9,9 +9,11 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
+use ditstream_common::collectives::cpu::{CpuRank, CpuWorld};
 use ditstream_common::config::{
     Config, DeviceKind, EncoderKind, Preset, SamplerConfig, WeightSource as SourceKind,
 };
+use ditstream_common::mesh::Mesh;
 use ditstream_decoder::encode::{
     EncoderBackend, MediaSegment, OpenH264Options, RgbFrame, SegmentPlan, SegmentWriter,
     VideoParams, X264Options, encode_single_fragment, vae_output_to_rgb,
@@ -21,6 +23,7 @@ use ditstream_denoiser::denoise::{
     Control, DenoiseError, DenoiseParams, Experts, StepProgress, denoise, initial_noise,
 };
 use ditstream_denoiser::model::{WanConfig, WanTransformer};
+use ditstream_denoiser::parallel::{self, MeshComms, ParallelError, check_mesh};
 use ditstream_denoiser::text::TextEncoder;
 use ditstream_kernels::weights::RandomWeights;
 use ditstream_kernels::{DType, Tensor};
@@ -99,13 +102,15 @@ fn check_device(cfg: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The denoiser pool's half: text encoder and transformer(s).
+/// The denoiser pool's half: text encoder and transformer(s), run on the config's mesh.
 pub struct DenoiseStage {
     text: TextEncoder,
     high: WanTransformer,
     /// Wan2.2-A14B's low-noise expert and its boundary ratio.
     low: Option<(WanTransformer, f64)>,
     sampler: SamplerConfig,
+    /// cfg × cp × ulysses ranks; on the CPU each rank is a thread.
+    mesh: Mesh,
 }
 
 impl DenoiseStage {
@@ -134,12 +139,20 @@ impl DenoiseStage {
                 text.d_model()
             );
         }
+        let mesh = cfg.validate(None)?;
+        check_mesh(&mesh, high.config(), mesh.world_size())?;
         Ok(DenoiseStage {
             text,
             high,
             low,
             sampler: cfg.sampler.clone(),
+            mesh,
         })
+    }
+
+    /// The mesh the loop runs on.
+    pub fn mesh(&self) -> &Mesh {
+        &self.mesh
     }
 
     /// Latent channels (the transformer's `in_channels`).
@@ -178,7 +191,63 @@ impl DenoiseStage {
             high: &self.high,
             low: self.low.as_ref().map(|(m, b)| (m, *b)),
         };
-        denoise(experts, &params, noise, cond, Some(uncond), on_step)
+        if self.mesh.world_size() == 1 {
+            return denoise(experts, &params, noise, cond, Some(uncond), on_step);
+        }
+        self.denoise_on_mesh(experts, &params, noise, cond, uncond, on_step)
+    }
+
+    /// The loop on every rank of the mesh, ranks as threads over the in-process collectives: rank 0
+    /// runs on the calling thread (it reports progress and can cancel; the ranks agree on
+    /// cancellation after every step), the others on scoped threads. Fresh communicators per
+    /// request mean a failed request leaves nothing poisoned behind.
+    fn denoise_on_mesh(
+        &self,
+        experts: Experts<'_>,
+        params: &DenoiseParams,
+        noise: Tensor,
+        cond: &Tensor,
+        uncond: &Tensor,
+        mut on_step: impl FnMut(StepProgress) -> Control,
+    ) -> Result<Tensor, DenoiseError> {
+        let world = CpuWorld::new(self.mesh.world_size());
+        let mut ranks = world.ranks().into_iter();
+        let Some(rank0) = ranks.next() else {
+            unreachable!("a mesh has at least one rank");
+        };
+        let mesh = self.mesh;
+        // The text states reach every rank once (in one process, by reference: the broadcast).
+        let run = |rank: CpuRank, on_step: &mut dyn FnMut(StepProgress) -> Control| {
+            let comms = MeshComms::new(&rank, mesh)?;
+            parallel::denoise(
+                experts,
+                &comms,
+                params,
+                noise.clone(),
+                cond,
+                Some(uncond),
+                on_step,
+            )
+        };
+        let result = std::thread::scope(|scope| {
+            let others: Vec<_> = ranks
+                .map(|rank| scope.spawn(move || run(rank, &mut |_| Control::Continue)))
+                .collect();
+            let mine = run(rank0, &mut on_step);
+            for other in others {
+                // Every rank ends with the same latent or an error: rank 0's answer speaks for the
+                // request. A panicking rank poisons the group, so rank 0 has failed too.
+                let _ = other.join();
+            }
+            mine
+        });
+        result.map_err(|e| match e {
+            ParallelError::Denoise(d) => d,
+            other => DenoiseError::Input {
+                what: "parallel denoise",
+                rule: other.to_string(),
+            },
+        })
     }
 }
 
@@ -214,6 +283,15 @@ impl DecodeStage {
     /// Builds the VAE and checks the encoder backend the config names.
     pub fn from_config(cfg: &Config) -> anyhow::Result<DecodeStage> {
         check_device(cfg)?;
+        let vae_ranks = cfg.vae_layout().size();
+        if vae_ranks > 1 {
+            // decoder::parallel (halo exchange) is checked against the unsharded decode in its tests,
+            // but the serving path does not shard yet: say so rather than pretend.
+            tracing::warn!(
+                parallel_vae_size = vae_ranks,
+                "the serving path decodes on one rank for now; parallel_vae_size is not applied"
+            );
+        }
         let m = &cfg.model;
         let vae = match (m.weights, &m.checkpoint, m.preset) {
             (SourceKind::Random, _, Some(Preset::Tiny)) => WanVaeDecoder::from_weights(

@@ -7,7 +7,7 @@ use std::fmt;
 pub enum Device {
     /// Host memory; ops run the f32 reference backend.
     Cpu,
-    /// CUDA device with this ordinal (backend to follow; ops answer `UnsupportedDevice` today).
+    /// CUDA device with this ordinal (feature `cuda`; without it ops answer `UnsupportedDevice`).
     Cuda(usize),
 }
 

@@ -98,6 +98,38 @@ pub enum KernelError {
         /// Device of an operand that differs.
         other: Device,
     },
+    /// A CUDA library could not be loaded, or no usable GPU was found.
+    #[error("CUDA unavailable: {library}: {detail}")]
+    CudaUnavailable {
+        /// The library (`libcuda`, `libnvrtc`, `libcublasLt`) or `device`.
+        library: &'static str,
+        /// What was tried and what happened.
+        detail: String,
+    },
+    /// A CUDA driver, cuBLASLt or NVRTC call failed.
+    #[error("{op}: CUDA call {call} failed on {device}: {detail}")]
+    Cuda {
+        /// The op or backend step.
+        op: &'static str,
+        /// The failing call.
+        call: &'static str,
+        /// The device.
+        device: Device,
+        /// The error the library returned.
+        detail: String,
+    },
+    /// NVRTC rejected a kernel source; `log` is the compiler's log.
+    #[error("NVRTC could not compile {source_name} for {arch} (options {options:?}):\n{log}")]
+    Compile {
+        /// The `.cu` source (op folder name).
+        source_name: &'static str,
+        /// The target architecture (e.g. `sm_90a`).
+        arch: String,
+        /// The options passed to NVRTC.
+        options: Vec<String>,
+        /// NVRTC's program log.
+        log: String,
+    },
     /// The op has no implementation for this device (yet).
     #[error("{op}: not implemented on {device}")]
     UnsupportedDevice {

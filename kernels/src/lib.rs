@@ -5,13 +5,18 @@
 //!   `reshape` of contiguous data is free.
 //! - [`ops`]: every op the models call, one folder each. An op's `mod.rs` checks shapes and dispatches on
 //!   the device; its `cpu.rs` is the f32 reference, written to be read. The CUDA backend slots in as a
-//!   second arm of each dispatch (today that arm answers [`KernelError::UnsupportedDevice`]).
+//!   second arm of each dispatch: with feature `cuda` its `cuda.rs` (and `<op>.cu`), else
+//!   [`KernelError::UnsupportedDevice`].
+//! - `cuda` (feature `cuda`): the GPU backend's device layer: contexts, the per-device stream, NVRTC
+//!   compilation with a CUBIN cache, cuBLASLt plans, device storage.
 //! - [`weights`]: checkpoints (safetensors, sharded or not) and seeded random weights, by name.
 //! - [`testing`]: approximate-equality helpers shared by the unit tests here and the model crates.
 //!
 //! Dtype rule for every op: maths runs in f32; the output takes the dtype of the op's first (primary)
 //! input; secondary inputs (weights, modulation, gates) may be f32 or bf16 independently. LSE is always f32.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod device;
 mod error;
 pub mod ops;

@@ -18,11 +18,13 @@ pub(crate) enum CpuStorage {
     BF16(Vec<bf16>),
 }
 
-/// Storage of a tensor, one variant per backend. The CUDA variant (a cudarc `CudaSlice` per dtype and the
-/// device ordinal) is added with the CUDA backend; every `match` on this enum is a dispatch point.
+/// Storage of a tensor, one variant per backend; every `match` on this enum is a dispatch point.
 #[derive(Debug)]
 pub(crate) enum Storage {
     Cpu(CpuStorage),
+    /// A device buffer (f32 or bf16) on one GPU (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaStorage),
 }
 
 /// An n-dimensional array: contiguous, row-major, f32 or bf16, on one device.
@@ -155,15 +157,20 @@ impl Tensor {
         Self::from_cpu(CpuStorage::from_f32(data, dtype), shape, "op output")
     }
 
+    /// Wraps a device buffer (op outputs on a GPU); the buffer holds at least the shape's elements.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn from_cuda(storage: crate::cuda::CudaStorage, shape: &[usize]) -> Self {
+        Tensor {
+            storage: Arc::new(Storage::Cuda(storage)),
+            shape: shape.to_vec(),
+        }
+    }
+
     /// A tensor of `value` everywhere.
     pub fn full(shape: &[usize], value: f32, dtype: DType, device: Device) -> Result<Self> {
-        match device {
-            Device::Cpu => {
-                let numel = shape.iter().product();
-                Self::from_f32_cpu(vec![value; numel], shape, dtype)
-            }
-            Device::Cuda(_) => Err(KernelError::UnsupportedDevice { op: "full", device }),
-        }
+        // Built on the host and uploaded: fills are rare (caches, accumulators), not per step.
+        let numel = shape.iter().product();
+        Self::from_f32_cpu(vec![value; numel], shape, dtype)?.to_device(device)
     }
 
     /// A tensor of zeros.
@@ -173,18 +180,11 @@ impl Tensor {
 
     /// Standard normal samples; element `i` depends only on `(seed, i)` (see the `rng` module), so the
     /// same seed gives the same tensor on every machine and thread count. bf16 stores the rounded samples.
+    /// On a GPU the samples are drawn on the host and uploaded, so they equal the CPU's bit for bit.
     pub fn randn(shape: &[usize], dtype: DType, seed: u64, device: Device) -> Result<Self> {
-        match device {
-            Device::Cpu => {
-                let numel: usize = shape.iter().product();
-                let data = (0..numel as u64).map(|i| rng::normal_at(seed, i)).collect();
-                Self::from_f32_cpu(data, shape, dtype)
-            }
-            Device::Cuda(_) => Err(KernelError::UnsupportedDevice {
-                op: "randn",
-                device,
-            }),
-        }
+        let numel: usize = shape.iter().product();
+        let data = (0..numel as u64).map(|i| rng::normal_at(seed, i)).collect();
+        Self::from_f32_cpu(data, shape, dtype)?.to_device(device)
     }
 
     /// Dimensions, outermost first.
@@ -218,6 +218,8 @@ impl Tensor {
     pub fn dtype(&self) -> DType {
         match self.storage.as_ref() {
             Storage::Cpu(cpu) => cpu.dtype(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(gpu) => gpu.dtype(),
         }
     }
 
@@ -225,17 +227,43 @@ impl Tensor {
     pub fn device(&self) -> Device {
         match self.storage.as_ref() {
             Storage::Cpu(_) => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(gpu) => gpu.device(),
         }
     }
 
     /// Host storage, or `UnsupportedDevice` naming `op` for a tensor on another device.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] // `op` names the GPU case only
     pub(crate) fn cpu_storage(&self, op: &'static str) -> Result<&CpuStorage> {
-        let device = self.device();
-        if device != Device::Cpu {
-            return Err(KernelError::UnsupportedDevice { op, device });
-        }
         match self.storage.as_ref() {
             Storage::Cpu(cpu) => Ok(cpu),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => Err(KernelError::UnsupportedDevice {
+                op,
+                device: self.device(),
+            }),
+        }
+    }
+
+    /// Device storage, or `UnsupportedDevice` naming `op` for a tensor on the host.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_storage(&self, op: &'static str) -> Result<&crate::cuda::CudaStorage> {
+        match self.storage.as_ref() {
+            Storage::Cuda(gpu) => Ok(gpu),
+            Storage::Cpu(_) => Err(KernelError::UnsupportedDevice {
+                op,
+                device: Device::Cpu,
+            }),
+        }
+    }
+
+    /// The values in host memory: borrowed on the CPU, copied back from a GPU (which waits for the ops
+    /// queued on its stream).
+    fn host_storage(&self) -> Result<Cow<'_, CpuStorage>> {
+        match self.storage.as_ref() {
+            Storage::Cpu(cpu) => Ok(Cow::Borrowed(cpu)),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(gpu) => Ok(Cow::Owned(gpu.download(self.numel())?)),
         }
     }
 
@@ -248,16 +276,19 @@ impl Tensor {
         })
     }
 
-    /// A copy of the values as f32 in host memory (bf16 widens exactly).
+    /// A copy of the values as f32 in host memory (bf16 widens exactly); from any device.
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
-        Ok(self.cpu_f32("to_vec_f32")?.into_owned())
+        Ok(match self.host_storage()?.into_owned() {
+            CpuStorage::F32(data) => data,
+            CpuStorage::BF16(data) => data.iter().map(|v| v.to_f32()).collect(),
+        })
     }
 
-    /// A copy of the values as bf16 in host memory (f32 rounds to nearest even).
+    /// A copy of the values as bf16 in host memory (f32 rounds to nearest even); from any device.
     pub fn to_vec_bf16(&self) -> Result<Vec<bf16>> {
-        Ok(match self.cpu_storage("to_vec_bf16")? {
+        Ok(match self.host_storage()?.into_owned() {
             CpuStorage::F32(data) => data.iter().map(|&v| bf16::from_f32(v)).collect(),
-            CpuStorage::BF16(data) => data.clone(),
+            CpuStorage::BF16(data) => data,
         })
     }
 
@@ -267,19 +298,49 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
+        #[cfg(feature = "cuda")]
+        if let Storage::Cuda(src) = self.storage.as_ref() {
+            let out = crate::cuda::CudaBackend::get(src.ordinal)?.alloc(dtype, self.numel())?;
+            let strides = contiguous_strides(&self.shape);
+            crate::cuda::copy_strided(
+                "to_dtype",
+                src,
+                0,
+                &strides,
+                &out,
+                0,
+                &strides,
+                &self.shape,
+            )?;
+            return Ok(Self::from_cuda(out, &self.shape));
+        }
         let values = self.cpu_f32("to_dtype")?.into_owned();
         Self::from_f32_cpu(values, &self.shape, dtype)
     }
 
-    /// A copy on `device` (a cheap clone when already there).
+    /// A copy on `device` (a cheap clone when already there). Between two GPUs the copy goes through
+    /// the host (peer copies are the collectives' business).
     pub fn to_device(&self, device: Device) -> Result<Self> {
         if device == self.device() {
             return Ok(self.clone());
         }
-        Err(KernelError::UnsupportedDevice {
-            op: "to_device",
-            device,
-        })
+        match device {
+            Device::Cpu => {
+                let host = self.host_storage()?.into_owned();
+                Self::from_cpu(host, &self.shape, "to_device")
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                let host = self.host_storage()?;
+                let gpu = crate::cuda::CudaStorage::upload(&host, ordinal)?;
+                Ok(Self::from_cuda(gpu, &self.shape))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(KernelError::UnsupportedDevice {
+                op: "to_device",
+                device,
+            }),
+        }
     }
 
     /// The same data under a new shape with the same element count. Free: the storage is shared.
@@ -315,6 +376,23 @@ impl Tensor {
         let in_strides = contiguous_strides(&self.shape);
         let out_shape: Vec<usize> = perm.iter().map(|&p| self.shape[p]).collect();
         let strides_by_out_axis: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
+        #[cfg(feature = "cuda")]
+        if let Storage::Cuda(src) = self.storage.as_ref() {
+            let out =
+                crate::cuda::CudaBackend::get(src.ordinal)?.alloc(self.dtype(), self.numel())?;
+            let out_strides = contiguous_strides(&out_shape);
+            crate::cuda::copy_strided(
+                "permute",
+                src,
+                0,
+                &strides_by_out_axis,
+                &out,
+                0,
+                &out_strides,
+                &out_shape,
+            )?;
+            return Ok(Self::from_cuda(out, &out_shape));
+        }
         let storage = map_cpu!(self.cpu_storage("permute")?, |data| {
             StridedOffsets::new(&out_shape, &strides_by_out_axis)
                 .map(|offset| data[offset])
@@ -352,6 +430,22 @@ impl Tensor {
         }
         let mut out_shape = self.shape.clone();
         out_shape[axis] = len;
+        #[cfg(feature = "cuda")]
+        if let Storage::Cuda(src) = self.storage.as_ref() {
+            let numel = outer * len * inner;
+            let out = crate::cuda::CudaBackend::get(src.ordinal)?.alloc(self.dtype(), numel)?;
+            crate::cuda::copy_strided(
+                "narrow",
+                src,
+                start * inner,
+                &contiguous_strides(&self.shape),
+                &out,
+                0,
+                &contiguous_strides(&out_shape),
+                &out_shape,
+            )?;
+            return Ok(Self::from_cuda(out, &out_shape));
+        }
         let storage = map_cpu!(self.cpu_storage("narrow")?, |data| {
             let mut out = Vec::with_capacity(outer * len * inner);
             for o in 0..outer {
@@ -399,6 +493,29 @@ impl Tensor {
         let inner: usize = first.shape[axis + 1..].iter().product();
         let mut out_shape = first.shape.clone();
         out_shape[axis] = tensors.iter().map(|t| t.shape[axis]).sum();
+        #[cfg(feature = "cuda")]
+        if let Storage::Cuda(first_gpu) = first.storage.as_ref() {
+            // Each part lands at its offset along `axis` of the output, read contiguously.
+            let numel = out_shape.iter().product();
+            let out =
+                crate::cuda::CudaBackend::get(first_gpu.ordinal)?.alloc(first.dtype(), numel)?;
+            let out_strides = contiguous_strides(&out_shape);
+            let mut at = 0;
+            for t in tensors {
+                crate::cuda::copy_strided(
+                    "concat",
+                    t.cuda_storage("concat")?,
+                    0,
+                    &contiguous_strides(&t.shape),
+                    &out,
+                    at * out_strides[axis],
+                    &out_strides,
+                    &t.shape,
+                )?;
+                at += t.shape[axis];
+            }
+            return Ok(Self::from_cuda(out, &out_shape));
+        }
 
         // Row `o` of the output is row `o` of each input in turn. Going through f32 is exact for bf16
         // (widening, then rounding a value that is already a bf16).
@@ -478,11 +595,14 @@ mod tests {
         assert_eq!(z.numel(), 6);
         assert_eq!(z.dim(1).ok(), Some(3));
         assert!(z.dim(2).is_err());
-        assert!(matches!(
-            Tensor::zeros(&[2], DType::F32, Device::Cuda(0)),
-            Err(KernelError::UnsupportedDevice { .. })
-        ));
-        assert!(z.to_device(Device::Cuda(1)).is_err());
+        #[cfg(not(feature = "cuda"))]
+        {
+            assert!(matches!(
+                Tensor::zeros(&[2], DType::F32, Device::Cuda(0)),
+                Err(KernelError::UnsupportedDevice { .. })
+            ));
+            assert!(z.to_device(Device::Cuda(1)).is_err());
+        }
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //!
 //! Each folder's `mod.rs` owns the public signatures, their shape contracts and checks, and the device
 //! dispatch; `cpu.rs` is the f32 reference (plain loops over flat row-major slices); `tests.rs` checks
-//! the reference against direct formulas. A CUDA backend adds `cuda.rs` (and `.cu` sources) per folder
-//! and fills the `Device::Cuda` arm of each dispatch, which today answers `UnsupportedDevice`.
+//! the reference against direct formulas. With feature `cuda`, `cuda.rs` (and `<op>.cu`, compiled by
+//! NVRTC at run time) fills the `Device::Cuda` arm of each dispatch; `kernels/tests/cuda_parity.rs`
+//! checks every one against the CPU. `conv` has no CUDA arm yet (it answers `UnsupportedDevice`).
 //!
 //! This file holds the checks every op shares: same device, rank, broadcasting.
 
@@ -30,6 +31,17 @@ pub use ulysses::{
 
 use crate::{Device, KernelError, Result, Tensor};
 
+/// The `.cu` sources of the ops (the kernel compile test walks them).
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) fn kernel_sources() -> [&'static crate::cuda::KernelSource; 4] {
+    [
+        &elementwise::cuda::SOURCE,
+        &norm::cuda::SOURCE,
+        &rope::cuda::SOURCE,
+        &attention::cuda::SOURCE,
+    ]
+}
+
 /// The device all operands share, or `DeviceMismatch`.
 pub(crate) fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Device> {
     let first = tensors.first().map_or(Device::Cpu, |t| t.device());
@@ -45,7 +57,7 @@ pub(crate) fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Devic
     Ok(first)
 }
 
-/// `UnsupportedDevice` for the CUDA arm of a dispatch until the CUDA backend lands.
+/// `UnsupportedDevice` for the CUDA arm of an op without a CUDA twin (or a build without feature `cuda`).
 pub(crate) fn unsupported<T>(op: &'static str, device: Device) -> Result<T> {
     Err(KernelError::UnsupportedDevice { op, device })
 }

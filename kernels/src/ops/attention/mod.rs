@@ -2,10 +2,14 @@
 //! sets: the k-way LSE combine (Attention2D) and Ring's two-partial online-softmax update.
 
 pub(crate) mod cpu;
+#[cfg(feature = "cuda")]
+pub(super) mod cuda;
 #[cfg(test)]
 mod tests;
 
-use super::{dims, expect_rank, same_device, unsupported};
+#[cfg(not(feature = "cuda"))]
+use super::unsupported;
+use super::{dims, expect_rank, same_device};
 use crate::{DType, Device, KernelError, Result, Tensor};
 
 /// Options of [`attention`]; `Default` is Wan's self-attention (scale 1/√D, every key valid).
@@ -79,6 +83,15 @@ pub fn attention(
                 Tensor::from_f32_cpu(lse, &[batch, heads, seq_q], DType::F32)?,
             ))
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::attention(
+            OP,
+            (q, k, v),
+            [batch, seq_q, seq_k, heads, head_dim],
+            scale,
+            kv_len,
+        ),
+        #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
 }
@@ -144,6 +157,9 @@ pub fn lse_combine(parts: &[(&Tensor, &Tensor)]) -> Result<(Tensor, Tensor)> {
                 Tensor::from_f32_cpu(lse, first_lse.shape(), DType::F32)?,
             ))
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::lse_combine(OP, parts, [s[0], s[1], s[2], s[3]]),
+        #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
 }
@@ -178,6 +194,11 @@ pub fn lse_merge_pair(
                 Tensor::from_f32_cpu(merged_lse, lse.shape(), DType::F32)?,
             ))
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            cuda::lse_merge_pair(OP, (out, lse), (out_blk, lse_blk), [s[0], s[1], s[2], s[3]])
+        }
+        #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
 }

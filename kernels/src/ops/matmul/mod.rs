@@ -1,10 +1,14 @@
 //! GEMM ops: batched `matmul` and `linear` with PyTorch's `x @ W.T + b` layout.
 
 pub(crate) mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 #[cfg(test)]
 mod tests;
 
-use super::{same_device, unsupported};
+use super::same_device;
+#[cfg(not(feature = "cuda"))]
+use super::unsupported;
 use crate::{Device, KernelError, Result, Tensor};
 
 /// a [.., M, K] @ b [.., K, N] → [.., M, N] in a's dtype, f32 accumulation.
@@ -39,6 +43,12 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
             );
             Tensor::from_f32_cpu(out, &out_shape, a.dtype())
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let batch: usize = a_batch.iter().product();
+            cuda::matmul(OP, a, b, (batch, b_batch.is_empty()), (m, k, n), &out_shape)
+        }
+        #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
 }
@@ -76,6 +86,16 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
             );
             Tensor::from_f32_cpu(out, &out_shape, x.dtype())
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::linear(
+            OP,
+            x,
+            w,
+            bias,
+            (rows, in_features, out_features),
+            &out_shape,
+        ),
+        #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
 }

@@ -2,10 +2,14 @@
 //! VAE's channel-first L2 RMS norm (diffusers `WanRMS_norm`).
 
 pub(crate) mod cpu;
+#[cfg(feature = "cuda")]
+pub(super) mod cuda;
 #[cfg(test)]
 mod tests;
 
-use super::{same_device, unsupported};
+use super::same_device;
+#[cfg(not(feature = "cuda"))]
+use super::unsupported;
 use crate::{Device, KernelError, Result, Tensor};
 
 /// Checks that an optional per-channel parameter holds exactly `len` values (any shape, so that
@@ -53,6 +57,9 @@ pub fn layer_norm(
             let out = cpu::layer_norm(&x.cpu_f32(OP)?, d, weight.as_deref(), bias.as_deref(), eps);
             Tensor::from_f32_cpu(out, x.shape(), x.dtype())
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::layer_norm(OP, x, weight, bias, d, eps),
+        #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
 }
@@ -71,6 +78,9 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
             let out = cpu::rms_norm(&x.cpu_f32(OP)?, d, &weight.cpu_f32(OP)?, eps);
             Tensor::from_f32_cpu(out, x.shape(), x.dtype())
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::rms_norm(OP, x, weight, d, eps),
+        #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
 }
@@ -106,6 +116,11 @@ pub fn rms_norm_channels(x: &Tensor, gamma: &Tensor, bias: Option<&Tensor>) -> R
             );
             Tensor::from_f32_cpu(out, x.shape(), x.dtype())
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            cuda::rms_norm_channels(OP, x, gamma, bias, (batch, channels, positions))
+        }
+        #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
 }

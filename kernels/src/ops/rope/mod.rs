@@ -2,10 +2,14 @@
 //! (F, H, W) token grid and their application to q/k in the interleaved (GPT-J, complex-pair) layout.
 
 pub(crate) mod cpu;
+#[cfg(feature = "cuda")]
+pub(super) mod cuda;
 #[cfg(test)]
 mod tests;
 
-use super::{dims, same_device, unsupported};
+#[cfg(not(feature = "cuda"))]
+use super::unsupported;
+use super::{dims, same_device};
 use crate::{DType, Device, KernelError, Result, Tensor};
 
 /// Head-dim split into the (time, height, width) bands: d_h = d_w = 2⌊d/6⌋, d_t = d − 2·d_h.
@@ -66,6 +70,9 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
             );
             Tensor::from_f32_cpu(out, x.shape(), x.dtype())
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::apply_rope(OP, x, cos, sin, [batch, seq, heads, head_dim]),
+        #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
 }

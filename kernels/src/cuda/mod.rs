@@ -1,0 +1,305 @@
+//! The CUDA backend's device layer (feature `cuda`): one [`CudaBackend`] per GPU ordinal, holding the
+//! context, the one stream every op of that device runs on, the NVRTC-compiled kernels and the cuBLASLt
+//! plans; plus device storage for [`Tensor`](crate::Tensor) and the strided-copy kernel behind the layout
+//! ops and casts.
+//!
+//! - Libraries load at run time (cudarc `dynamic-loading`). cudarc panics when a library is missing, so
+//!   [`CudaBackend::get`] probes `libcuda` and `libnvrtc` first and `gemm` probes `libcublasLt` before its
+//!   first use: a missing library is [`KernelError::CudaUnavailable`] naming the library.
+//! - One stream per device: every op on `Device::Cuda(n)` is queued on backend `n`'s stream, so ops are
+//!   ordered without events (cudarc's per-buffer event tracking is switched off). Reading a tensor back to
+//!   the host synchronises that stream. [`cuda_stream`] hands the stream out, e.g. to NCCL.
+//! - Kernels: `ops/<op>/<op>.cu` sources, compiled on first use for the device's architecture and cached
+//!   as CUBIN on disk (see [`nvrtc`]); modules and functions are cached per backend.
+
+mod copy;
+pub(crate) mod gemm;
+pub mod nvrtc;
+mod storage;
+
+use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, sys as cu,
+};
+
+pub(crate) use copy::{Layout, copy_strided};
+pub use nvrtc::{CudaConfig, set_cuda_config};
+pub(crate) use storage::{CudaBuf, CudaStorage};
+
+use crate::{DType, Device, KernelError, Result};
+
+/// A `.cu` source: its name (the op folder; names the cache file and errors) and its text.
+pub(crate) struct KernelSource {
+    pub name: &'static str,
+    pub text: &'static str,
+}
+
+/// Threads per block of the one-thread-per-element kernels.
+pub(crate) const BLOCK: u32 = 256;
+
+/// A 1-D launch of `n` threads in blocks of [`BLOCK`] (kernels use a grid-stride loop, so the grid is
+/// capped; `n` must be > 0).
+pub(crate) fn grid_1d(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(BLOCK as usize).clamp(1, 1 << 20) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The kernel-name suffix of a dtype: kernels are instantiated per operand dtype as `<kernel>_<f32|bf16>…`.
+pub(crate) fn suffix(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+    }
+}
+
+/// Runs `f`, turning a panic inside cudarc (a library or symbol that failed to load) into an error.
+pub(crate) fn catch<T>(library: &'static str, f: impl FnOnce() -> T) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|panic| {
+        let detail = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panicked while loading".into());
+        KernelError::CudaUnavailable { library, detail }
+    })
+}
+
+/// Number of CUDA devices; an error when libcuda is missing or the driver cannot start.
+pub fn cuda_device_count() -> Result<usize> {
+    probe_driver()?;
+    let count =
+        catch("libcuda", CudaContext::device_count)?.map_err(|e| KernelError::CudaUnavailable {
+            library: "libcuda",
+            detail: format!("cuDeviceGetCount: {e:?}"),
+        })?;
+    Ok(count.max(0) as usize)
+}
+
+fn probe_driver() -> Result<()> {
+    // SAFETY: is_culib_present only dlopens the candidate names and drops the handles.
+    if !unsafe { cu::is_culib_present() } {
+        return Err(KernelError::CudaUnavailable {
+            library: "libcuda",
+            detail: format!("tried {:?}", cudarc::get_lib_name_candidates("cuda")),
+        });
+    }
+    Ok(())
+}
+
+/// The stream all ops on `Device::Cuda(ordinal)` run on (for NCCL or timing events beside our ops).
+pub fn cuda_stream(ordinal: usize) -> Result<Arc<CudaStream>> {
+    Ok(CudaBackend::get(ordinal)?.stream.clone())
+}
+
+/// Waits until every op queued on `Device::Cuda(ordinal)` has finished.
+pub fn synchronize(ordinal: usize) -> Result<()> {
+    let backend = CudaBackend::get(ordinal)?;
+    backend
+        .stream
+        .synchronize()
+        .map_err(|e| backend.err("synchronize", "cuStreamSynchronize", e))
+}
+
+/// Everything one GPU needs: context, stream, compiled kernels, cuBLASLt plans.
+pub(crate) struct CudaBackend {
+    pub ordinal: usize,
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    /// NVRTC target, e.g. `sm_90a` on H200.
+    pub arch: String,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<(&'static str, String), CudaFunction>>,
+    /// Created on the first GEMM (probing libcublasLt then).
+    pub blas: Mutex<Option<gemm::Blas>>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaBackend(cuda:{}, {})", self.ordinal, self.arch)
+    }
+}
+
+impl CudaBackend {
+    /// The backend of GPU `ordinal`, created on first use.
+    pub fn get(ordinal: usize) -> Result<Arc<CudaBackend>> {
+        static BACKENDS: OnceLock<Mutex<HashMap<usize, Arc<CudaBackend>>>> = OnceLock::new();
+        let backends = BACKENDS.get_or_init(Default::default);
+        // A poisoned lock only means another thread panicked while inserting; the map is still valid.
+        let mut map = backends.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(backend) = map.get(&ordinal) {
+            return Ok(backend.clone());
+        }
+        let backend = Arc::new(Self::new(ordinal)?);
+        map.insert(ordinal, backend.clone());
+        Ok(backend)
+    }
+
+    fn new(ordinal: usize) -> Result<Self> {
+        let count = cuda_device_count()?;
+        let device = Device::Cuda(ordinal);
+        if ordinal >= count {
+            return Err(KernelError::CudaUnavailable {
+                library: "device",
+                detail: format!("{device} asked for but {count} CUDA device(s) found"),
+            });
+        }
+        let err = |call, e: DriverError| KernelError::Cuda {
+            op: "init",
+            call,
+            device,
+            detail: format!("{e:?}"),
+        };
+        let ctx = catch("libcuda", || CudaContext::new(ordinal))?
+            .map_err(|e| err("cuDevicePrimaryCtxRetain", e))?;
+        // SAFETY: every buffer of this device is used on the one stream below only, so cudarc's
+        // cross-stream events are not needed (stream order already orders uses and frees).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| err("cuStreamCreate", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| err("cuDeviceGetAttribute", e))?;
+        // The `a` variants (sm_90a, sm_100a, ...) unlock the architecture-specific instructions (wgmma);
+        // they exist from Hopper on and run only on that exact architecture, which is the one we compile for.
+        let arch = if major >= 9 {
+            format!("sm_{major}{minor}a")
+        } else {
+            format!("sm_{major}{minor}")
+        };
+        tracing::debug!(ordinal, %arch, "CUDA backend ready");
+        Ok(CudaBackend {
+            ordinal,
+            ctx,
+            stream,
+            arch,
+            modules: Mutex::default(),
+            functions: Mutex::default(),
+            blas: Mutex::new(None),
+        })
+    }
+
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    /// A [`KernelError::Cuda`] for a failed driver call.
+    pub fn err(
+        &self,
+        op: &'static str,
+        call: &'static str,
+        e: impl std::fmt::Debug,
+    ) -> KernelError {
+        KernelError::Cuda {
+            op,
+            call,
+            device: self.device(),
+            detail: format!("{e:?}"),
+        }
+    }
+
+    /// Kernel `name` of `source`, compiling (or loading the cached CUBIN of) the source on first use.
+    pub fn function(&self, source: &KernelSource, name: &str) -> Result<CudaFunction> {
+        let key = (source.name, name.to_string());
+        if let Some(f) = self.lock_functions().get(&key) {
+            return Ok(f.clone());
+        }
+        let module = self.module(source)?;
+        let f = module
+            .load_function(name)
+            .map_err(|e| self.err(source.name, "cuModuleGetFunction", (name, e)))?;
+        self.lock_functions().insert(key, f.clone());
+        Ok(f)
+    }
+
+    fn lock_functions(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<(&'static str, String), CudaFunction>> {
+        // Poisoning leaves a map of valid entries.
+        self.functions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn module(&self, source: &KernelSource) -> Result<Arc<CudaModule>> {
+        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = modules.get(source.name) {
+            return Ok(m.clone());
+        }
+        let cubin = nvrtc::cubin(source, &self.arch)?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(|e| self.err(source.name, "cuModuleLoadData", e))?;
+        modules.insert(source.name, module.clone());
+        Ok(module)
+    }
+
+    /// Uninitialised device memory for `len` elements of `dtype` (at least one element is allocated so
+    /// that empty tensors have a buffer; kernels never run on them).
+    pub fn alloc(&self, dtype: DType, len: usize) -> Result<CudaStorage> {
+        let len = len.max(1);
+        // SAFETY: every caller writes the elements it later reads (op outputs are fully written by their
+        // kernel, uploads by the copy).
+        let buf = unsafe {
+            match dtype {
+                DType::F32 => self.stream.alloc::<f32>(len).map(CudaBuf::F32),
+                DType::BF16 => self.stream.alloc::<half::bf16>(len).map(CudaBuf::BF16),
+            }
+        }
+        .map_err(|e| self.err("alloc", "cuMemAllocAsync", (len, e)))?;
+        Ok(CudaStorage {
+            buf,
+            ordinal: self.ordinal,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel source compiles for Hopper. Needs only libnvrtc (and cuda_bf16.h), not a GPU: skips
+    /// with a message where libnvrtc is absent.
+    #[test]
+    fn every_kernel_source_compiles_for_sm_90a() -> Result<()> {
+        // SAFETY: only dlopens the candidate names.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: libnvrtc not found (set LD_LIBRARY_PATH to a CUDA 13 lib dir)");
+            return Ok(());
+        }
+        let sources = std::iter::once(&copy::SOURCE).chain(crate::ops::kernel_sources());
+        for source in sources {
+            let cubin = nvrtc::cubin(source, "sm_90a")?;
+            assert!(
+                cubin.starts_with(b"\x7fELF"),
+                "{} did not give an ELF CUBIN",
+                source.name
+            );
+        }
+        Ok(())
+    }
+
+    /// A source NVRTC rejects is a `Compile` error carrying the compiler's log.
+    #[test]
+    fn compile_errors_carry_the_log() {
+        // SAFETY: only dlopens the candidate names.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: libnvrtc not found");
+            return;
+        }
+        let bad = KernelSource {
+            name: "broken_test_kernel",
+            text: "extern \"C\" __global__ void k() { undeclared_thing = 1; }",
+        };
+        match nvrtc::cubin(&bad, "sm_90a") {
+            Err(KernelError::Compile { log, .. }) => {
+                assert!(log.contains("undeclared_thing"), "log: {log}")
+            }
+            other => panic!("expected a compile error, got {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! Run-time compilation of the `.cu` sources with NVRTC, to CUBIN for the device's architecture, with an
+//! on-disk cache.
+//!
+//! Why CUBIN: loading PTX makes the driver JIT it (~70 ms per module on H200), loading CUBIN costs
+//! ~0.1 ms. cudarc's safe compile returns PTX, so this goes through `nvrtcGetCUBIN` in the sys layer.
+//!
+//! Cache: `<cache_dir>/<source>-<hash>.cubin`, the hash covering the NVRTC version, the architecture,
+//! the options and the full source (prelude included); a changed kernel or toolkit is a new file. Files
+//! are written to a temporary name and renamed, so concurrent processes never read half a file.
+//!
+//! `cuda_bf16.h` is not built into NVRTC: the include directory comes from [`CudaConfig`], by default
+//! `$DITSTREAM_CUDA_INCLUDE`, else the first of the PyTorch pip CUDA headers, `$CUDA_HOME/include`,
+//! `/usr/local/cuda/include` that holds it.
+
+use std::ffi::{CStr, CString, c_char};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
+
+use super::{KernelSource, catch};
+use crate::{KernelError, Result};
+
+/// Header shared by every kernel source: bf16/f32 loads and stores in f32 registers.
+const PRELUDE: &str = include_str!("prelude.cuh");
+
+/// Settings of the CUDA backend's compiler; set once with [`set_cuda_config`] before the first CUDA op,
+/// or left to the defaults of [`CudaConfig::from_env`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct CudaConfig {
+    /// Where compiled CUBINs are kept.
+    pub cache_dir: PathBuf,
+    /// The directory holding `cuda_bf16.h` (passed to NVRTC as `-I`); `None` compiles without it (the
+    /// kernels then fail to compile, and the error says so).
+    pub include_dir: Option<PathBuf>,
+}
+
+/// Candidate include directories, in order of preference (GPU.md: the pip headers match the pip NVRTC).
+const INCLUDE_CANDIDATES: &[&str] = &[
+    "/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/include",
+    "/usr/local/cuda/include",
+];
+
+impl CudaConfig {
+    /// Defaults: `cache_dir` = `$DITSTREAM_KERNEL_CACHE`, else `$XDG_CACHE_HOME/ditstream/kernels`, else
+    /// `~/.cache/ditstream/kernels`, else the temp dir; `include_dir` = `$DITSTREAM_CUDA_INCLUDE`, else
+    /// the first directory holding `cuda_bf16.h` among the pip CUDA headers, `$CUDA_HOME/include` and
+    /// `/usr/local/cuda/include`.
+    pub fn from_env() -> Self {
+        let env_path = |name| {
+            std::env::var_os(name)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        };
+        let cache_dir = env_path("DITSTREAM_KERNEL_CACHE")
+            .or_else(|| env_path("XDG_CACHE_HOME").map(|d| d.join("ditstream/kernels")))
+            .or_else(|| env_path("HOME").map(|d| d.join(".cache/ditstream/kernels")))
+            .unwrap_or_else(|| std::env::temp_dir().join("ditstream-kernels"));
+        let include_dir = env_path("DITSTREAM_CUDA_INCLUDE").or_else(|| {
+            let cuda_home = env_path("CUDA_HOME").map(|d| d.join("include"));
+            INCLUDE_CANDIDATES
+                .iter()
+                .map(PathBuf::from)
+                .chain(cuda_home)
+                .find(|d| d.join("cuda_bf16.h").is_file())
+        });
+        CudaConfig {
+            cache_dir,
+            include_dir,
+        }
+    }
+}
+
+static CONFIG: OnceLock<CudaConfig> = OnceLock::new();
+
+/// Sets the compiler settings. Must come before the first CUDA kernel is compiled; afterwards (or when
+/// called twice) it fails with the settings already in force.
+pub fn set_cuda_config(config: CudaConfig) -> Result<()> {
+    CONFIG.set(config).map_err(|config| {
+        KernelError::arg(
+            "set_cuda_config",
+            "config",
+            format!("{config:?}"),
+            format!(
+                "the settings are fixed once used; in force: {:?}",
+                cuda_config()
+            ),
+        )
+    })
+}
+
+/// The settings in force (the defaults unless [`set_cuda_config`] ran first).
+pub fn cuda_config() -> &'static CudaConfig {
+    CONFIG.get_or_init(CudaConfig::from_env)
+}
+
+/// FNV-1a, 64 bits: a stable hash (unlike `DefaultHasher`) for cache file names.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &byte in part.iter().chain(&[0xff]) {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    hash
+}
+
+fn probe_nvrtc() -> Result<()> {
+    // SAFETY: is_culib_present only dlopens the candidate names and drops the handles.
+    if !unsafe { nvrtc_sys::is_culib_present() } {
+        return Err(KernelError::CudaUnavailable {
+            library: "libnvrtc",
+            detail: format!("tried {:?}", cudarc::get_lib_name_candidates("nvrtc")),
+        });
+    }
+    Ok(())
+}
+
+fn nvrtc_version() -> Result<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: plain out-parameters.
+    let status = catch("libnvrtc", || unsafe {
+        nvrtc_sys::nvrtcVersion(&mut major, &mut minor)
+    })?;
+    status.result().map_err(|e| KernelError::CudaUnavailable {
+        library: "libnvrtc",
+        detail: format!("nvrtcVersion: {e:?}"),
+    })?;
+    Ok((major, minor))
+}
+
+/// The options every kernel is compiled with (exact maths: the CPU twin is the reference).
+fn options(arch: &str, config: &CudaConfig) -> Vec<String> {
+    let mut options = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--fmad=true".to_string(),
+    ];
+    if let Some(dir) = &config.include_dir {
+        options.push(format!("--include-path={}", dir.display()));
+    }
+    options
+}
+
+/// CUBIN of `source` for `arch`, from the disk cache or freshly compiled (and then cached).
+pub(crate) fn cubin(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
+    probe_nvrtc()?;
+    let config = cuda_config();
+    let options = options(arch, config);
+    let text = format!("{PRELUDE}\n#line 1 \"{}.cu\"\n{}", source.name, source.text);
+    let (major, minor) = nvrtc_version()?;
+    let version = format!("nvrtc {major}.{minor}");
+    let key = fnv1a(&[
+        version.as_bytes(),
+        arch.as_bytes(),
+        options.join(" ").as_bytes(),
+        text.as_bytes(),
+    ]);
+    let path = config
+        .cache_dir
+        .join(format!("{}-{arch}-{key:016x}.cubin", source.name));
+    if let Ok(bytes) = std::fs::read(&path)
+        && !bytes.is_empty()
+    {
+        return Ok(bytes);
+    }
+    let started = std::time::Instant::now();
+    let bytes = compile(source.name, &text, arch, &options)?;
+    tracing::debug!(
+        source = source.name,
+        arch,
+        ms = started.elapsed().as_millis() as u64,
+        "NVRTC compiled"
+    );
+    if let Err(e) = store(&path, &bytes) {
+        // The cache is an optimisation: a read-only disk costs a recompile next time, nothing more.
+        tracing::warn!(path = %path.display(), error = %e, "could not cache CUBIN");
+    }
+    Ok(bytes)
+}
+
+fn store(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// One NVRTC compile to CUBIN; a rejected source returns the program log.
+fn compile(name: &'static str, text: &str, arch: &str, options: &[String]) -> Result<Vec<u8>> {
+    let unavailable = |call: &str, e: nvrtc_result::NvrtcError| KernelError::CudaUnavailable {
+        library: "libnvrtc",
+        detail: format!("{call}: {e:?}"),
+    };
+    let src = CString::new(text).map_err(|_| KernelError::Compile {
+        source_name: name,
+        arch: arch.to_string(),
+        options: options.to_vec(),
+        log: "the source contains a NUL byte".into(),
+    })?;
+    let file_name = CString::new(format!("{name}.cu")).map_err(|_| KernelError::Compile {
+        source_name: name,
+        arch: arch.to_string(),
+        options: options.to_vec(),
+        log: "the source name contains a NUL byte".into(),
+    })?;
+    let prog = catch("libnvrtc", || {
+        nvrtc_result::create_program(&src, Some(&file_name))
+    })?
+    .map_err(|e| unavailable("nvrtcCreateProgram", e))?;
+    // The program is destroyed on every path below.
+    let result = (|| {
+        // SAFETY: `prog` was created above and is destroyed only after this closure.
+        let compiled = unsafe { nvrtc_result::compile_program(prog, options) };
+        if let Err(e) = compiled {
+            // SAFETY: as above; the log is a NUL-terminated C string.
+            let log = unsafe { nvrtc_result::get_program_log(prog) }
+                .map(|raw| {
+                    // SAFETY: NVRTC NUL-terminates the log it wrote into `raw`.
+                    unsafe { CStr::from_ptr(raw.as_ptr()) }
+                        .to_string_lossy()
+                        .into_owned()
+                })
+                .unwrap_or_else(|log_err| format!("(no log: {log_err:?})"));
+            let hint = if log.contains("cuda_bf16.h") {
+                "\nhint: set DITSTREAM_CUDA_INCLUDE (or CudaConfig::include_dir) to a directory holding \
+                 cuda_bf16.h"
+            } else {
+                ""
+            };
+            return Err(KernelError::Compile {
+                source_name: name,
+                arch: arch.to_string(),
+                options: options.to_vec(),
+                log: format!("{e:?}\n{log}{hint}"),
+            });
+        }
+        let mut size = 0usize;
+        // SAFETY: `prog` compiled successfully; size is an out-parameter.
+        unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) }
+            .result()
+            .map_err(|e| unavailable("nvrtcGetCUBINSize", e))?;
+        let mut cubin = vec![0u8; size];
+        // SAFETY: `cubin` holds exactly the `size` bytes NVRTC reported.
+        unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast::<c_char>()) }
+            .result()
+            .map_err(|e| unavailable("nvrtcGetCUBIN", e))?;
+        Ok(cubin)
+    })();
+    // SAFETY: `prog` came from create_program and is destroyed exactly once, here.
+    let _ = unsafe { nvrtc_result::destroy_program(prog) };
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_is_stable_and_separates_parts() {
+        assert_eq!(fnv1a(&[b"a"]), fnv1a(&[b"a"]));
+        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
+    }
+
+    #[test]
+    fn options_carry_arch_and_include() {
+        let config = CudaConfig {
+            cache_dir: PathBuf::from("/tmp/x"),
+            include_dir: Some(PathBuf::from("/inc")),
+        };
+        let opts = options("sm_90a", &config);
+        assert!(opts.contains(&"--gpu-architecture=sm_90a".to_string()));
+        assert!(opts.contains(&"--include-path=/inc".to_string()));
+    }
+}

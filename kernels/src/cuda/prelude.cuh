@@ -1,0 +1,52 @@
+// Prelude of every ditstream kernel source (prepended by kernels/src/cuda/nvrtc.rs).
+// Storage is f32 or bf16; maths runs in f32 registers: `ld` widens, `st` rounds to nearest even.
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+typedef long long i64;
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+__device__ __forceinline__ float ld(const float* p) { return *p; }
+__device__ __forceinline__ float ld(const bf16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ void st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void st(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// Grid-stride loop over [0, n).
+#define FOR_EACH(i, n) \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
+// Most axes a strided index walks (after merging contiguous axes on the host).
+#define MAX_RANK 8
+
+// Shape of an index space and, per operand, the element stride of each axis (0 on broadcast axes).
+// Mirrors `Layout` in kernels/src/cuda/copy.rs.
+struct Layout {
+    int rank;
+    int pad_;
+    i64 shape[MAX_RANK];
+    i64 stride[3][MAX_RANK];
+};
+
+// Offsets of flat index i (row-major over layout.shape) in up to three strided operands.
+__device__ __forceinline__ void offsets(const Layout& l, i64 i, i64* o0, i64* o1, i64* o2) {
+    i64 a = 0, b = 0, c = 0;
+    for (int axis = l.rank - 1; axis >= 0; --axis) {
+        i64 n = l.shape[axis];
+        i64 coord = i % n;
+        i /= n;
+        a += coord * l.stride[0][axis];
+        b += coord * l.stride[1][axis];
+        c += coord * l.stride[2][axis];
+    }
+    *o0 = a;
+    *o1 = b;
+    *o2 = c;
+}
+
+// Instantiates MACRO for every (T, U) pair of storage types, passing the name suffixes too.
+#define FOR_TYPES2(MACRO) \
+    MACRO(f32, float, f32, float) MACRO(f32, float, bf16, bf16) \
+    MACRO(bf16, bf16, f32, float) MACRO(bf16, bf16, bf16, bf16)

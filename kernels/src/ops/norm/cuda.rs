@@ -1,0 +1,164 @@
+//! CUDA twins of the norms (`norm.cu`). Per-channel parameters (weight, bias, gamma) are read in their
+//! own dtype; when a weight and its bias differ in dtype both are read as f32 (a cast of a few KiB).
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use crate::cuda::{CudaBackend, KernelSource, grid_1d, suffix};
+use crate::{DType, KernelError, Result, Tensor};
+
+pub(crate) const SOURCE: KernelSource = KernelSource {
+    name: "norm",
+    text: include_str!("norm.cu"),
+};
+
+/// Threads per row of the row-wise norms.
+const ROW_BLOCK: u32 = 256;
+
+/// The parameters' common dtype (f32 when they differ) and the parameters stored in it.
+fn params_in_common_dtype(params: &[Option<&Tensor>]) -> Result<(DType, Vec<Option<Tensor>>)> {
+    let dtypes: Vec<DType> = params.iter().flatten().map(|p| p.dtype()).collect();
+    let dtype = match dtypes.first() {
+        Some(&first) if dtypes.iter().all(|&d| d == first) => first,
+        _ => DType::F32,
+    };
+    let cast = params
+        .iter()
+        .map(|p| p.map(|p| p.to_dtype(dtype)).transpose())
+        .collect::<Result<_>>()?;
+    Ok((dtype, cast))
+}
+
+fn int(op: &'static str, name: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v)
+        .map_err(|_| KernelError::arg(op, name, v, "the CUDA kernels take it as an i32"))
+}
+
+/// A device address, or 0 for an absent optional parameter (the kernel's `has_*` flag is then 0).
+fn ptr_or_null(op: &'static str, t: Option<&Tensor>) -> Result<u64> {
+    Ok(match t {
+        Some(t) => t.cuda_storage(op)?.ptr(),
+        None => 0,
+    })
+}
+
+fn row_grid(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.clamp(1, 1 << 20) as u32, 1, 1),
+        block_dim: (ROW_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// LayerNorm over the last dim `d` (weight/bias optional) → x's shape and dtype.
+pub(super) fn layer_norm(
+    op: &'static str,
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    d: usize,
+    eps: f32,
+) -> Result<Tensor> {
+    let sx = x.cuda_storage(op)?;
+    let backend = CudaBackend::get(sx.ordinal)?;
+    let out = backend.alloc(x.dtype(), x.numel())?;
+    let rows = x.numel().checked_div(d).unwrap_or(0);
+    if rows > 0 {
+        let (wdtype, params) = params_in_common_dtype(&[weight, bias])?;
+        let name = format!("layer_norm_{}_{}", suffix(x.dtype()), suffix(wdtype));
+        let f = backend.function(&SOURCE, &name)?;
+        let (xp, wp, bp, outp) = (
+            sx.ptr(),
+            ptr_or_null(op, params[0].as_ref())?,
+            ptr_or_null(op, params[1].as_ref())?,
+            out.ptr(),
+        );
+        let (rows_i, d_i) = (rows as i64, int(op, "d", d)?);
+        let (has_w, has_b) = (i32::from(weight.is_some()), i32::from(bias.is_some()));
+        let mut launch = backend.stream.launch_builder(&f);
+        launch.arg(&xp).arg(&wp).arg(&bp).arg(&outp);
+        launch
+            .arg(&rows_i)
+            .arg(&d_i)
+            .arg(&eps)
+            .arg(&has_w)
+            .arg(&has_b);
+        // SAFETY: x/out hold rows·d elements; weight/bias hold d (checked by the caller) or are unused.
+        unsafe { launch.launch(row_grid(rows)) }
+            .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    }
+    Ok(Tensor::from_cuda(out, x.shape()))
+}
+
+/// RMSNorm over the last dim `d` → x's shape and dtype.
+pub(super) fn rms_norm(
+    op: &'static str,
+    x: &Tensor,
+    weight: &Tensor,
+    d: usize,
+    eps: f32,
+) -> Result<Tensor> {
+    let sx = x.cuda_storage(op)?;
+    let backend = CudaBackend::get(sx.ordinal)?;
+    let out = backend.alloc(x.dtype(), x.numel())?;
+    let rows = x.numel().checked_div(d).unwrap_or(0);
+    if rows > 0 {
+        let name = format!("rms_norm_{}_{}", suffix(x.dtype()), suffix(weight.dtype()));
+        let f = backend.function(&SOURCE, &name)?;
+        let (xp, wp, outp) = (sx.ptr(), weight.cuda_storage(op)?.ptr(), out.ptr());
+        let (rows_i, d_i) = (rows as i64, int(op, "d", d)?);
+        let mut launch = backend.stream.launch_builder(&f);
+        launch
+            .arg(&xp)
+            .arg(&wp)
+            .arg(&outp)
+            .arg(&rows_i)
+            .arg(&d_i)
+            .arg(&eps);
+        // SAFETY: x/out hold rows·d elements, weight d (checked by the caller).
+        unsafe { launch.launch(row_grid(rows)) }
+            .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    }
+    Ok(Tensor::from_cuda(out, x.shape()))
+}
+
+/// The VAE's channel-first L2 norm on x [batch, channels, positions] → x's shape and dtype.
+pub(super) fn rms_norm_channels(
+    op: &'static str,
+    x: &Tensor,
+    gamma: &Tensor,
+    bias: Option<&Tensor>,
+    (batch, channels, positions): (usize, usize, usize),
+) -> Result<Tensor> {
+    let sx = x.cuda_storage(op)?;
+    let backend = CudaBackend::get(sx.ordinal)?;
+    let out = backend.alloc(x.dtype(), x.numel())?;
+    let threads = batch * positions;
+    if threads > 0 && channels > 0 {
+        let (wdtype, params) = params_in_common_dtype(&[Some(gamma), bias])?;
+        let name = format!("rms_norm_channels_{}_{}", suffix(x.dtype()), suffix(wdtype));
+        let f = backend.function(&SOURCE, &name)?;
+        let (xp, gp, bp, outp) = (
+            sx.ptr(),
+            ptr_or_null(op, params[0].as_ref())?,
+            ptr_or_null(op, params[1].as_ref())?,
+            out.ptr(),
+        );
+        let (batch_i, channels_i, positions_i) = (
+            batch as i64,
+            int(op, "channels", channels)?,
+            positions as i64,
+        );
+        let has_bias = i32::from(bias.is_some());
+        let mut launch = backend.stream.launch_builder(&f);
+        launch.arg(&xp).arg(&gp).arg(&bp).arg(&outp);
+        launch
+            .arg(&batch_i)
+            .arg(&channels_i)
+            .arg(&positions_i)
+            .arg(&has_bias);
+        // SAFETY: x/out hold batch·channels·positions elements, gamma/bias channels (checked by caller).
+        unsafe { launch.launch(grid_1d(threads)) }
+            .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    }
+    Ok(Tensor::from_cuda(out, x.shape()))
+}

@@ -1,0 +1,518 @@
+//! GPU parity: every CUDA op against its CPU twin on seeded random inputs (feature `cuda`).
+//!
+//! Skips (with a message) where no GPU or CUDA library is found, but fails when the environment sets
+//! `DITSTREAM_REQUIRE_GPUS` (≥ 1), as `scripts/gpu-kernels.sh` does on the GPU machine, so a skip never
+//! hides a failure. Each case prints a `PARITY` line (op, dtype, shape, max abs diff, tolerance) that
+//! the script summarises.
+//!
+//! ## Tolerances
+//! Both sides read the *same* stored values (bf16 inputs are bf16 on both sides) and compute in f32, so
+//! they differ only by f32 evaluation order and by the GPU's `expf`/`tanhf`/`logf` (≤ 2 ulp), i.e. by a
+//! few f32 ulps before the output is stored. Stored in bf16 (8 significant bits, round to nearest), two
+//! f32 values that close round to the same bf16 or to neighbours: at most one bf16 ulp apart, 2⁻⁷ of the
+//! value. Hence, per element, `|gpu − cpu| ≤ atol + rtol·|cpu|` with
+//! - bf16 outputs: rtol = 1e-2 (> 2⁻⁷ ≈ 7.8e-3); atol covers values near 0, where one bf16 ulp is tiny
+//!   but the f32 order difference is not: it is set per op from the size of the f32 terms summed
+//!   (1e-5 for pointwise ops, ~1e-6·n·max|term| for sums of n terms: GEMM, attention, norms);
+//! - f32 outputs: rtol = 1e-5 for pointwise ops (a few f32 ulps), and for reductions the same
+//!   n·2⁻²⁴·max|term| bound as atol;
+//! - LSE (always f32): it is a max plus a log of a sum of ≤ S_k terms in [0, 1]: atol 1e-4 covers
+//!   S_k·2⁻²⁴ relative error of the sum for S_k up to ~1e3 with margin, plus rtol 1e-5 on |lse|;
+//! - layout ops and casts move stored values: exact.
+
+#![cfg(feature = "cuda")]
+
+use ditstream_kernels::testing::{assert_close, max_abs_diff};
+use ditstream_kernels::{AttentionOptions, DType, Device, Tensor};
+
+type Result<T> = anyhow::Result<T>;
+
+/// The GPU to test on, or `None` (with a message) when there is none and none is required.
+fn gpu() -> Option<Device> {
+    let required = std::env::var("DITSTREAM_REQUIRE_GPUS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(0);
+    match ditstream_kernels::cuda::cuda_device_count() {
+        Ok(n) if n >= required.max(1) => Some(Device::Cuda(0)),
+        outcome => {
+            let why = match outcome {
+                Ok(n) => format!("{n} CUDA device(s)"),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                required == 0,
+                "DITSTREAM_REQUIRE_GPUS={required} but the GPU is unusable: {why}"
+            );
+            eprintln!("skipped: no usable GPU ({why})");
+            None
+        }
+    }
+}
+
+fn randn(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+    Tensor::randn(shape, dtype, seed, Device::Cpu).expect("randn")
+}
+
+fn name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+    }
+}
+
+/// Compares a GPU result with the CPU reference, prints the PARITY line, and asserts the tolerance.
+fn check(op: &str, gpu: &Tensor, cpu: &Tensor, atol: f32, rtol: f32) {
+    assert_eq!(gpu.shape(), cpu.shape(), "{op}: shapes differ");
+    assert_eq!(gpu.dtype(), cpu.dtype(), "{op}: dtypes differ");
+    let host = gpu.to_device(Device::Cpu).expect("download");
+    let diff = max_abs_diff(&host, cpu).expect("diff");
+    println!(
+        "PARITY\t{op}\t{}\t{:?}\t{diff:.3e}\tatol {atol:.0e} rtol {rtol:.0e}",
+        name(cpu.dtype()),
+        cpu.shape()
+    );
+    assert_close(&host, cpu, atol, rtol);
+}
+
+/// rtol of a stored output: one bf16 ulp (with margin) or a few f32 ulps.
+fn rtol(dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => 1e-2,
+        DType::F32 => 1e-5,
+    }
+}
+
+#[test]
+fn layout_ops_and_casts_are_exact() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for dtype in [DType::F32, DType::BF16] {
+        let x = randn(&[2, 3, 5, 7], dtype, 1);
+        let g = x.to_device(dev)?;
+        assert_eq!(g.device(), dev);
+        check("to_device", &g, &x, 0.0, 0.0);
+        check(
+            "permute",
+            &g.permute(&[2, 0, 3, 1])?,
+            &x.permute(&[2, 0, 3, 1])?,
+            0.0,
+            0.0,
+        );
+        check("narrow", &g.narrow(2, 1, 3)?, &x.narrow(2, 1, 3)?, 0.0, 0.0);
+        let parts = [&x, &x.narrow(1, 0, 2)?];
+        let gparts = [&g, &g.narrow(1, 0, 2)?];
+        check(
+            "concat",
+            &Tensor::concat(&gparts, 1)?,
+            &Tensor::concat(&parts, 1)?,
+            0.0,
+            0.0,
+        );
+        let other = if dtype == DType::F32 {
+            DType::BF16
+        } else {
+            DType::F32
+        };
+        check(
+            "to_dtype",
+            &g.to_dtype(other)?,
+            &x.to_dtype(other)?,
+            0.0,
+            0.0,
+        );
+        let chunks = g.chunk(1, 3)?;
+        check("chunk", &chunks[2], &x.chunk(1, 3)?[2], 0.0, 0.0);
+        // Ulysses packing is reshape + permute: covered, but check the composite once.
+        let q = randn(&[1, 4, 6, 8], dtype, 2);
+        check(
+            "ulysses_pack_heads",
+            &ditstream_kernels::ulysses_pack_heads(&q.to_device(dev)?, 2)?,
+            &ditstream_kernels::ulysses_pack_heads(&q, 2)?,
+            0.0,
+            0.0,
+        );
+    }
+    // Fills and seeded draws are identical on both devices.
+    let z = Tensor::randn(&[1000], DType::BF16, 9, dev)?;
+    check("randn", &z, &randn(&[1000], DType::BF16, 9), 0.0, 0.0);
+    let f = Tensor::full(&[3, 4], 2.5, DType::F32, dev)?;
+    check(
+        "full",
+        &f,
+        &Tensor::full(&[3, 4], 2.5, DType::F32, Device::Cpu)?,
+        0.0,
+        0.0,
+    );
+    Ok(())
+}
+
+#[test]
+fn elementwise_ops_match_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    for dtype in [DType::F32, DType::BF16] {
+        let (atol, rt) = (1e-5, rtol(dtype));
+        let x = randn(&[2, 7, 33], dtype, 10);
+        let g = x.to_device(dev)?;
+        check("scale", &k::scale(&g, 0.3)?, &k::scale(&x, 0.3)?, atol, rt);
+        check(
+            "affine",
+            &k::affine(&g, -1.5, 0.25)?,
+            &k::affine(&x, -1.5, 0.25)?,
+            atol,
+            rt,
+        );
+        check(
+            "clamp",
+            &k::clamp(&g, -0.5, 0.75)?,
+            &k::clamp(&x, -0.5, 0.75)?,
+            atol,
+            rt,
+        );
+        check("silu", &k::silu(&g)?, &k::silu(&x)?, atol, rt);
+        check(
+            "gelu_tanh",
+            &k::gelu_tanh(&g)?,
+            &k::gelu_tanh(&x)?,
+            atol,
+            rt,
+        );
+        // Broadcasts the models use, in both operand dtypes.
+        for (b_shape, b_dtype) in [
+            (vec![2, 7, 33], dtype),
+            (vec![2, 1, 33], DType::F32),
+            (vec![33], DType::BF16),
+            (vec![7, 1], dtype),
+        ] {
+            let b = randn(&b_shape, b_dtype, 11);
+            let gb = b.to_device(dev)?;
+            check("add", &k::add(&g, &gb)?, &k::add(&x, &b)?, atol, rt);
+            check("sub", &k::sub(&g, &gb)?, &k::sub(&x, &b)?, atol, rt);
+            check("mul", &k::mul(&g, &gb)?, &k::mul(&x, &b)?, atol, rt);
+        }
+        // b broadcasting on both sides: [2, 1, 33] + [7, 1] → [2, 7, 33].
+        let a = randn(&[2, 1, 33], dtype, 12);
+        let b = randn(&[7, 1], dtype, 13);
+        check(
+            "add",
+            &k::add(&a.to_device(dev)?, &b.to_device(dev)?)?,
+            &k::add(&a, &b)?,
+            atol,
+            rt,
+        );
+        // AdaLN modulation and gated residual with f32 and bf16 modulation tensors.
+        for mod_dtype in [DType::F32, DType::BF16] {
+            let shift = randn(&[2, 1, 33], mod_dtype, 14);
+            let scale = randn(&[2, 1, 33], mod_dtype, 15);
+            let (gs, gsc) = (shift.to_device(dev)?, scale.to_device(dev)?);
+            check(
+                "modulate",
+                &k::modulate(&g, &gs, &gsc)?,
+                &k::modulate(&x, &shift, &scale)?,
+                atol,
+                rt,
+            );
+            let y = randn(&[2, 7, 33], dtype, 16);
+            let gate = randn(&[2, 1, 33], mod_dtype, 17);
+            check(
+                "gated_residual",
+                &k::gated_residual(&g, &y.to_device(dev)?, &gate.to_device(dev)?)?,
+                &k::gated_residual(&x, &y, &gate)?,
+                atol,
+                rt,
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn norms_match_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    for dtype in [DType::F32, DType::BF16] {
+        for d in [1, 33, 1536] {
+            let x = randn(&[3, 5, d], dtype, 20);
+            let g = x.to_device(dev)?;
+            // Sums of d terms of size ~1 (normalised outputs ~1): atol ~ d·2⁻²⁴ with margin.
+            let atol = 1e-5 + 1e-6 * d as f32;
+            let w = randn(&[d], DType::F32, 21);
+            let b = randn(&[d], DType::BF16, 22);
+            let (gw, gb) = (w.to_device(dev)?, b.to_device(dev)?);
+            check(
+                "layer_norm",
+                &k::layer_norm(&g, None, None, 1e-6)?,
+                &k::layer_norm(&x, None, None, 1e-6)?,
+                atol,
+                rtol(dtype),
+            );
+            check(
+                "layer_norm_affine",
+                &k::layer_norm(&g, Some(&gw), Some(&gb), 1e-6)?,
+                &k::layer_norm(&x, Some(&w), Some(&b), 1e-6)?,
+                atol,
+                rtol(dtype),
+            );
+            check(
+                "rms_norm",
+                &k::rms_norm(&g, &gw, 1e-6)?,
+                &k::rms_norm(&x, &w, 1e-6)?,
+                atol,
+                rtol(dtype),
+            );
+        }
+        // The VAE's channel-first norm: x [B, C, T, H, W], gamma [C, 1, 1, 1].
+        let x = randn(&[2, 96, 2, 5, 7], dtype, 23);
+        let gamma = randn(&[96, 1, 1, 1], dtype, 24);
+        let bias = randn(&[96], DType::F32, 25);
+        check(
+            "rms_norm_channels",
+            &k::rms_norm_channels(
+                &x.to_device(dev)?,
+                &gamma.to_device(dev)?,
+                Some(&bias.to_device(dev)?),
+            )?,
+            &k::rms_norm_channels(&x, &gamma, Some(&bias))?,
+            1e-4,
+            rtol(dtype),
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn rope_matches_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    let grid = [2, 3, 4];
+    let (cos, sin) = k::rope_tables_3d(grid, 128, 1e4, Device::Cpu)?;
+    let (gcos, gsin) = k::rope_tables_3d(grid, 128, 1e4, dev)?;
+    check("rope_tables_3d", &gcos, &cos, 0.0, 0.0);
+    for dtype in [DType::F32, DType::BF16] {
+        let x = randn(&[2, 24, 3, 128], dtype, 30);
+        check(
+            "apply_rope",
+            &k::apply_rope(&x.to_device(dev)?, &gcos, &gsin)?,
+            &k::apply_rope(&x, &cos, &sin)?,
+            1e-5,
+            rtol(dtype),
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn gemms_match_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    // (rows, in, out, bias)
+    for (rows, inf, outf, with_bias) in [
+        (1, 16, 8, false),
+        (37, 130, 70, true),
+        (256, 1536, 1536, true),
+    ] {
+        for (x_dtype, w_dtype) in [
+            (DType::F32, DType::F32),
+            (DType::BF16, DType::BF16),
+            (DType::BF16, DType::F32),
+        ] {
+            let x = randn(&[1, rows, inf], x_dtype, 40);
+            let w = randn(&[outf, inf], w_dtype, 41);
+            let b = randn(&[outf], DType::F32, 42);
+            let bias = with_bias.then_some(&b);
+            let gb = b.to_device(dev)?;
+            let gbias = with_bias.then_some(&gb);
+            let out = k::linear(&x.to_device(dev)?, &w.to_device(dev)?, gbias)?;
+            // Terms are products of N(0,1) values: the f32 order difference is ≲ in·2⁻²⁴·few; outputs
+            // are ~√in, so a bf16 ulp near zero is tiny: atol = 1e-5·in (margin over in·6e-8·10).
+            let atol = 1e-5 * inf as f32;
+            // With a bf16 GEMM the f32 bias is rounded to bf16 before the epilogue adds it: at most half a
+            // bf16 ulp of |bias| (≲ 4·2⁻⁹) more.
+            let atol = if with_bias && x_dtype == DType::BF16 && w_dtype == DType::BF16 {
+                atol + 8.0 * 2f32.powi(-9)
+            } else {
+                atol
+            };
+            check(
+                "linear",
+                &out,
+                &k::linear(&x, &w, bias)?,
+                atol,
+                rtol(x_dtype),
+            );
+        }
+    }
+    for dtype in [DType::F32, DType::BF16] {
+        let a = randn(&[3, 17, 40], dtype, 43);
+        let b = randn(&[3, 40, 9], dtype, 44);
+        check(
+            "matmul_batched",
+            &k::matmul(&a.to_device(dev)?, &b.to_device(dev)?)?,
+            &k::matmul(&a, &b)?,
+            1e-3,
+            rtol(dtype),
+        );
+        let shared = randn(&[40, 9], dtype, 45);
+        check(
+            "matmul_shared_b",
+            &k::matmul(&a.to_device(dev)?, &shared.to_device(dev)?)?,
+            &k::matmul(&a, &shared)?,
+            1e-3,
+            rtol(dtype),
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn attention_matches_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    // (B, S_q, S_k, H, D, kv_len)
+    for (batch, seq_q, seq_k, heads, head_dim, kv_len) in [
+        (1, 17, 33, 2, 64, None),
+        (2, 64, 100, 3, 128, Some(77)),
+        (1, 5, 40, 1, 8, Some(0)),
+        (1, 16, 32, 1, 256, Some(31)),
+        (1, 130, 300, 2, 12, None),
+    ] {
+        for dtype in [DType::F32, DType::BF16] {
+            let q = randn(&[batch, seq_q, heads, head_dim], dtype, 50);
+            let kk = randn(&[batch, seq_k, heads, head_dim], dtype, 51);
+            let v = randn(&[batch, seq_k, heads, head_dim], dtype, 52);
+            let opts = AttentionOptions {
+                scale: None,
+                kv_len,
+            };
+            let (out, lse) = k::attention(&q, &kk, &v, opts)?;
+            let (gout, glse) = k::attention(
+                &q.to_device(dev)?,
+                &kk.to_device(dev)?,
+                &v.to_device(dev)?,
+                opts,
+            )?;
+            // out is a convex combination of v rows (|v| ≲ 4): the f32 differences are ~S_k·2⁻²⁴·4.
+            check("attention_out", &gout, &out, 1e-4, rtol(dtype));
+            check("attention_lse", &glse, &lse, 1e-4, 1e-5);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn lse_merges_match_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    let shape = [2, 9, 3, 16];
+    let lse_shape = [2, 3, 9];
+    for dtype in [DType::F32, DType::BF16] {
+        for parts_n in [1, 3, 20] {
+            let outs: Vec<Tensor> = (0..parts_n).map(|i| randn(&shape, dtype, 60 + i)).collect();
+            let mut lses: Vec<Tensor> = (0..parts_n)
+                .map(|i| randn(&lse_shape, DType::F32, 90 + i))
+                .collect();
+            // One partial that saw no valid key anywhere.
+            if parts_n > 1 {
+                lses[1] = Tensor::full(&lse_shape, f32::NEG_INFINITY, DType::F32, Device::Cpu)?;
+            }
+            let cpu_parts: Vec<(&Tensor, &Tensor)> = outs.iter().zip(&lses).collect();
+            let gouts = outs
+                .iter()
+                .map(|t| t.to_device(dev))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let glses = lses
+                .iter()
+                .map(|t| t.to_device(dev))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let gpu_parts: Vec<(&Tensor, &Tensor)> = gouts.iter().zip(&glses).collect();
+            let (o, l) = k::lse_combine(&cpu_parts)?;
+            let (go, gl) = k::lse_combine(&gpu_parts)?;
+            check("lse_combine_out", &go, &o, 1e-5, rtol(dtype));
+            check("lse_combine_lse", &gl, &l, 1e-5, 1e-5);
+        }
+        let (a, b) = (randn(&shape, dtype, 70), randn(&shape, DType::F32, 71));
+        let mut la = randn(&lse_shape, DType::F32, 72).to_vec_f32()?;
+        let mut lb = randn(&lse_shape, DType::F32, 73).to_vec_f32()?;
+        la[0] = f32::NEG_INFINITY; // empty accumulator
+        lb[1] = f32::NEG_INFINITY; // empty block
+        let (la, lb) = (
+            Tensor::from_vec(la, &lse_shape)?,
+            Tensor::from_vec(lb, &lse_shape)?,
+        );
+        let (o, l) = k::lse_merge_pair(&a, &la, &b, &lb)?;
+        let (go, gl) = k::lse_merge_pair(
+            &a.to_device(dev)?,
+            &la.to_device(dev)?,
+            &b.to_device(dev)?,
+            &lb.to_device(dev)?,
+        )?;
+        check("lse_merge_pair_out", &go, &o, 1e-5, rtol(dtype));
+        check("lse_merge_pair_lse", &gl, &l, 1e-5, 1e-5);
+    }
+    Ok(())
+}
+
+/// Not parity: speed of the GEMM and the portable attention at DiT sizes, printed as TIMING lines.
+/// CUDA events around `ITERS` back-to-back calls on our stream (allocation of each output included, as a
+/// model step pays it), median of 5 such batches; `scripts/gpu-kernels.sh` times PyTorch the same way.
+#[test]
+fn timing_at_dit_sizes() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use cudarc::driver::sys::CUevent_flags;
+    use ditstream_kernels as k;
+    let Device::Cuda(ordinal) = dev else {
+        return Ok(());
+    };
+    let stream = ditstream_kernels::cuda::cuda_stream(ordinal)?;
+    let time = |iters: usize, f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        for _ in 0..3 {
+            f()?; // warm-up: compiles, plans, fills the memory pool
+        }
+        let mut batches = Vec::new();
+        for _ in 0..5 {
+            let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            for _ in 0..iters {
+                f()?;
+            }
+            let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            end.synchronize()?;
+            batches.push(f64::from(start.elapsed_ms(&end)?) / 1e3 / iters as f64);
+        }
+        batches.sort_by(f64::total_cmp);
+        Ok(batches[batches.len() / 2])
+    };
+    // Wan 1.3B linears at 480p 81f (32760 tokens): qkvo 1536 → 1536, FFN 1536 → 8960 → 1536; and 8192³.
+    for (rows, inf, outf) in [
+        (32760, 1536, 1536),
+        (32760, 1536, 8960),
+        (32760, 8960, 1536),
+        (8192, 8192, 8192),
+    ] {
+        let x = Tensor::randn(&[rows, inf], DType::BF16, 1, dev)?;
+        let w = Tensor::randn(&[outf, inf], DType::BF16, 2, dev)?;
+        let b = Tensor::randn(&[outf], DType::BF16, 3, dev)?;
+        let secs = time(20, &mut || {
+            k::linear(&x, &w, Some(&b))?;
+            Ok(())
+        })?;
+        let tflops = 2.0 * (rows * inf * outf) as f64 / secs / 1e12;
+        println!(
+            "TIMING\tours linear+bias bf16 {rows}x{inf}x{outf}\t{:.3} ms\t{tflops:.1} TFLOP/s",
+            secs * 1e3
+        );
+    }
+    {
+        let (seq, heads) = (4096, 12);
+        let q = Tensor::randn(&[1, seq, heads, 128], DType::BF16, 4, dev)?;
+        let secs = time(2, &mut || {
+            k::attention(&q, &q, &q, AttentionOptions::default())?;
+            Ok(())
+        })?;
+        let tflops = 4.0 * (seq * seq * heads * 128) as f64 / secs / 1e12;
+        println!(
+            "TIMING\tours attention bf16 (1,{heads},{seq},128) portable\t{:.3} ms\t{tflops:.1} TFLOP/s",
+            secs * 1e3
+        );
+    }
+    Ok(())
+}

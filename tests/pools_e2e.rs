@@ -36,17 +36,24 @@ struct Deployment {
     pools: Vec<Proc>,
 }
 
-fn config(gateway: &str) -> String {
+fn config(gateway: &str, parallel: &str) -> String {
     format!(
         "model:\n  preset: tiny\nsampler:\n  steps: 3\nserving:\n  width: 128\n  height: 96\n  num_frames: 17\n  \
-         fps: 16\n  queue_depth: 4\npools:\n  gateway: {gateway}\n  heartbeat_timeout_s: 2\n  tls_ca: certs/ca.pem\n  \
-         tls_cert: certs/pool.pem\n  tls_key: certs/pool-key.pem\n"
+         fps: 16\n  queue_depth: 4\nparallel_config:\n{parallel}pools:\n  gateway: {gateway}\n  heartbeat_timeout_s: 2\n  \
+         tls_ca: certs/ca.pem\n  tls_cert: certs/pool.pem\n  tls_key: certs/pool-key.pem\n"
     )
 }
+
+const ONE_RANK: &str = "  cfg_size: 1\n";
 
 impl Deployment {
     /// Certificates, a gateway on a free port, one denoiser pool and one decoder instance.
     fn start(name: &str) -> Deployment {
+        Self::start_with(name, ONE_RANK, 1)
+    }
+
+    /// As [`Deployment::start`], with the denoiser's `parallel_config` and `decoders` instances.
+    fn start_with(name: &str, parallel: &str, decoders: usize) -> Deployment {
         let dir =
             std::env::temp_dir().join(format!("ditstream-pools-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -56,7 +63,7 @@ impl Deployment {
             .status()
             .unwrap();
         assert!(status.success());
-        std::fs::write(dir.join("gateway.yaml"), config("127.0.0.1:1")).unwrap();
+        std::fs::write(dir.join("gateway.yaml"), config("127.0.0.1:1", parallel)).unwrap();
         let mut gateway = bin()
             .args(["gateway", "--listen", "127.0.0.1:0", "--config"])
             .arg(dir.join("gateway.yaml"))
@@ -73,7 +80,7 @@ impl Deployment {
             .strip_prefix("gateway listening on ")
             .expect("the gateway prints its address")
             .to_string();
-        std::fs::write(dir.join("pools.yaml"), config(&addr)).unwrap();
+        std::fs::write(dir.join("pools.yaml"), config(&addr, parallel)).unwrap();
         let mut d = Deployment {
             dir,
             gateway: addr,
@@ -81,7 +88,9 @@ impl Deployment {
             pools: Vec::new(),
         };
         d.spawn_pool("denoiser");
-        d.spawn_pool("decoder");
+        for _ in 0..decoders {
+            d.spawn_pool("decoder");
+        }
         d
     }
 
@@ -129,9 +138,18 @@ async fn run(
     prompt: &str,
     t0: Instant,
 ) -> Result<Vec<(f64, E)>, tonic::Status> {
+    run_seeded(client, prompt, 9, t0).await
+}
+
+async fn run_seeded(
+    client: &mut VideoServiceClient<tonic::transport::Channel>,
+    prompt: &str,
+    seed: u64,
+    t0: Instant,
+) -> Result<Vec<(f64, E)>, tonic::Status> {
     let req = pb::GenerateRequest {
         prompt: prompt.into(),
-        seed: Some(9),
+        seed: Some(seed),
         ..Default::default()
     };
     let mut stream = client.generate(req).await?.into_inner();
@@ -265,6 +283,97 @@ async fn a_dead_decoder_is_dropped_and_a_new_one_serves() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     d.spawn_pool("decoder");
     let events = pending.await.unwrap().unwrap();
+    assert!(
+        matches!(events.last(), Some((_, E::Completed(_)))),
+        "{:?}",
+        events.last()
+    );
+}
+
+/// Several clients at once against a two-rank denoiser pool and two decoder instances: every
+/// video is byte for byte the one the single-process server makes for the same request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_clients_get_the_single_process_videos() {
+    let parallel = "  ulysses_size: 2\n";
+    let d = Deployment::start_with("concurrent", parallel, 2);
+    d.ready().await;
+    let requests = [("a fox", 1u64), ("a boat", 2), ("a lighthouse", 3)];
+    let t0 = Instant::now();
+    let mut handles = Vec::new();
+    for (prompt, seed) in requests {
+        let mut c = d.client().await;
+        handles.push(tokio::spawn(async move {
+            run_seeded(&mut c, prompt, seed, t0).await
+        }));
+    }
+    let mut videos = Vec::new();
+    for h in handles {
+        let events = h.await.unwrap().unwrap();
+        assert!(
+            matches!(events.last(), Some((_, E::Completed(_)))),
+            "{:?}",
+            events.last()
+        );
+        videos.push(mp4(&events));
+    }
+    // The same requests through `ditstream serve`'s single process, same config.
+    let cfg = ditstream_common::config::Config::parse(&config("127.0.0.1:1", parallel), "<test>")
+        .unwrap();
+    let server = ditstream::serve::start(cfg, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let mut c = VideoServiceClient::connect(format!("http://{}", server.addr))
+        .await
+        .unwrap();
+    for ((prompt, seed), video) in requests.iter().zip(&videos) {
+        let events = run_seeded(&mut c, prompt, *seed, t0).await.unwrap();
+        assert!(
+            mp4(&events) == *video,
+            "{prompt}: the pools' video differs from the single-process one"
+        );
+    }
+    server.stop().await.unwrap();
+}
+
+/// A decoder killed while it decodes: that request ends with an error status (the client keeps the
+/// segments it already has), the denoiser is released, and the next request runs on a new decoder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoder_killed_mid_request_fails_that_request_only() {
+    let mut d = Deployment::start("midrequest");
+    d.ready().await;
+    let mut client = d.client().await;
+    let req = pb::GenerateRequest {
+        prompt: "doomed".into(),
+        seed: Some(4),
+        num_frames: Some(41),
+        ..Default::default()
+    };
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    // Wait for the first media segment: the decoder is mid-request.
+    loop {
+        match stream.message().await.unwrap().and_then(|e| e.event) {
+            Some(E::MediaSegment(_)) => break,
+            Some(_) => continue,
+            None => panic!("the stream ended before any segment"),
+        }
+    }
+    d.pools.remove(1); // the decoder
+    let status = loop {
+        match stream.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the request completed although its decoder died"),
+            Err(s) => break s,
+        }
+    };
+    assert!(
+        matches!(
+            status.code(),
+            tonic::Code::Unavailable | tonic::Code::Internal | tonic::Code::Unknown
+        ),
+        "{status:?}"
+    );
+    d.spawn_pool("decoder");
+    let events = run(&mut client, "after", Instant::now()).await.unwrap();
     assert!(
         matches!(events.last(), Some((_, E::Completed(_)))),
         "{:?}",

@@ -146,3 +146,38 @@ fn identities_load_from_pem_files() {
     });
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_chunk_is_detected_by_the_receiver() {
+    let ca = PoolCa::generate("corruption").unwrap();
+    let server = listen(
+        "127.0.0.1:0".parse().unwrap(),
+        &ca.issue("localhost").unwrap(),
+    )
+    .unwrap();
+    let addr = server.local_addr().unwrap();
+    let receiver = tokio::spawn(async move {
+        let conn = server.accept().await.unwrap().await.unwrap();
+        let mut rx = ChunkReceiver::accept(&conn).await.unwrap().unwrap();
+        let first = rx.next().await;
+        let second = rx.next().await;
+        (first.map(|c| c.is_some()), second.map(|c| c.is_some()))
+    });
+    let conn = connect(addr, "localhost", &ca.issue("d").unwrap())
+        .await
+        .unwrap();
+    let mut tx = ChunkSender::open(&conn).await.unwrap();
+    let mut sent = chunks("req-c", 1);
+    tx.send(&sent[0]).await.unwrap();
+    // A bit flipped after the checksum was taken (as a faulty NIC or buffer would).
+    sent[1].payload[17] ^= 0x01;
+    tx.send(&sent[1]).await.unwrap();
+    tx.finish().unwrap();
+    let (first, second) = receiver.await.unwrap();
+    assert!(first.unwrap(), "the intact chunk arrives");
+    let e = second.unwrap_err().to_string();
+    assert!(
+        e.starts_with("latent link: chunk 1 of request req-c: checksum"),
+        "{e}"
+    );
+}

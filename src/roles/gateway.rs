@@ -90,6 +90,14 @@ impl Shared {
         Some((denoiser, dn, decoder, dc))
     }
 
+    /// Drops a pool that could not be reached.
+    fn forget(&self, id: &str, why: &str) {
+        if let Some(p) = lock(&self.registry).pools.remove(id) {
+            tracing::warn!(pool_id = %id, address = %p.address, %why, "pool unreachable; forgotten");
+        }
+        self.changed.notify_waiters();
+    }
+
     fn release(&self, id: &str) {
         if let Some(p) = lock(&self.registry).pools.get_mut(id) {
             p.inflight = p.inflight.saturating_sub(1);
@@ -362,36 +370,48 @@ async fn route(
     let accepted = Instant::now();
     let waiting = Count(&shared.waiting);
     // Wait for a free denoiser and any decoder.
-    let (dn_id, denoiser, dc_id, decoder) = loop {
+    // Wait for a free denoiser and any decoder, and reach both. A pool that cannot be reached
+    // (its process died; its heartbeats have not timed out yet) is forgotten at once and the
+    // request routed again, so a dead pool costs a retry, not a failed request.
+    let (mut dn_lease, _dc_lease, denoiser, decoder, mut dn, mut dc) = loop {
         let changed = shared.changed.notified();
-        if let Some(pair) = shared.try_acquire() {
-            break pair;
-        }
-        tokio::select! {
-            _ = changed => {}
-            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-            status = stopped(tx, &mut cancel, deadline) => return Err(status),
-        }
+        let Some((dn_id, denoiser, dc_id, decoder)) = shared.try_acquire() else {
+            tokio::select! {
+                _ = changed => {}
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                status = stopped(tx, &mut cancel, deadline) => return Err(status),
+            }
+            continue;
+        };
+        let dn_lease = Lease {
+            shared,
+            id: Some(dn_id.clone()),
+        };
+        let dc_lease = Lease {
+            shared,
+            id: Some(dc_id.clone()),
+        };
+        let dc = match DecoderPoolClient::connect(format!("http://{}", decoder.address)).await {
+            Ok(c) => c.max_decoding_message_size(64 << 20),
+            Err(e) => {
+                shared.forget(&dc_id, &e.to_string());
+                continue;
+            }
+        };
+        let dn = match DenoiserPoolClient::connect(format!("http://{}", denoiser.address)).await {
+            Ok(c) => c,
+            Err(e) => {
+                shared.forget(&dn_id, &e.to_string());
+                continue;
+            }
+        };
+        break (dn_lease, dc_lease, denoiser, decoder, dn, dc);
     };
     drop(waiting);
     let _running = Count::new(&shared.running);
-    let mut dn_lease = Lease {
-        shared,
-        id: Some(dn_id),
-    };
-    let _dc_lease = Lease {
-        shared,
-        id: Some(dc_id),
-    };
     let queue_ms = ms(accepted.elapsed());
     tracing::info!(id, denoiser = %denoiser.address, decoder = %decoder.address, "routed");
 
-    let unavailable =
-        |what: &str, e: tonic::transport::Error| Status::unavailable(format!("{what}: {e}"));
-    let mut dc = DecoderPoolClient::connect(format!("http://{}", decoder.address))
-        .await
-        .map_err(|e| unavailable("decoder", e))?
-        .max_decoding_message_size(64 << 20);
     let mut decode = dc
         .decode(pb::DecodeRequest {
             request_id: id.to_string(),
@@ -408,9 +428,6 @@ async fn route(
         .message()
         .await?
         .ok_or_else(|| Status::internal("the decoder closed the stream at once"))?;
-    let mut dn = DenoiserPoolClient::connect(format!("http://{}", denoiser.address))
-        .await
-        .map_err(|e| unavailable("denoiser", e))?;
     let mut denoise = dn
         .denoise(pb::DenoiseRequest {
             request_id: id.to_string(),

@@ -4,11 +4,12 @@
 set -euo pipefail
 
 # The default build needs none of these (protox parses the .proto files; openh264 builds without
-# nasm, only slower): they serve the `ffmpeg` feature and the tests.
+# nasm, only slower): they serve the `ffmpeg` and `ucx` features and the tests.
 packages=(
   pkg-config nasm                    # openh264's assembly (faster encoding)
   libavcodec-dev libavformat-dev libavutil-dev libswscale-dev  # ffmpeg-next (x264 backend)
   ffmpeg                             # ffprobe and ffmpeg, to check the MP4s we write
+  libucx-dev clang libclang-dev      # the UCX latent link (bindgen bindings over UCX 1.13)
 )
 
 missing=()

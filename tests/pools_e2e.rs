@@ -37,10 +37,14 @@ struct Deployment {
 }
 
 fn config(gateway: &str, parallel: &str) -> String {
+    config_with_link(gateway, parallel, "quic")
+}
+
+fn config_with_link(gateway: &str, parallel: &str, link: &str) -> String {
     format!(
         "model:\n  preset: tiny\nsampler:\n  steps: 3\nserving:\n  width: 128\n  height: 96\n  num_frames: 17\n  \
          fps: 16\n  queue_depth: 4\nparallel_config:\n{parallel}pools:\n  gateway: {gateway}\n  heartbeat_timeout_s: 2\n  \
-         tls_ca: certs/ca.pem\n  tls_cert: certs/pool.pem\n  tls_key: certs/pool-key.pem\n"
+         link: {link}\n  tls_ca: certs/ca.pem\n  tls_cert: certs/pool.pem\n  tls_key: certs/pool-key.pem\n"
     )
 }
 
@@ -54,6 +58,11 @@ impl Deployment {
 
     /// As [`Deployment::start`], with the denoiser's `parallel_config` and `decoders` instances.
     fn start_with(name: &str, parallel: &str, decoders: usize) -> Deployment {
+        Self::start_full(name, parallel, decoders, "quic")
+    }
+
+    /// As [`Deployment::start_with`], over the latent link `link` ("quic" or "ucx").
+    fn start_full(name: &str, parallel: &str, decoders: usize, link: &str) -> Deployment {
         let dir =
             std::env::temp_dir().join(format!("ditstream-pools-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -63,7 +72,11 @@ impl Deployment {
             .status()
             .unwrap();
         assert!(status.success());
-        std::fs::write(dir.join("gateway.yaml"), config("127.0.0.1:1", parallel)).unwrap();
+        std::fs::write(
+            dir.join("gateway.yaml"),
+            config_with_link("127.0.0.1:1", parallel, link),
+        )
+        .unwrap();
         let mut gateway = bin()
             .args(["gateway", "--listen", "127.0.0.1:0", "--config"])
             .arg(dir.join("gateway.yaml"))
@@ -80,7 +93,11 @@ impl Deployment {
             .strip_prefix("gateway listening on ")
             .expect("the gateway prints its address")
             .to_string();
-        std::fs::write(dir.join("pools.yaml"), config(&addr, parallel)).unwrap();
+        std::fs::write(
+            dir.join("pools.yaml"),
+            config_with_link(&addr, parallel, link),
+        )
+        .unwrap();
         let mut d = Deployment {
             dir,
             gateway: addr,
@@ -378,5 +395,32 @@ async fn a_decoder_killed_mid_request_fails_that_request_only() {
         matches!(events.last(), Some((_, E::Completed(_)))),
         "{:?}",
         events.last()
+    );
+}
+
+/// The same deployment over the UCX latent link (host memory, tcp/sm/self transports): the
+/// videos equal the QUIC ones byte for byte.
+#[cfg(feature = "ucx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ucx_link_carries_the_same_videos() {
+    let quic = Deployment::start_full("link-quic", ONE_RANK, 1, "quic");
+    let ucx = Deployment::start_full("link-ucx", ONE_RANK, 1, "ucx");
+    quic.ready().await;
+    ucx.ready().await;
+    let t0 = Instant::now();
+    let over_quic = run_seeded(&mut quic.client().await, "a heron", 11, t0)
+        .await
+        .unwrap();
+    let over_ucx = run_seeded(&mut ucx.client().await, "a heron", 11, t0)
+        .await
+        .unwrap();
+    assert!(
+        matches!(over_ucx.last(), Some((_, E::Completed(_)))),
+        "{:?}",
+        over_ucx.last()
+    );
+    assert!(
+        mp4(&over_ucx) == mp4(&over_quic),
+        "UCX and QUIC deliver different videos"
     );
 }

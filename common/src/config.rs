@@ -74,6 +74,17 @@ pub struct Config {
     pub pools: PoolsConfig,
 }
 
+/// Transport of the latent link between denoiser and decoder pools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LinkKind {
+    /// QUIC with mutual TLS (quinn): any IP network.
+    #[default]
+    Quic,
+    /// UCX active messages (builds with `--features ucx`): RDMA-capable fabrics.
+    Ucx,
+}
+
 /// `pools:` section, read by `ditstream gateway`, `denoiser` and `decoder`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -84,7 +95,9 @@ pub struct PoolsConfig {
     pub denoiser_listen: String,
     /// A decoder instance's gRPC address.
     pub decoder_listen: String,
-    /// A decoder instance's QUIC latent-link address.
+    /// The latent link's transport, chosen by each decoder instance (denoisers follow it).
+    pub link: LinkKind,
+    /// A decoder instance's latent-link address.
     pub link_listen: String,
     /// The host name or IP on the decoders' certificate, which denoisers check.
     pub link_host: String,
@@ -104,6 +117,7 @@ impl Default for PoolsConfig {
             gateway: "127.0.0.1:50051".to_string(),
             denoiser_listen: "127.0.0.1:0".to_string(),
             decoder_listen: "127.0.0.1:0".to_string(),
+            link: LinkKind::Quic,
             link_listen: "127.0.0.1:0".to_string(),
             link_host: "localhost".to_string(),
             heartbeat_timeout_s: 5,

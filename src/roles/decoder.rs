@@ -3,7 +3,6 @@
 //! its chunks are decoded and encoded as they arrive, each segment streamed back the moment it
 //! exists. The instance keeps each request's causal VAE cache until its last chunk.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::pin::Pin;
@@ -14,7 +13,6 @@ use std::time::Duration;
 use anyhow::Context;
 use ditstream_common::config::Config;
 use ditstream_common::link::LatentChunk;
-use ditstream_common::link::quic::{self, ChunkReceiver};
 use ditstream_kernels::Tensor;
 use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::decoder_pool_server::{DecoderPool, DecoderPoolServer};
@@ -26,13 +24,11 @@ use tonic::{Request, Response, Status};
 use crate::engine::{Event, Phase};
 use crate::pipeline::{DecodeStage, model_name};
 use crate::request::GenerateParams;
+use crate::roles::link::{self, Pending};
 use crate::roles::{addr, link_identity, registration};
 
 /// How long a request may wait for its next latent chunk before the decode fails.
 const CHUNK_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// Requests with an open Decode call, by id: where their chunks go.
-type Pending = Arc<Mutex<HashMap<String, mpsc::Sender<LatentChunk>>>>;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Each critical section is one map operation: a poisoned lock still holds a consistent map.
@@ -190,46 +186,6 @@ impl From<Phase> for pb::Phase {
     }
 }
 
-/// Reads every request stream on one denoiser's connection and hands each chunk to its request.
-async fn serve_connection(conn: quic::Connection, pending: Pending) {
-    loop {
-        let mut rx = match ChunkReceiver::accept(&conn).await {
-            Ok(Some(rx)) => rx,
-            Ok(None) => return,
-            Err(e) => {
-                tracing::warn!(error = %e, "latent link connection ended");
-                return;
-            }
-        };
-        let pending = Arc::clone(&pending);
-        tokio::spawn(async move {
-            loop {
-                match rx.next().await {
-                    Ok(Some(chunk)) => {
-                        let target = lock(&pending).get(&chunk.header.request_id).cloned();
-                        match target {
-                            Some(tx) => {
-                                if tx.send(chunk).await.is_err() {
-                                    return; // the request ended (cancelled or failed)
-                                }
-                            }
-                            None => {
-                                tracing::warn!(id = %chunk.header.request_id, "chunk for a request with no Decode call; dropped");
-                                return;
-                            }
-                        }
-                    }
-                    Ok(None) => return,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "latent stream failed");
-                        return;
-                    }
-                }
-            }
-        });
-    }
-}
-
 /// A decoder instance running in this process.
 pub struct RunningDecoder {
     /// Its gRPC address.
@@ -253,24 +209,8 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDec
     let stage =
         Arc::new(tokio::task::spawn_blocking(move || DecodeStage::from_config(&build)).await??);
     let identity = link_identity(cfg, config_dir)?;
-    let endpoint = quic::listen(
-        addr("pools.link_listen", &cfg.pools.link_listen)?,
-        &identity,
-    )?;
-    let link_addr = endpoint.local_addr()?;
     let pending: Pending = Arc::default();
-    let accept_pending = Arc::clone(&pending);
-    let link_task = tokio::spawn(async move {
-        while let Some(incoming) = endpoint.accept().await {
-            let pending = Arc::clone(&accept_pending);
-            tokio::spawn(async move {
-                match incoming.await {
-                    Ok(conn) => serve_connection(conn, pending).await,
-                    Err(e) => tracing::warn!(error = %e, "latent link handshake failed"),
-                }
-            });
-        }
-    });
+    let (link_addr, link_task) = link::listen(cfg, &identity, Arc::clone(&pending)).await?;
     let listener =
         tokio::net::TcpListener::bind(addr("pools.decoder_listen", &cfg.pools.decoder_listen)?)
             .await?;
@@ -296,6 +236,7 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDec
         link_address: link_addr.to_string(),
         link_host: cfg.pools.link_host.clone(),
         model: model_name(cfg),
+        link_kind: link::kind_name(cfg.pools.link).to_string(),
     };
     let reg_task = tokio::spawn(registration::keep_registered(
         cfg.pools.gateway.clone(),

@@ -13,10 +13,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Instant;
 
 use ditstream_common::config::Config;
-use ditstream_common::link::LatentChunk;
-use ditstream_common::link::quic::{self, ChunkSender, Identity};
+use ditstream_common::link::quic::Identity;
 use ditstream_denoiser::denoise::{Control, DenoiseError};
-use ditstream_kernels::Tensor;
 use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::denoiser_pool_server::{DenoiserPool, DenoiserPoolServer};
 use tokio::sync::mpsc;
@@ -27,13 +25,13 @@ use tonic::{Request, Response, Status};
 use crate::engine::ms;
 use crate::pipeline::{DenoiseStage, model_name};
 use crate::request::GenerateParams;
-use crate::roles::{addr, link_identity, registration};
+use crate::roles::{addr, link, link_identity, registration};
 
 struct DenoiserService {
     stage: Arc<DenoiseStage>,
     identity: Arc<Identity>,
     /// Open latent-link connections, by decoder link address.
-    links: Arc<tokio::sync::Mutex<HashMap<String, quic::Connection>>>,
+    links: Arc<tokio::sync::Mutex<HashMap<String, link::Connection>>>,
     busy: Arc<AtomicBool>,
     active: Arc<AtomicU32>,
 }
@@ -56,10 +54,15 @@ impl Drop for BusyGuard {
 
 impl DenoiserService {
     /// A live connection to the decoder at `address`, reusing the last one.
-    async fn link(&self, address: &str, host: &str) -> Result<quic::Connection, Status> {
+    async fn link(
+        &self,
+        kind: &str,
+        address: &str,
+        host: &str,
+    ) -> Result<link::Connection, Status> {
         let mut links = self.links.lock().await;
         if let Some(c) = links.get(address)
-            && c.close_reason().is_none()
+            && c.is_open()
         {
             return Ok(c.clone());
         }
@@ -68,9 +71,9 @@ impl DenoiserService {
                 "decoder_link_address = {address:?}: not an address"
             ))
         })?;
-        let conn = quic::connect(target, host, &self.identity)
+        let conn = link::Connection::connect(kind, target, host, &self.identity)
             .await
-            .map_err(|e| Status::unavailable(e.to_string()))?;
+            .map_err(|e| Status::unavailable(format!("{e:#}")))?;
         links.insert(address.to_string(), conn.clone());
         Ok(conn)
     }
@@ -106,8 +109,14 @@ impl DenoiserPool for DenoiserService {
             segment_frames: 0,
         };
         let conn = self
-            .link(&r.decoder_link_address, &r.decoder_link_host)
+            .link(
+                &r.decoder_link_kind,
+                &r.decoder_link_address,
+                &r.decoder_link_host,
+            )
             .await?;
+        let links = Arc::clone(&self.links);
+        let link_address = r.decoder_link_address.clone();
         let (tx, rx) = mpsc::channel::<Result<pb::DenoiseEvent, Status>>(64);
         let stage = Arc::clone(&self.stage);
         let id = r.request_id;
@@ -156,7 +165,7 @@ impl DenoiserPool for DenoiserService {
                 }
             };
             let t = Instant::now();
-            match send_latent(&conn, &id, &latent).await {
+            match conn.send_latent(&id, &latent).await {
                 Ok(chunks) => {
                     let done = pb::Denoised {
                         text_ms,
@@ -169,6 +178,8 @@ impl DenoiserPool for DenoiserService {
                         .await;
                 }
                 Err(e) => {
+                    // The next request reconnects rather than reuse a broken connection.
+                    links.lock().await.remove(&link_address);
                     let _ = tx
                         .send(Err(Status::unavailable(format!("latent link: {e:#}"))))
                         .await;
@@ -179,27 +190,6 @@ impl DenoiserPool for DenoiserService {
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
     }
-}
-
-/// Sends `latent` [1, C, T, H, W] one latent frame per chunk on a new request stream.
-async fn send_latent(conn: &quic::Connection, id: &str, latent: &Tensor) -> anyhow::Result<u32> {
-    let frames = latent.shape()[2];
-    let mut sender = ChunkSender::open(conn).await?;
-    for t in 0..frames {
-        let part = latent.narrow(2, t, 1)?;
-        let shape: Vec<u64> = part.shape().iter().map(|&d| d as u64).collect();
-        let chunk = LatentChunk::from_f32(
-            id,
-            t as u32,
-            t as u32,
-            t + 1 == frames,
-            &shape,
-            &part.to_vec_f32()?,
-        )?;
-        sender.send(&chunk).await?;
-    }
-    sender.finish()?;
-    Ok(frames as u32)
 }
 
 /// A denoiser pool running in this process.
@@ -250,6 +240,7 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDen
         link_address: String::new(),
         link_host: String::new(),
         model: model_name(cfg),
+        link_kind: String::new(),
     };
     let reg_task = tokio::spawn(registration::keep_registered(
         cfg.pools.gateway.clone(),

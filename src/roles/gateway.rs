@@ -35,6 +35,7 @@ struct Pool {
     address: String,
     link_address: String,
     link_host: String,
+    link_kind: String,
     last_seen: Instant,
     /// Requests the gateway has routed to it and not seen finish.
     inflight: u32,
@@ -158,6 +159,7 @@ impl PoolRegistry for Gateway {
             address: r.address,
             link_address: r.link_address,
             link_host: r.link_host,
+            link_kind: r.link_kind,
             last_seen: Instant::now(),
             inflight: 0,
         };
@@ -442,6 +444,7 @@ async fn route(
             seed: p.seed,
             decoder_link_address: decoder.link_address.clone(),
             decoder_link_host: decoder.link_host.clone(),
+            decoder_link_kind: decoder.link_kind.clone(),
         })
         .await?
         .into_inner();

@@ -8,11 +8,13 @@
 //! - [`denoiser`]: `DenoiserPool` around a [`crate::pipeline::DenoiseStage`];
 //! - [`decoder`]: `DecoderPool` and the latent-link listener around a
 //!   [`crate::pipeline::DecodeStage`];
+//! - [`link`]: the latent link over QUIC or UCX, as the pools use it;
 //! - [`registration`]: how a pool registers and keeps its heartbeat.
 
 pub mod decoder;
 pub mod denoiser;
 pub mod gateway;
+pub mod link;
 pub mod registration;
 
 use std::net::SocketAddr;

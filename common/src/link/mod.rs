@@ -3,12 +3,14 @@
 //! needs to check and place it: request id, chunk index, latent frame range, shape, dtype and a
 //! CRC-32 of the payload.
 //!
-//! The wire framing here is shared by the byte-stream transports ([`quic`]; UCX and NCCL
-//! point-to-point move the same header and payload):
+//! The wire framing here is shared by the byte-stream transports ([`quic`]; UCX — `ucx`, behind
+//! the `ucx` feature — and NCCL point-to-point move the same header and payload as messages):
 //!
 //! `b"DSLC" | u32 header_len | header | u64 payload_len | payload`, integers little-endian.
 
 pub mod quic;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -45,6 +47,18 @@ pub enum LinkError {
     /// TLS identities could not be built or loaded.
     #[error("latent link identity: {0}")]
     Identity(String),
+    /// A UCX call failed or a UCX endpoint reported an error.
+    #[error("latent link (UCX): {what}: {status}")]
+    Ucx {
+        /// What failed: the call and its subject (`ucp_ep_create to 10.0.0.2:7000`).
+        what: String,
+        /// UCX's status string (`ucs_status_string`), e.g. "Destination is unreachable".
+        status: String,
+    },
+    /// The link cannot do what was asked with the library it was built against (e.g. CUDA
+    /// memory through a UCX built without CUDA transports).
+    #[error("latent link: unsupported: {0}")]
+    Unsupported(String),
 }
 
 impl From<std::io::Error> for LinkError {

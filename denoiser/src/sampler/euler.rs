@@ -29,7 +29,10 @@ impl FlowEuler {
         let shift_f32 = |s: f32| shift32 * s / (1.0 + (shift32 - 1.0) * s);
         let sigma_max = f64::from(shift_f32(1.0));
         let sigma_min = f64::from(shift_f32(1.0 / 1000.0));
-        let (t_max, t_min) = (sigma_max * NUM_TRAIN_TIMESTEPS, sigma_min * NUM_TRAIN_TIMESTEPS);
+        let (t_max, t_min) = (
+            sigma_max * NUM_TRAIN_TIMESTEPS,
+            sigma_min * NUM_TRAIN_TIMESTEPS,
+        );
         let mut sigmas: Vec<f32> = (0..steps)
             .map(|k| {
                 // np.linspace(t_max, t_min, steps) in f64.
@@ -66,10 +69,16 @@ impl Sampler for FlowEuler {
     fn step(&mut self, v: &[f32], latent: &mut [f32]) -> Result<(), SamplerError> {
         let k = self.step;
         if k >= self.steps() {
-            return Err(SamplerError::Finished { step: k, steps: self.steps() });
+            return Err(SamplerError::Finished {
+                step: k,
+                steps: self.steps(),
+            });
         }
         if v.len() != latent.len() {
-            return Err(SamplerError::Length { latent: latent.len(), output: v.len() });
+            return Err(SamplerError::Length {
+                latent: latent.len(),
+                output: v.len(),
+            });
         }
         // Diffusers subtracts the f32 sigmas, then multiplies in f32.
         let dt = self.sigmas[k + 1] - self.sigmas[k];

@@ -58,7 +58,10 @@ impl FlowUniPc {
         if (sigmas64[0] - 1.0).abs() < 1e-6 {
             sigmas64[0] -= 1e-6;
         }
-        let timesteps = sigmas64.iter().map(|s| (s * NUM_TRAIN_TIMESTEPS) as i64).collect();
+        let timesteps = sigmas64
+            .iter()
+            .map(|s| (s * NUM_TRAIN_TIMESTEPS) as i64)
+            .collect();
         let mut sigmas: Vec<f32> = sigmas64.iter().map(|&s| s as f32).collect();
         sigmas.push(0.0);
         Ok(FlowUniPc {
@@ -114,7 +117,14 @@ impl FlowUniPc {
                     (c_corr * rho_t, m_k),
                 ],
             ),
-            _ => lincomb(out, &[(a, x), (-alpha_t * phi - c_corr * rho_t, m0), (c_corr * rho_t, m_k)]),
+            _ => lincomb(
+                out,
+                &[
+                    (a, x),
+                    (-alpha_t * phi - c_corr * rho_t, m0),
+                    (c_corr * rho_t, m_k),
+                ],
+            ),
         }
     }
 
@@ -167,7 +177,10 @@ impl Sampler for FlowUniPc {
             return Err(SamplerError::Finished { step: k, steps: n });
         }
         if v.len() != latent.len() {
-            return Err(SamplerError::Length { latent: latent.len(), output: v.len() });
+            return Err(SamplerError::Length {
+                latent: latent.len(),
+                output: v.len(),
+            });
         }
         let sigma = self.sigmas[k];
         let m_k: Vec<f32> = latent.iter().zip(v).map(|(x, v)| x - sigma * v).collect();

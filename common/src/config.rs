@@ -280,7 +280,7 @@ impl Default for ParallelConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum AttentionBackend {
-    /// The fastest kernel the device supports.
+    /// The fastest kernel the device supports (today: the portable one).
     #[default]
     Auto,
     /// The portable kernel (any GPU, any head dim) or the CPU reference.
@@ -536,6 +536,20 @@ impl Config {
                     "needs ulysses_size > 1 and ring_size = 1 (have ulysses_size {}, ring_size {})",
                     p.ulysses_size, p.ring_size
                 ),
+            ));
+        }
+        if p.async_ulysses {
+            return Err(invalid(
+                "parallel_config.async_ulysses",
+                true,
+                "overlapping the all-to-all with the projections is not built yet; use false",
+            ));
+        }
+        if self.attention.backend == AttentionBackend::Hopper {
+            return Err(invalid(
+                "attention.backend",
+                "hopper",
+                "the Hopper (wgmma) kernel is not built yet; use auto or portable",
             ));
         }
         let heads = self.num_heads()?;
@@ -794,6 +808,20 @@ mod tests {
             err("  tp_size: 2\n").starts_with("parallel_config.tp_size = 2: tensor parallelism")
         );
         assert!(err("  async_ulysses: true\n").starts_with("parallel_config.async_ulysses = true"));
+        let e = err("  ulysses_size: 2\n  async_ulysses: true\n");
+        assert!(e.contains("not built yet"), "{e}");
+        let e = Config::parse(
+            "model:\n  preset: tiny\nattention:\n  backend: hopper\n",
+            "<t>",
+        )
+        .unwrap()
+        .validate(None)
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("attention.backend = hopper: the Hopper (wgmma) kernel is not built yet"),
+            "{e}"
+        );
     }
 
     #[test]

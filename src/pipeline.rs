@@ -6,18 +6,20 @@
 //! The models are built once from the config; a request only allocates its own state.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use ditstream_common::collectives::cpu::{CpuRank, CpuWorld};
+use ditstream_common::collectives::cpu::{CpuComm, CpuRank, CpuWorld};
 use ditstream_common::config::{
-    Config, DeviceKind, EncoderKind, Preset, SamplerConfig, WeightSource as SourceKind,
+    Config, DeviceKind, EncoderKind, Preset, SamplerConfig, VaeSplitDim, WeightSource as SourceKind,
 };
 use ditstream_common::mesh::Mesh;
 use ditstream_decoder::encode::{
     EncoderBackend, MediaSegment, OpenH264Options, RgbFrame, SegmentPlan, SegmentWriter,
     VideoParams, X264Options, encode_single_fragment, vae_output_to_rgb,
 };
+use ditstream_decoder::parallel::{ParallelDecodeStream, ParallelVaeDecoder};
 use ditstream_decoder::vae::{DecodeStream, VaeConfig, WanVaeDecoder};
 use ditstream_denoiser::denoise::{
     Control, DenoiseError, DenoiseParams, Experts, StepProgress, denoise, initial_noise,
@@ -258,14 +260,17 @@ pub fn latent_grid(p: &GenerateParams) -> (usize, usize, usize) {
 
 /// The decoder pool's half: VAE and H.264 encoder.
 pub struct DecodeStage {
-    vae: WanVaeDecoder,
+    vae: Arc<WanVaeDecoder>,
     encoder: EncoderBackend,
+    /// Ranks of the decoder instance (`parallel_vae_size`); on the CPU each rank is a thread.
+    vae_ranks: usize,
+    split: VaeSplitDim,
 }
 
 /// One request's decode state: the VAE's causal caches and the segment writer.
 pub struct DecodeSession<'a> {
     stage: &'a DecodeStage,
-    stream: DecodeStream,
+    vae: SessionVae,
     writer: SegmentWriter,
     latent_frames: usize,
     latent_frames_done: usize,
@@ -283,15 +288,6 @@ impl DecodeStage {
     /// Builds the VAE and checks the encoder backend the config names.
     pub fn from_config(cfg: &Config) -> anyhow::Result<DecodeStage> {
         check_device(cfg)?;
-        let vae_ranks = cfg.vae_layout().size();
-        if vae_ranks > 1 {
-            // decoder::parallel (halo exchange) is checked against the unsharded decode in its tests,
-            // but the serving path does not shard yet: say so rather than pretend.
-            tracing::warn!(
-                parallel_vae_size = vae_ranks,
-                "the serving path decodes on one rank for now; parallel_vae_size is not applied"
-            );
-        }
         let m = &cfg.model;
         let vae = match (m.weights, &m.checkpoint, m.preset) {
             (SourceKind::Random, _, Some(Preset::Tiny)) => WanVaeDecoder::from_weights(
@@ -316,7 +312,12 @@ impl DecodeStage {
                 fps: 16,
             })
             .with_context(|| format!("serving.encoder = {:?}", cfg.serving.encoder))?;
-        Ok(DecodeStage { vae, encoder })
+        Ok(DecodeStage {
+            vae: Arc::new(vae),
+            encoder,
+            vae_ranks: cfg.vae_layout().size(),
+            split: cfg.parallel_config.parallel_vae_split_dim,
+        })
     }
 
     /// Latent channels the VAE decodes.
@@ -327,9 +328,20 @@ impl DecodeStage {
     /// Starts a request's decode; the init segment is ready at once.
     pub fn start(&self, p: &GenerateParams) -> anyhow::Result<DecodeSession<'_>> {
         let (lt, lh, lw) = latent_grid(p);
+        let vae = if self.vae_ranks == 1 {
+            SessionVae::Single(self.vae.new_stream(lh, lw)?)
+        } else {
+            SessionVae::Sharded(ShardedDecode::start(
+                &self.vae,
+                self.vae_ranks,
+                self.split,
+                lh,
+                lw,
+            )?)
+        };
         Ok(DecodeSession {
             stage: self,
-            stream: self.vae.new_stream(lh, lw)?,
+            vae,
             writer: SegmentWriter::new(&self.encoder, video_params(p), segment_plan(p)?)?,
             latent_frames: lt,
             latent_frames_done: 0,
@@ -376,7 +388,10 @@ impl DecodeSession<'_> {
             );
         }
         let t = Instant::now();
-        let decoded = self.stage.vae.decode_chunk(&mut self.stream, latent)?;
+        let decoded = match &mut self.vae {
+            SessionVae::Single(stream) => self.stage.vae.decode_chunk(stream, latent)?,
+            SessionVae::Sharded(sharded) => sharded.decode_chunk(latent)?,
+        };
         self.decode_ms += ms(t.elapsed());
         let t = Instant::now();
         let rgb = to_rgb(&decoded)?;
@@ -405,6 +420,95 @@ impl DecodeSession<'_> {
     /// Whether every latent frame has been decoded.
     pub fn is_done(&self) -> bool {
         self.latent_frames_done == self.latent_frames
+    }
+}
+
+/// A request's VAE state: one stream, or one per rank of a sharded decoder instance.
+enum SessionVae {
+    Single(DecodeStream),
+    Sharded(ShardedDecode),
+}
+
+/// A decode spatially sharded over `parallel_vae_size` ranks (decoder::parallel: halo exchange
+/// before every 3×3 conv, frames gathered to rank 0). Rank 0 runs on the request's thread; the
+/// other ranks are threads that live as long as the request, each keeping its band's caches, and
+/// take every latent chunk over a channel.
+struct ShardedDecode {
+    rank0: ParallelVaeDecoder<CpuComm>,
+    stream0: ParallelDecodeStream,
+    peers: Vec<(std::sync::mpsc::Sender<Tensor>, std::thread::JoinHandle<()>)>,
+}
+
+impl ShardedDecode {
+    fn start(
+        vae: &Arc<WanVaeDecoder>,
+        ranks: usize,
+        split: VaeSplitDim,
+        lh: usize,
+        lw: usize,
+    ) -> anyhow::Result<ShardedDecode> {
+        let world = CpuWorld::new(ranks);
+        let all: Vec<usize> = (0..ranks).collect();
+        let mut comms = world
+            .ranks()
+            .into_iter()
+            .map(|r| r.group(&all))
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter();
+        let Some(comm0) = comms.next() else {
+            bail!("parallel_vae_size = {ranks}: an instance needs at least one rank");
+        };
+        let rank0 = ParallelVaeDecoder::new(Arc::clone(vae), comm0, split);
+        let stream0 = rank0.new_stream(lh, lw)?;
+        let mut peers = Vec::new();
+        for comm in comms {
+            let mut dec = ParallelVaeDecoder::new(Arc::clone(vae), comm, split);
+            let mut stream = dec.new_stream(lh, lw)?;
+            let (tx, rx) = std::sync::mpsc::channel::<Tensor>();
+            let handle = std::thread::spawn(move || {
+                // A failure here reaches rank 0 through the collectives (its peers error too).
+                for latent in rx {
+                    let step = stream
+                        .band_of(&latent)
+                        .map_err(anyhow::Error::from)
+                        .and_then(|band| Ok(dec.decode_chunk(&mut stream, &band)?))
+                        .and_then(|frames| Ok(dec.gather_frames(&stream, &frames)?));
+                    if let Err(e) = step {
+                        tracing::warn!(error = %format!("{e:#}"), "VAE rank failed");
+                        return;
+                    }
+                }
+            });
+            peers.push((tx, handle));
+        }
+        Ok(ShardedDecode {
+            rank0,
+            stream0,
+            peers,
+        })
+    }
+
+    /// Every rank decodes its band of `latent`; rank 0 returns the whole video chunk.
+    fn decode_chunk(&mut self, latent: &Tensor) -> anyhow::Result<Tensor> {
+        for (tx, _) in &self.peers {
+            tx.send(latent.clone())
+                .map_err(|_| anyhow::anyhow!("a VAE rank has stopped"))?;
+        }
+        let band = self.stream0.band_of(latent)?;
+        let frames = self.rank0.decode_chunk(&mut self.stream0, &band)?;
+        self.rank0
+            .gather_frames(&self.stream0, &frames)?
+            .ok_or_else(|| anyhow::anyhow!("rank 0 of a VAE instance always receives the frames"))
+    }
+}
+
+impl Drop for ShardedDecode {
+    fn drop(&mut self) {
+        // Closing the channels ends the peers; every gather has completed by then.
+        for (tx, handle) in self.peers.drain(..) {
+            drop(tx);
+            let _ = handle.join();
+        }
     }
 }
 

@@ -28,7 +28,7 @@ use ditstream_denoiser::model::{WanConfig, WanTransformer};
 use ditstream_denoiser::parallel::{self, MeshComms, ParallelError, check_mesh};
 use ditstream_denoiser::text::TextEncoder;
 use ditstream_kernels::weights::RandomWeights;
-use ditstream_kernels::{DType, Tensor};
+use ditstream_kernels::{DType, Device, Tensor};
 
 use crate::engine::{Event, Phase, Segment, Timings, ms};
 use crate::request::GenerateParams;
@@ -123,8 +123,12 @@ impl DenoiseStage {
         let (text, high, low) = match (m.weights, &m.checkpoint, m.preset) {
             (SourceKind::Random, _, Some(Preset::Tiny)) => {
                 let weights = RandomWeights::new(TINY_WEIGHT_SEED);
-                let dit =
-                    WanTransformer::new(WanConfig::preset(Preset::Tiny), &weights, DType::F32)?;
+                let dit = WanTransformer::new(
+                    WanConfig::preset(Preset::Tiny),
+                    &weights,
+                    DType::F32,
+                    Device::Cpu,
+                )?;
                 (TextEncoder::tiny(TINY_WEIGHT_SEED)?, dit, None)
             }
             (SourceKind::Random, _, Some(p)) => bail!(
@@ -671,7 +675,7 @@ type DenoiserModels = (TextEncoder, WanTransformer, Option<(WanTransformer, f64)
 /// `transformer_2/` with the `boundary_ratio` of `model_index.json` for Wan2.2-A14B),
 /// `text_encoder/`, `tokenizer/`.
 fn load_denoiser_checkpoint(dir: &Path) -> anyhow::Result<DenoiserModels> {
-    let high = WanTransformer::from_dir(&dir.join("transformer"), DType::F32)?;
+    let high = WanTransformer::from_dir(&dir.join("transformer"), DType::F32, Device::Cpu)?;
     let low = if dir.join("transformer_2").is_dir() {
         let index = dir.join("model_index.json");
         let text = std::fs::read_to_string(&index)
@@ -688,7 +692,7 @@ fn load_denoiser_checkpoint(dir: &Path) -> anyhow::Result<DenoiserModels> {
                 )
             })?;
         Some((
-            WanTransformer::from_dir(&dir.join("transformer_2"), DType::F32)?,
+            WanTransformer::from_dir(&dir.join("transformer_2"), DType::F32, Device::Cpu)?,
             boundary,
         ))
     } else {

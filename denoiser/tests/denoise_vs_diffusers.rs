@@ -15,7 +15,7 @@ use ditstream_common::config::SamplerKind;
 use ditstream_denoiser::denoise::{Control, DenoiseError, DenoiseParams, Experts, denoise};
 use ditstream_denoiser::model::WanTransformer;
 use ditstream_kernels::weights::Checkpoint;
-use ditstream_kernels::{DType, Tensor};
+use ditstream_kernels::{DType, Device, Tensor};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/loop")
@@ -30,8 +30,10 @@ struct Fixture {
 impl Fixture {
     fn load() -> Fixture {
         Fixture {
-            high: WanTransformer::from_dir(&dir().join("transformer"), DType::F32).unwrap(),
-            low: WanTransformer::from_dir(&dir().join("transformer_2"), DType::F32).unwrap(),
+            high: WanTransformer::from_dir(&dir().join("transformer"), DType::F32, Device::Cpu)
+                .unwrap(),
+            low: WanTransformer::from_dir(&dir().join("transformer_2"), DType::F32, Device::Cpu)
+                .unwrap(),
             io: Checkpoint::open_dir(&dir(), "io").unwrap(),
         }
     }

@@ -49,7 +49,7 @@ fn fixture(name: &str) -> PathBuf {
 
 /// The head-dim-128 mini model (2 heads, 2 layers, in_channels 16, text_dim 64).
 fn mini128() -> WanTransformer {
-    WanTransformer::from_dir(&fixture("dit_mini128/transformer"), DType::F32).unwrap()
+    WanTransformer::from_dir(&fixture("dit_mini128/transformer"), DType::F32, Device::Cpu).unwrap()
 }
 
 /// 8 heads of dim 16, 2 layers, random weights: Ulysses up to 8.
@@ -61,7 +61,7 @@ fn eight_heads(seed: u64) -> WanTransformer {
     cfg.out_channels = 4;
     cfg.text_dim = 32;
     cfg.ffn_dim = 192;
-    WanTransformer::new(cfg, &RandomWeights::new(seed), DType::F32).unwrap()
+    WanTransformer::new(cfg, &RandomWeights::new(seed), DType::F32, Device::Cpu).unwrap()
 }
 
 /// Every mesh of 2..=8 ranks for a model of `heads` heads.
@@ -534,7 +534,12 @@ fn bf16_model_on_every_two_rank_mesh() {
     // (they only move data); Ring and Attention2D 1×2 measure 3.5e-3, one ulp of the output's
     // scale: 2e-2 (five ulps).
     const BF16_TOL: f32 = 2e-2;
-    let model = WanTransformer::from_dir(&fixture("dit_mini128/transformer"), DType::BF16).unwrap();
+    let model = WanTransformer::from_dir(
+        &fixture("dit_mini128/transformer"),
+        DType::BF16,
+        Device::Cpu,
+    )
+    .unwrap();
     let inp = inputs(&model, 1, GRID_105, false);
     let want = model.forward(&inp.x, &inp.t, &inp.ctx).unwrap();
     for mesh in [

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use ditstream_denoiser::model::{LocalAttention, WanTransformer};
 use ditstream_kernels::weights::Checkpoint;
-use ditstream_kernels::{DType, Tensor};
+use ditstream_kernels::{DType, Device, Tensor};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -42,7 +42,8 @@ fn assert_close(what: &str, got: &Tensor, want: &Tensor) {
 
 fn check(name: &str) {
     let dir = fixture(name);
-    let model = WanTransformer::from_dir(&dir.join("transformer"), DType::F32).unwrap();
+    let model =
+        WanTransformer::from_dir(&dir.join("transformer"), DType::F32, Device::Cpu).unwrap();
     let ck = Checkpoint::open_dir(&dir, "io").unwrap();
     let x = io(&ck, "hidden_states");
     let ctx = io(&ck, "encoder_hidden_states");
@@ -124,26 +125,17 @@ fn head_dim_128_mini_model_matches() {
 #[test]
 fn bad_inputs_and_checkpoints_are_named() {
     let dir = fixture("dit_diffusers_test");
-    let model = WanTransformer::from_dir(&dir.join("transformer"), DType::F32).unwrap();
-    let x = Tensor::zeros(
-        &[1, 4, 2, 15, 16],
-        DType::F32,
-        ditstream_kernels::Device::Cpu,
-    )
-    .unwrap();
+    let model =
+        WanTransformer::from_dir(&dir.join("transformer"), DType::F32, Device::Cpu).unwrap();
+    let x = Tensor::zeros(&[1, 4, 2, 15, 16], DType::F32, Device::Cpu).unwrap();
     let t = Tensor::from_vec(vec![500.0], &[1]).unwrap();
-    let ctx = Tensor::zeros(&[1, 12, 16], DType::F32, ditstream_kernels::Device::Cpu).unwrap();
+    let ctx = Tensor::zeros(&[1, 12, 16], DType::F32, Device::Cpu).unwrap();
     let e = model.forward(&x, &t, &ctx).unwrap_err().to_string();
     assert_eq!(
         e,
         "latent shape [1, 4, 2, 15, 16]: must be [B, 4, T, H, W] with H divisible by 2 and W by 2"
     );
-    let x = Tensor::zeros(
-        &[1, 4, 2, 16, 16],
-        DType::F32,
-        ditstream_kernels::Device::Cpu,
-    )
-    .unwrap();
+    let x = Tensor::zeros(&[1, 4, 2, 16, 16], DType::F32, Device::Cpu).unwrap();
     let e = model
         .forward(&x, &Tensor::from_vec(vec![1.0, 2.0], &[2]).unwrap(), &ctx)
         .unwrap_err()
@@ -153,7 +145,7 @@ fn bad_inputs_and_checkpoints_are_named() {
     let tmp = std::env::temp_dir().join(format!("ditstream-wan-bad-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
     std::fs::copy(dir.join("transformer/config.json"), tmp.join("config.json")).unwrap();
-    let e = WanTransformer::from_dir(&tmp, DType::F32)
+    let e = WanTransformer::from_dir(&tmp, DType::F32, Device::Cpu)
         .unwrap_err()
         .to_string();
     assert!(
@@ -164,7 +156,7 @@ fn bad_inputs_and_checkpoints_are_named() {
         .unwrap()
         .replace("\"image_dim\": null", "\"image_dim\": 1280");
     std::fs::write(tmp.join("config.json"), cfg).unwrap();
-    let e = WanTransformer::from_dir(&tmp, DType::F32)
+    let e = WanTransformer::from_dir(&tmp, DType::F32, Device::Cpu)
         .unwrap_err()
         .to_string();
     assert!(

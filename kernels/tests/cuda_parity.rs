@@ -18,7 +18,9 @@
 //!   n·2⁻²⁴·max|term| bound as atol;
 //! - LSE (always f32): it is a max plus a log of a sum of ≤ S_k terms in [0, 1]: atol 1e-4 covers
 //!   S_k·2⁻²⁴ relative error of the sum for S_k up to ~1e3 with margin, plus rtol 1e-5 on |lse|;
-//! - layout ops and casts move stored values: exact.
+//! - layout ops and casts move stored values: exact;
+//! - convolutions: as `linear` (atol 1e-5 per summed tap), plus, in bf16, the bias added after the
+//!   GEMM's own bf16 rounding (derived at `convolutions_match_cpu`).
 
 #![cfg(feature = "cuda")]
 
@@ -512,6 +514,148 @@ fn timing_at_dit_sizes() -> Result<()> {
         println!(
             "TIMING\tours attention bf16 (1,{heads},{seq},128) portable\t{:.3} ms\t{tflops:.1} TFLOP/s",
             secs * 1e3
+        );
+    }
+    Ok(())
+}
+
+/// Convolutions: im2col + cuBLASLt GEMM + bias. The GEMM sums K = C_in·kt·kh·kw products of N(0,1)
+/// values, so the f32 order difference is ≲ K·2⁻²⁴·few, as for `linear`: atol = 1e-5·K. In bf16 the
+/// GPU rounds the GEMM's sum to bf16 before adding the bias and rounds again (the CPU rounds once):
+/// the extra rounding is ≤ 2⁻⁹·|sum| ≤ 2⁻⁹·(|out| + |bias|); the |out| part is inside rtol 1e-2 with
+/// the final rounding (2 · 2⁻⁹ < 1e-2), the |bias| part (|bias| ≲ 4 for N(0,1)) adds 4·2⁻⁹ to atol.
+#[test]
+fn convolutions_match_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    let atol = |taps: usize, dtype: DType| {
+        1e-5 * taps as f32
+            + match dtype {
+                DType::BF16 => 4.0 * 2f32.powi(-9),
+                DType::F32 => 0.0,
+            }
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        // conv3d: (x shape, w shape, stride, padding, bias); batch 2 and odd sizes included.
+        for (xs, ws, stride, padding, with_bias) in [
+            ([1, 3, 4, 6, 5], [8, 3, 3, 3, 3], [1, 1, 1], [1, 1, 1], true),
+            ([2, 5, 3, 7, 9], [4, 5, 3, 3, 3], [1, 2, 2], [0, 1, 1], true),
+            (
+                [2, 3, 2, 8, 8],
+                [6, 3, 1, 2, 2],
+                [1, 2, 2],
+                [0, 0, 0],
+                false,
+            ), // DiT patch embedding
+            ([2, 7, 3, 5, 3], [5, 7, 1, 1, 1], [1, 1, 1], [0, 0, 0], true), // pointwise, batch 2
+            (
+                [1, 64, 2, 12, 20],
+                [64, 64, 3, 3, 3],
+                [1, 1, 1],
+                [1, 1, 1],
+                true,
+            ),
+        ] {
+            let x = randn(&xs, dtype, 100);
+            let w = randn(&ws, dtype, 101);
+            let b = randn(&[ws[0]], DType::F32, 102);
+            let bias = with_bias.then_some(&b);
+            let gb = b.to_device(dev)?;
+            let gbias = with_bias.then_some(&gb);
+            let taps = ws[1] * ws[2] * ws[3] * ws[4];
+            check(
+                "conv3d",
+                &k::conv3d(
+                    &x.to_device(dev)?,
+                    &w.to_device(dev)?,
+                    gbias,
+                    stride,
+                    padding,
+                )?,
+                &k::conv3d(&x, &w, bias, stride, padding)?,
+                atol(taps, dtype),
+                rtol(dtype),
+            );
+        }
+        // causal_conv3d: each of the VAE's kernels, without a cache and with 1 and 2 cached frames.
+        for (ws, cached) in [
+            ([6, 4, 3, 3, 3], 0),
+            ([6, 4, 3, 3, 3], 1),
+            ([6, 4, 3, 3, 3], 2),
+            ([8, 4, 3, 1, 1], 2), // upsample3d's time_conv
+            ([5, 4, 1, 1, 1], 0),
+            ([16, 16, 3, 3, 3], 2),
+        ] {
+            let x = randn(&[1, ws[1], 3, 6, 10], dtype, 110);
+            let w = randn(&ws, dtype, 111);
+            let b = randn(&[ws[0]], dtype, 112);
+            let cache = (cached > 0).then(|| randn(&[1, ws[1], cached, 6, 10], dtype, 113));
+            let gcache = cache.as_ref().map(|c| c.to_device(dev)).transpose()?;
+            let taps = ws[1] * ws[2] * ws[3] * ws[4];
+            check(
+                "causal_conv3d",
+                &k::causal_conv3d(
+                    &x.to_device(dev)?,
+                    &w.to_device(dev)?,
+                    Some(&b.to_device(dev)?),
+                    gcache.as_ref(),
+                )?,
+                &k::causal_conv3d(&x, &w, Some(&b), cache.as_ref())?,
+                atol(taps, dtype),
+                rtol(dtype),
+            );
+        }
+        // conv2d: the upsamplers' 3×3 stride 1, and stride 2 (the encoder's downsampling).
+        for (xs, ws, stride, padding) in [
+            ([3, 6, 9, 7], [4, 6, 3, 3], [1, 1], [1, 1]),
+            ([2, 5, 10, 11], [3, 5, 3, 3], [2, 2], [0, 0]),
+            ([1, 4, 8, 8], [4, 4, 3, 3], [2, 2], [1, 1]),
+        ] {
+            let x = randn(&xs, dtype, 120);
+            let w = randn(&ws, dtype, 121);
+            let b = randn(&[ws[0]], DType::F32, 122);
+            let taps = ws[1] * ws[2] * ws[3];
+            check(
+                "conv2d",
+                &k::conv2d(
+                    &x.to_device(dev)?,
+                    &w.to_device(dev)?,
+                    Some(&b.to_device(dev)?),
+                    stride,
+                    padding,
+                )?,
+                &k::conv2d(&x, &w, Some(&b), stride, padding)?,
+                atol(taps, dtype),
+                rtol(dtype),
+            );
+        }
+        // Mixed dtypes: bf16 activations with f32 weights are promoted to f32, as in `linear`.
+        let x = randn(&[1, 3, 2, 5, 4], DType::BF16, 130);
+        let w = randn(&[4, 3, 3, 3, 3], DType::F32, 131);
+        check(
+            "conv3d_mixed",
+            &k::causal_conv3d(&x.to_device(dev)?, &w.to_device(dev)?, None, None)?,
+            &k::causal_conv3d(&x, &w, None, None)?,
+            atol(81, DType::F32),
+            rtol(DType::BF16),
+        );
+        // Resampling moves stored values: exact.
+        let x = randn(&[2, 3, 2, 5, 7], dtype, 140);
+        let g = x.to_device(dev)?;
+        check(
+            "upsample_nearest2x",
+            &k::upsample_nearest2x(&g)?,
+            &k::upsample_nearest2x(&x)?,
+            0.0,
+            0.0,
+        );
+        let x = randn(&[2, 6, 3, 4, 5], dtype, 141);
+        check(
+            "channels_to_frames",
+            &k::channels_to_frames(&x.to_device(dev)?)?,
+            &k::channels_to_frames(&x)?,
+            0.0,
+            0.0,
         );
     }
     Ok(())

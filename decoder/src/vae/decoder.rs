@@ -4,11 +4,14 @@
 //! Pipeline per chunk: z·std + mean → post_quant_conv (1×1×1) → conv_in → mid block → up blocks →
 //! RMS norm, SiLU, conv_out → clamp to [−1, 1]. Latent frame 0 decodes to 1 video frame, every later
 //! latent frame to `temporal_scale` (4) frames, and each is final as soon as its chunk is decoded.
+//!
+//! Placement: a decoder lives on one device in one dtype (weights converted and moved once, when it is
+//! built); chunks are moved there on entry, so a stream's caches and the decoded frames live there too.
 
 use std::path::Path;
 
 use ditstream_kernels::weights::{Checkpoint, WeightSource};
-use ditstream_kernels::{DType, Tensor, add, clamp, mul, silu};
+use ditstream_kernels::{DType, Device, Tensor, add, clamp, mul, silu};
 
 use super::config::VaeConfig;
 use super::error::{Result, VaeError};
@@ -16,13 +19,17 @@ use super::layers::{CausalConv, MidBlock, Pass, RmsNorm, SlotCounter, UpBlock};
 use super::spatial::{SpatialOps, Unsharded};
 use super::weights::Prefixed;
 
-/// The Wan 2.1 VAE decoder with its weights (f32, CPU). Immutable while decoding: any number of
-/// streams can be decoded with one decoder, each with its own [`DecodeStream`].
+/// The Wan 2.1 VAE decoder with its weights, on one device in one dtype. Immutable while decoding: any
+/// number of streams can be decoded with one decoder, each with its own [`DecodeStream`].
 pub struct WanVaeDecoder {
     config: VaeConfig,
-    /// [1, z_dim, 1, 1, 1].
+    /// Where the weights live and every chunk runs.
+    device: Device,
+    /// Storage dtype of the weights and activations (maths in f32 either way).
+    dtype: DType,
+    /// [1, z_dim, 1, 1, 1], f32 (the de-normalisation is computed in f32 in every dtype).
     latents_mean: Tensor,
-    /// [1, z_dim, 1, 1, 1].
+    /// [1, z_dim, 1, 1, 1], f32.
     latents_std: Tensor,
     post_quant_conv: CausalConv,
     conv_in: CausalConv,
@@ -69,24 +76,43 @@ impl DecodeStream {
 }
 
 impl WanVaeDecoder {
-    /// Loads a diffusers VAE folder (a checkpoint's `vae/`): `config.json` and
-    /// `diffusion_pytorch_model.safetensors` (or its sharded index), memory-mapped.
+    /// Loads a diffusers VAE folder (a checkpoint's `vae/`) for the CPU in f32:
+    /// [`load_on`](Self::load_on)`(folder, Device::Cpu, DType::F32)`.
     pub fn load(folder: &Path) -> Result<Self> {
+        Self::load_on(folder, Device::Cpu, DType::F32)
+    }
+
+    /// Loads a diffusers VAE folder (a checkpoint's `vae/`): `config.json` and
+    /// `diffusion_pytorch_model.safetensors` (or its sharded index), memory-mapped, with the weights
+    /// converted to `dtype` and moved to `device` once.
+    pub fn load_on(folder: &Path, device: Device, dtype: DType) -> Result<Self> {
         let config = VaeConfig::from_file(&folder.join("config.json"))?;
         let checkpoint = Checkpoint::open_dir(folder, "diffusion_pytorch_model")?;
-        Self::from_weights(config, &checkpoint)
+        Self::from_weights_on(config, &checkpoint, device, dtype)
+    }
+
+    /// [`from_weights_on`](Self::from_weights_on) for the CPU in f32.
+    pub fn from_weights(config: VaeConfig, weights: &dyn WeightSource) -> Result<Self> {
+        Self::from_weights_on(config, weights, Device::Cpu, DType::F32)
     }
 
     /// Builds the decoder from any weight source (a checkpoint, or random weights for benchmarks),
-    /// checking every tensor's presence and shape against the config. Reads `post_quant_conv.*` and
-    /// `decoder.*` (diffusers' checkpoint names).
-    pub fn from_weights(config: VaeConfig, weights: &dyn WeightSource) -> Result<Self> {
-        let root = Prefixed::root(weights, DType::F32);
+    /// checking every tensor's presence and shape against the config, with every weight in `dtype` on
+    /// `device`. Reads `post_quant_conv.*` and `decoder.*` (diffusers' checkpoint names).
+    pub fn from_weights_on(
+        config: VaeConfig,
+        weights: &dyn WeightSource,
+        device: Device,
+        dtype: DType,
+    ) -> Result<Self> {
+        let root = Prefixed::root(weights, dtype, device);
         let w = root.pp("decoder");
         let mut slots = SlotCounter::default();
         let z = config.z_dim;
         let dims = config.decoder_dims();
-        let channel_vector = |values: &[f32]| Tensor::from_vec(values.to_vec(), &[1, z, 1, 1, 1]);
+        let channel_vector = |values: &[f32]| -> Result<Tensor> {
+            Ok(Tensor::from_vec(values.to_vec(), &[1, z, 1, 1, 1])?.to_device(device)?)
+        };
         let post_quant_conv =
             CausalConv::load(&root.pp("post_quant_conv"), z, z, [1, 1, 1], &mut slots)?;
         let conv_in = CausalConv::load(&w.pp("conv_in"), z, dims[0], [3, 3, 3], &mut slots)?;
@@ -114,6 +140,8 @@ impl WanVaeDecoder {
             &mut slots,
         )?;
         Ok(WanVaeDecoder {
+            device,
+            dtype,
             latents_mean: channel_vector(&config.latents_mean)?,
             latents_std: channel_vector(&config.latents_std)?,
             config,
@@ -130,6 +158,16 @@ impl WanVaeDecoder {
     /// The validated config.
     pub fn config(&self) -> &VaeConfig {
         &self.config
+    }
+
+    /// The device the weights live on and chunks run on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The storage dtype of weights, activations and decoded frames.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Frame-cache slots a stream holds: one per conv with a time extent (32 for Wan 2.1: conv_in,
@@ -157,8 +195,9 @@ impl WanVaeDecoder {
     }
 
     /// Decodes the next latent frames of a stream: latent [B, z_dim, n, h, w] in the DiT's normalised
-    /// space (n ≥ 1) → video [B, out_channels, F, 8h, 8w] in [−1, 1], with F = 1 + 4(n − 1) when the
-    /// chunk starts the stream and 4n after. The frames returned are final. The result does not depend
+    /// space (n ≥ 1, any device and dtype: it is moved to the decoder's) → video
+    /// [B, out_channels, F, 8h, 8w] in [−1, 1] on the decoder's device in its dtype, with
+    /// F = 1 + 4(n − 1) when the chunk starts the stream and 4n after. The frames returned are final. The result does not depend
     /// on how the latent is cut into chunks; memory grows with n (activations of n latent frames).
     /// On error the stream is left as it was.
     pub fn decode_chunk(&self, stream: &mut DecodeStream, latent: &Tensor) -> Result<Tensor> {
@@ -174,6 +213,7 @@ impl WanVaeDecoder {
         ops: &dyn SpatialOps,
     ) -> Result<Tensor> {
         self.check_chunk(stream, latent)?;
+        let latent = latent.to_device(self.device)?.to_dtype(self.dtype)?;
         let frames = latent.shape()[2];
         let _span = tracing::debug_span!(
             "vae_decode_chunk",
@@ -188,7 +228,7 @@ impl WanVaeDecoder {
             caches: &mut caches,
             first_chunk: stream.latent_frames_decoded == 0,
         };
-        let video = self.forward(&mut pass, latent)?;
+        let video = self.forward(&mut pass, &latent)?;
         stream.caches = caches;
         stream.batch = Some(latent.shape()[0]);
         stream.latent_frames_decoded += frames;

@@ -19,7 +19,9 @@
 //! - `weights`: checkpoint-name prefixes over the kernels crate's weight sources.
 //! - `layers`: the blocks (causal conv with its cache, RMS norm, residual, attention, upsampler).
 //! - [`spatial`]: the convolutions' and attention's call site, the seam for the parallel (halo) VAE.
-//! - `decoder`: [`WanVaeDecoder`] and the caller-owned [`DecodeStream`].
+//! - `decoder`: [`WanVaeDecoder`] and the caller-owned [`DecodeStream`]. A decoder lives on one device in
+//!   one dtype: `WanVaeDecoder::load_on(folder, Device::Cuda(0), DType::BF16)` (feature `cuda` of the
+//!   kernels) moves the weights once; `load` is the CPU/f32 case.
 //! - [`VaeError`]: every failure, with the offending values.
 
 pub mod config;

@@ -5,8 +5,8 @@ mod wan;
 
 use std::path::{Path, PathBuf};
 
-use ditstream_kernels::DType;
 use ditstream_kernels::weights::{Checkpoint, WeightsError};
+use ditstream_kernels::{DType, Device};
 
 pub use config::WanConfig;
 pub use wan::{Conditioning, LocalAttention, SelfAttention, WanTransformer, timestep_sinusoid};
@@ -42,10 +42,14 @@ pub enum ModelError {
 
 impl WanTransformer {
     /// Loads a diffusers `transformer/` folder (`config.json` and
-    /// `diffusion_pytorch_model.safetensors`, sharded or not) in `dtype`.
-    pub fn from_dir(dir: &Path, dtype: DType) -> Result<WanTransformer, ModelError> {
+    /// `diffusion_pytorch_model.safetensors`, sharded or not) in `dtype`, weights on `device`.
+    pub fn from_dir(
+        dir: &Path,
+        dtype: DType,
+        device: Device,
+    ) -> Result<WanTransformer, ModelError> {
         let cfg = WanConfig::from_dir(dir)?;
         let weights = Checkpoint::open_dir(dir, "diffusion_pytorch_model")?;
-        WanTransformer::new(cfg, &weights, dtype)
+        WanTransformer::new(cfg, &weights, dtype, device)
     }
 }

@@ -5,10 +5,18 @@
 //! (patchify, conditioning, RoPE tables) and [`WanTransformer::head`] (final norm and unpatchify)
 //! around the blocks, and the blocks' self-attention goes through a [`SelfAttention`] the caller
 //! chooses, so a parallel wrapper can gather heads or keys without the model knowing.
+//!
+//! Devices and precision: the weights are put on the model's device once, at construction; inputs are
+//! moved there (a no-op when they already are). Every op runs on that device, the Conv3d patch
+//! embedding included (kernel = stride, so it is a linear over flattened patches). In bf16 the model
+//! keeps f32 exactly where diffusers does (`_keep_in_fp32_modules`, the `.float()` calls of its
+//! block): the time embedder, both `scale_shift_table`s and the modulation sums, `norm1`/`norm3`/
+//! `norm_out` with their modulation (one rounding after `LN(x)·(1 + scale) + shift`), `norm2`'s
+//! affine parameters, and the gated residuals.
 
 use ditstream_kernels::weights::WeightSource;
 use ditstream_kernels::{
-    AttentionOptions, DType, Tensor, apply_rope, attention, conv3d, gated_residual, gelu_tanh,
+    AttentionOptions, DType, Device, Tensor, apply_rope, attention, gated_residual, gelu_tanh,
     layer_norm, linear, modulate, rms_norm, rope_tables_3d, silu,
 };
 
@@ -42,6 +50,33 @@ impl SelfAttention for LocalAttention {
     }
 }
 
+/// Reads weights by checkpoint name and puts each on the model's device as it arrives (so a large
+/// model never needs a second host copy).
+struct Loader<'a> {
+    ws: &'a dyn WeightSource,
+    device: Device,
+}
+
+impl Loader<'_> {
+    /// Tensor `name` with the expected `shape`, stored as `dtype` on the model's device.
+    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, ModelError> {
+        Ok(self.ws.tensor(name, shape, dtype)?.to_device(self.device)?)
+    }
+}
+
+/// `LN(x)·(1 + scale) + shift` computed in f32 and stored once in `dtype`, as diffusers'
+/// `(norm(x.float()) * (1 + scale) + shift).type_as(x)`: x [.., D], shift/scale broadcasting to it.
+fn norm_modulate(
+    x: &Tensor,
+    shift: &Tensor,
+    scale: &Tensor,
+    eps: f32,
+    dtype: DType,
+) -> Result<Tensor, ModelError> {
+    let normed = layer_norm(&x.to_dtype(DType::F32)?, None, None, eps)?;
+    Ok(modulate(&normed, shift, scale)?.to_dtype(dtype)?)
+}
+
 /// A `Linear` layer: weight [out, in], optional bias [out].
 #[derive(Debug, Clone)]
 struct Linear {
@@ -51,7 +86,7 @@ struct Linear {
 
 impl Linear {
     fn load(
-        ws: &dyn WeightSource,
+        ws: &Loader,
         name: &str,
         out: usize,
         inp: usize,
@@ -81,12 +116,7 @@ struct Attention {
 }
 
 impl Attention {
-    fn load(
-        ws: &dyn WeightSource,
-        name: &str,
-        dim: usize,
-        dtype: DType,
-    ) -> Result<Attention, ModelError> {
+    fn load(ws: &Loader, name: &str, dim: usize, dtype: DType) -> Result<Attention, ModelError> {
         Ok(Attention {
             to_q: Linear::load(ws, &format!("{name}.to_q"), dim, dim, dtype)?,
             to_k: Linear::load(ws, &format!("{name}.to_k"), dim, dim, dtype)?,
@@ -105,7 +135,8 @@ struct Block {
     scale_shift_table: Tensor,
     attn1: Attention,
     attn2: Attention,
-    /// Cross-attention input norm (`norm2`), LayerNorm with affine, when `cross_attn_norm`.
+    /// Cross-attention input norm (`norm2`), LayerNorm with affine (f32 parameters, as diffusers
+    /// keeps them), when `cross_attn_norm`.
     norm2: Option<(Tensor, Tensor)>,
     ffn_in: Linear,
     ffn_out: Linear,
@@ -115,7 +146,8 @@ struct Block {
 /// [`WanTransformer::embed`].
 #[derive(Debug, Clone)]
 pub struct Conditioning {
-    /// Time embedding: [B, D], or [B, L, D] for per-token timesteps.
+    /// Time embedding in the model's dtype (diffusers casts it to the text's dtype): [B, D], or
+    /// [B, L, D] for per-token timesteps.
     pub temb: Tensor,
     /// Block modulation input: [B, 6, D], or [B, L, 6, D] for per-token timesteps.
     pub timestep_proj: Tensor,
@@ -134,8 +166,10 @@ pub struct Conditioning {
 pub struct WanTransformer {
     cfg: WanConfig,
     dtype: DType,
-    /// Conv3d patch embedding as a Linear over flattened patches: [D, C_in·pt·ph·pw].
-    patch_embedding: (Tensor, Tensor),
+    device: Device,
+    /// The Conv3d patch embedding (kernel = stride = patch) as the Linear over flattened patches it
+    /// is: weight [D, C_in·pt·ph·pw] (the checkpoint's [D, C_in, pt, ph, pw] row-major), bias [D].
+    patch_embedding: Linear,
     time_embedder: (Linear, Linear),
     time_proj: Linear,
     text_embedder: (Linear, Linear),
@@ -146,32 +180,40 @@ pub struct WanTransformer {
 }
 
 impl WanTransformer {
-    /// Builds the model from `ws` (names as in diffusers' `transformer/` safetensors), in `dtype`.
+    /// Builds the model from `ws` (names as in diffusers' `transformer/` safetensors), in `dtype`,
+    /// with every weight on `device` (moved there once, tensor by tensor, as it is read).
     pub fn new(
         cfg: WanConfig,
         ws: &dyn WeightSource,
         dtype: DType,
+        device: Device,
     ) -> Result<WanTransformer, ModelError> {
         cfg.check().map_err(|message| ModelError::Config {
             path: "<config>".into(),
             message,
         })?;
+        let ws = &Loader { ws, device };
         let d = cfg.dim();
         let [pt, ph, pw] = cfg.patch_size;
-        let patch_w = ws.tensor(
-            "patch_embedding.weight",
-            &[d, cfg.in_channels, pt, ph, pw],
-            dtype,
-        )?;
-        let patch_b = ws.tensor("patch_embedding.bias", &[d], dtype)?;
+        let patch_in = cfg.in_channels * pt * ph * pw;
+        let patch_embedding = Linear {
+            weight: ws
+                .tensor(
+                    "patch_embedding.weight",
+                    &[d, cfg.in_channels, pt, ph, pw],
+                    dtype,
+                )?
+                .reshape(&[d, patch_in])?,
+            bias: Some(ws.tensor("patch_embedding.bias", &[d], dtype)?),
+        };
         let ce = "condition_embedder";
         let blocks = (0..cfg.num_layers)
             .map(|i| {
                 let p = format!("blocks.{i}");
                 let norm2 = if cfg.cross_attn_norm {
                     Some((
-                        ws.tensor(&format!("{p}.norm2.weight"), &[d], dtype)?,
-                        ws.tensor(&format!("{p}.norm2.bias"), &[d], dtype)?,
+                        ws.tensor(&format!("{p}.norm2.weight"), &[d], DType::F32)?,
+                        ws.tensor(&format!("{p}.norm2.bias"), &[d], DType::F32)?,
                     ))
                 } else {
                     None
@@ -198,7 +240,7 @@ impl WanTransformer {
             .collect::<Result<Vec<_>, ModelError>>()?;
         let out_features = cfg.out_channels * pt * ph * pw;
         Ok(WanTransformer {
-            patch_embedding: (patch_w, patch_b),
+            patch_embedding,
             // The time embedder stays in f32, as diffusers keeps it (`_keep_in_fp32_modules`).
             time_embedder: (
                 Linear::load(
@@ -232,6 +274,7 @@ impl WanTransformer {
             proj_out: Linear::load(ws, "proj_out", out_features, d, dtype)?,
             cfg,
             dtype,
+            device,
         })
     }
 
@@ -240,8 +283,19 @@ impl WanTransformer {
         &self.cfg
     }
 
+    /// Where the weights live and every op runs.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The storage dtype of the weights and activations (f32 parts aside, see the module docs).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// Full forward on one rank: x [B, C_in, T, H, W], timestep [B] (or [B, L] per token),
-    /// context [B, S_txt, text_dim] → velocity [B, C_out, T, H, W].
+    /// context [B, S_txt, text_dim] → velocity [B, C_out, T, H, W] in the model's dtype, on its
+    /// device. Inputs may live anywhere (see [`WanTransformer::embed`]).
     pub fn forward(
         &self,
         x: &Tensor,
@@ -265,7 +319,11 @@ impl WanTransformer {
     }
 
     /// Patchify and condition: → tokens [B, L, D] (token index (f·H' + h)·W' + w) and the
-    /// [`Conditioning`] every block reads.
+    /// [`Conditioning`] every block reads, on the model's device.
+    ///
+    /// `x` and `context` are moved to the model's device and dtype. The timestep values are read on
+    /// the host (the sinusoid is computed there, in f32, and uploaded): pass `timestep` as a host
+    /// tensor, or its read-back synchronises the device.
     pub fn embed(
         &self,
         x: &Tensor,
@@ -314,23 +372,30 @@ impl WanTransformer {
             }
         };
 
-        // Patch embedding: Conv3d with kernel = stride = patch, then [B, D, F', H', W'] → [B, L, D].
-        let (pw_, pb) = &self.patch_embedding;
-        let x = x.to_dtype(self.dtype)?;
-        let patches = conv3d(&x, pw_, Some(pb), cfg.patch_size, [0, 0, 0])?;
-        let tokens = patches.reshape(&[b, d, l])?.permute(&[0, 2, 1])?;
+        // Patch embedding. A Conv3d whose kernel equals its stride sees each patch once, so it is a
+        // Linear over flattened patches: [B, C, F'·pt, H'·ph, W'·pw] → [B, F', H', W', C, pt, ph, pw]
+        // → [B, L, C·pt·ph·pw] (the weight's [C, pt, ph, pw] order) · Wᵀ + b → [B, L, D].
+        let [f, hh, ww] = grid;
+        let x = x.to_device(self.device)?.to_dtype(self.dtype)?;
+        let patches = x
+            .reshape(&[b, cfg.in_channels, f, pt, hh, ph, ww, pw])?
+            .permute(&[0, 2, 4, 6, 1, 3, 5, 7])?
+            .reshape(&[b, l, cfg.in_channels * pt * ph * pw])?;
+        let tokens = self.patch_embedding.forward(&patches)?;
 
-        // Timestep sinusoid (f32), then the time MLP in f32; its output feeds the projections.
+        // Timestep sinusoid (f32, on the host), then the time MLP in f32; diffusers casts its output
+        // to the text's dtype (`.type_as(encoder_hidden_states)`) before the projections and the head.
         let t_flat = timestep.reshape(&[timestep.numel()])?.to_vec_f32()?;
         let sinusoid = Tensor::from_vec(
             timestep_sinusoid(&t_flat, cfg.freq_dim),
             &[t_flat.len(), cfg.freq_dim],
-        )?;
+        )?
+        .to_device(self.device)?;
         let (l1, l2) = &self.time_embedder;
-        let temb = l2.forward(&silu(&l1.forward(&sinusoid)?)?)?;
-        let tproj = self
-            .time_proj
-            .forward(&silu(&temb.to_dtype(self.dtype)?)?)?;
+        let temb = l2
+            .forward(&silu(&l1.forward(&sinusoid)?)?)?
+            .to_dtype(self.dtype)?;
+        let tproj = self.time_proj.forward(&silu(&temb)?)?;
         let (temb, timestep_proj) = if per_token {
             (temb.reshape(&[b, l, d])?, tproj.reshape(&[b, l, 6, d])?)
         } else {
@@ -338,9 +403,10 @@ impl WanTransformer {
         };
 
         let (t1, t2) = &self.text_embedder;
-        let context = t2.forward(&gelu_tanh(&t1.forward(&context.to_dtype(self.dtype)?)?)?)?;
+        let context = context.to_device(self.device)?.to_dtype(self.dtype)?;
+        let context = t2.forward(&gelu_tanh(&t1.forward(&context)?)?)?;
         let (rope_cos, rope_sin) =
-            rope_tables_3d(grid, cfg.attention_head_dim, ROPE_THETA, x.device())?;
+            rope_tables_3d(grid, cfg.attention_head_dim, ROPE_THETA, self.device)?;
         Ok((
             tokens,
             Conditioning {
@@ -397,7 +463,7 @@ impl WanTransformer {
         };
 
         // Self-attention: h = LN(x)·(1 + m1) + m0; q/k RMSNorm across heads, RoPE, attention.
-        let h = modulate(&layer_norm(x, None, None, eps)?, &m[0], &m[1])?;
+        let h = norm_modulate(x, &m[0], &m[1], eps, self.dtype)?;
         let a = &blk.attn1;
         let q = rms_norm(&a.to_q.forward(&h)?, &a.norm_q, eps)?.reshape(&[b, l, heads, hd])?;
         let k = rms_norm(&a.to_k.forward(&h)?, &a.norm_k, eps)?.reshape(&[b, l, heads, hd])?;
@@ -427,7 +493,7 @@ impl WanTransformer {
         let x = ditstream_kernels::add(&x, &a.to_out.forward(&o)?)?;
 
         // Feed-forward: h = LN(x)·(1 + m4) + m3; x + W2·GELU(W1·h)·m5.
-        let h = modulate(&layer_norm(&x, None, None, eps)?, &m[3], &m[4])?;
+        let h = norm_modulate(&x, &m[3], &m[4], eps, self.dtype)?;
         let f = blk.ffn_out.forward(&gelu_tanh(&blk.ffn_in.forward(&h)?)?)?;
         Ok(gated_residual(&x, &f, &m[5])?)
     }
@@ -455,7 +521,7 @@ impl WanTransformer {
             )?;
             (sum.narrow(1, 0, 1)?, sum.narrow(1, 1, 1)?)
         };
-        let h = modulate(&layer_norm(x, None, None, cfg.eps as f32)?, &shift, &scale)?;
+        let h = norm_modulate(x, &shift, &scale, cfg.eps as f32, self.dtype)?;
         let out = self.proj_out.forward(&h)?;
         // [B, F', H', W', pt, ph, pw, C] → [B, C, F', pt, H', ph, W', pw] → [B, C, T, H, W].
         let [pt, ph, pw] = cfg.patch_size;

@@ -222,7 +222,12 @@ fn build_plan(
     }
     let pref = lt::create_matmul_pref()?;
     let workspace = WORKSPACE_BYTES;
-    // SAFETY: `pref` is live; the value is a usize (size_t), as the attribute expects.
+    // Split-K partial sums are reduced in the compute type (f32) only: the in-place and output-type
+    // schemes round every partial to a bf16 output's precision, which measured up to ~1e-2 relative
+    // on small-m·n, long-k GEMMs (the VAE's convs at small sizes), far beyond one final rounding.
+    let reduction =
+        lt_sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+    // SAFETY: `pref` is live; the values are a usize (size_t) and a u32, as the attributes expect.
     let heuristic = unsafe {
         lt::set_matmul_pref_attribute(
             pref,
@@ -230,6 +235,14 @@ fn build_plan(
             (&workspace as *const usize).cast(),
             size_of::<usize>(),
         )
+        .and_then(|()| {
+            lt::set_matmul_pref_attribute(
+                pref,
+                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                (&reduction as *const u32).cast(),
+                size_of::<u32>(),
+            )
+        })
         .and_then(|()| lt::get_matmul_algo_heuristic(handle, desc, a, b, d, d, pref))
     };
     // SAFETY: `pref` was created above and is not used after this.

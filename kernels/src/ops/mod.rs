@@ -4,7 +4,7 @@
 //! dispatch; `cpu.rs` is the f32 reference (plain loops over flat row-major slices); `tests.rs` checks
 //! the reference against direct formulas. With feature `cuda`, `cuda.rs` (and `<op>.cu`, compiled by
 //! NVRTC at run time) fills the `Device::Cuda` arm of each dispatch; `kernels/tests/cuda_parity.rs`
-//! checks every one against the CPU. `conv` has no CUDA arm yet (it answers `UnsupportedDevice`).
+//! checks every one against the CPU.
 //!
 //! This file holds the checks every op shares: same device, rank, broadcasting.
 
@@ -33,8 +33,9 @@ use crate::{Device, KernelError, Result, Tensor};
 
 /// The `.cu` sources of the ops (the kernel compile test walks them).
 #[cfg(all(test, feature = "cuda"))]
-pub(crate) fn kernel_sources() -> [&'static crate::cuda::KernelSource; 4] {
+pub(crate) fn kernel_sources() -> [&'static crate::cuda::KernelSource; 5] {
     [
+        &conv::cuda::SOURCE,
         &elementwise::cuda::SOURCE,
         &norm::cuda::SOURCE,
         &rope::cuda::SOURCE,
@@ -58,6 +59,7 @@ pub(crate) fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Devic
 }
 
 /// `UnsupportedDevice` for the CUDA arm of an op without a CUDA twin (or a build without feature `cuda`).
+#[cfg(not(feature = "cuda"))]
 pub(crate) fn unsupported<T>(op: &'static str, device: Device) -> Result<T> {
     Err(KernelError::UnsupportedDevice { op, device })
 }

@@ -3,27 +3,37 @@
 //! turns time_conv's doubled channels into doubled frames.
 
 pub(crate) mod cpu;
+#[cfg(feature = "cuda")]
+pub(super) mod cuda;
 #[cfg(test)]
 mod tests;
 
-use super::{dims, expect_rank, same_device, unsupported};
+#[cfg(not(feature = "cuda"))]
+use super::unsupported;
+use super::{dims, expect_rank, same_device};
 use crate::{Device, KernelError, Result, Tensor};
 use cpu::ConvGeometry;
 
-/// Checks x [B, C_in, T, H, W], w [C_out, C_in, kt, kh, kw], bias [C_out] and returns the geometry with
-/// the given stride and (front, back) padding per axis.
+/// Checks an input of shape `xs` = [B, C_in, T, H, W] against w [C_out, C_in, kt, kh, kw] and
+/// bias [C_out] and returns the geometry with the given stride and (front, back) padding per axis.
 fn geometry(
     op: &'static str,
-    x: &Tensor,
+    xs: &[usize],
     w: &Tensor,
     bias: Option<&Tensor>,
     stride: [usize; 3],
     pad_front: [usize; 3],
     pad_back: [usize; 3],
 ) -> Result<ConvGeometry> {
-    expect_rank(op, "x [B, C_in, T, H, W]", x, 5)?;
+    if xs.len() != 5 {
+        return Err(KernelError::shape(
+            op,
+            "expected rank 5: x [B, C_in, T, H, W]",
+            &[xs],
+        ));
+    }
     expect_rank(op, "w [C_out, C_in, kt, kh, kw]", w, 5)?;
-    let (xs, ws) = (x.shape(), w.shape());
+    let ws = w.shape();
     let bias_ok = bias.is_none_or(|b| b.shape() == [ws[0]]);
     if ws[1] != xs[1] || !bias_ok {
         let mut shapes = vec![xs, ws];
@@ -68,9 +78,11 @@ fn geometry(
     })
 }
 
-/// Runs a checked geometry on the operands' device; output in x's dtype.
+/// Runs a checked geometry on the operands' device; output in x's dtype. The input the geometry
+/// describes is `cache` (frames in front, optional, x's dtype) followed by x along T.
 fn run(
     op: &'static str,
+    cache: Option<&Tensor>,
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
@@ -78,12 +90,25 @@ fn run(
 ) -> Result<Tensor> {
     let mut operands = vec![x, w];
     operands.extend(bias);
+    operands.extend(cache);
     match same_device(op, &operands)? {
         Device::Cpu => {
+            let input = match cache {
+                Some(cache) => Tensor::concat(&[cache, x], 2)?,
+                None => x.clone(),
+            };
             let bias = bias.map(|b| b.cpu_f32(op)).transpose()?;
-            let out = cpu::conv3d(&x.cpu_f32(op)?, &w.cpu_f32(op)?, bias.as_deref(), geometry);
+            let out = cpu::conv3d(
+                &input.cpu_f32(op)?,
+                &w.cpu_f32(op)?,
+                bias.as_deref(),
+                geometry,
+            );
             Tensor::from_f32_cpu(out, &geometry.output_shape(), x.dtype())
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::conv3d(op, cache, x, w, bias, geometry),
+        #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(op, device),
     }
 }
@@ -99,8 +124,8 @@ pub fn conv3d(
     stride: [usize; 3],
     padding: [usize; 3],
 ) -> Result<Tensor> {
-    let geometry = geometry("conv3d", x, w, bias, stride, padding, padding)?;
-    run("conv3d", x, w, bias, &geometry)
+    let geometry = geometry("conv3d", x.shape(), w, bias, stride, padding, padding)?;
+    run("conv3d", None, x, w, bias, &geometry)
 }
 
 /// Wan's causal Conv3d (diffusers `WanCausalConv3d`, stride 1, padding p = k/2 per axis for odd kernels:
@@ -128,8 +153,9 @@ pub fn causal_conv3d(
     }
     let front_frames = kernel[0] - 1; // 2·p_t with p_t = kt/2
     let [p_h, p_w] = [kernel[1] / 2, kernel[2] / 2];
-    let (input, cached_frames) = match cache {
-        None => (x.clone(), 0),
+    let mut input_shape = x.shape().to_vec();
+    let cached_frames = match cache {
+        None => 0,
         Some(cache) => {
             expect_rank(OP, "cache [B, C_in, T_c, H, W]", cache, 5)?;
             let (cs, xs) = (cache.shape(), x.shape());
@@ -148,19 +174,28 @@ pub fn causal_conv3d(
                     format!("at most kt − 1 = {front_frames} frames can be cached"),
                 ));
             }
-            (Tensor::concat(&[cache, x], 2)?, cs[2])
+            if cache.dtype() != x.dtype() {
+                return Err(KernelError::DTypeMismatch {
+                    op: OP,
+                    name: "cache",
+                    expected: x.dtype(),
+                    got: cache.dtype(),
+                });
+            }
+            input_shape[2] += cs[2];
+            cs[2]
         }
     };
     let geometry = geometry(
         OP,
-        &input,
+        &input_shape,
         w,
         bias,
         [1, 1, 1],
         [front_frames - cached_frames, p_h, p_w],
         [0, p_h, p_w],
     )?;
-    run(OP, &input, w, bias, &geometry)
+    run(OP, cache, x, w, bias, &geometry)
 }
 
 /// Conv2d with symmetric zero padding (PyTorch `nn.Conv2d`, dilation 1, groups 1):
@@ -182,8 +217,16 @@ pub fn conv2d(
     let x3 = x.reshape(&[xs[0], xs[1], 1, xs[2], xs[3]])?;
     let w3 = w.reshape(&[ws[0], ws[1], 1, ws[2], ws[3]])?;
     let pad = [0, padding[0], padding[1]];
-    let geometry = geometry(OP, &x3, &w3, bias, [1, stride[0], stride[1]], pad, pad)?;
-    let out = run(OP, &x3, &w3, bias, &geometry)?;
+    let geometry = geometry(
+        OP,
+        x3.shape(),
+        &w3,
+        bias,
+        [1, stride[0], stride[1]],
+        pad,
+        pad,
+    )?;
+    let out = run(OP, None, &x3, &w3, bias, &geometry)?;
     let os = out.shape();
     out.reshape(&[os[0], os[1], os[3], os[4]])
 }
@@ -209,13 +252,20 @@ pub fn upsample_nearest2x(x: &Tensor) -> Result<Tensor> {
             let out = cpu::upsample_nearest2x(&x.cpu_f32(OP)?, h, w);
             Tensor::from_f32_cpu(out, &out_shape, x.dtype())
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let images = x.numel().checked_div(h * w).unwrap_or(0);
+            cuda::upsample_nearest2x(OP, x, (images, h, w), &out_shape)
+        }
+        #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
 }
 
 /// Upsample3d's reshape after time_conv: channels [0:C] become frames 2i and channels [C:2C] frames 2i+1:
 /// x [B, 2C, T, H, W] → [B, C, 2T, H, W] (diffusers: reshape to [B, 2, C, T, H, W], stack the two
-/// halves on a new axis after T, merge).
+/// halves on a new axis after T, merge). A reshape and one permute: on a GPU the permute is the strided
+/// copy kernel, so this needs no kernel of its own.
 pub fn channels_to_frames(x: &Tensor) -> Result<Tensor> {
     const OP: &str = "channels_to_frames";
     let [b, c2, t, h, w] = dims(OP, "x [B, 2C, T, H, W]", x)?;

@@ -1,0 +1,322 @@
+//! One Wan DiT forward (the denoiser's step) with seeded random weights, in bf16 on `cuda:0`: the
+//! whole forward, and the ops that dominate it timed alone at the same shapes (self-attention,
+//! cross-attention, one block's linears), so the report says where the time goes.
+//!
+//! Timing follows GPU.md: CUDA events around each call on the one stream every op runs on, after
+//! `--warmup` untimed calls (the first compiles the kernels and plans the GEMMs), the median of
+//! `--iters`. Inputs are seeded normals (never zeros). The effective rate counts the forward's
+//! matrix FLOPs: per block 2·L·D²·6 (self q/k/v/o, cross q/o) + 2·S·D²·2 (cross k/v over the S text
+//! tokens) + 4·L·D·F (FFN) + 4·L²·D (self-attention) + 4·L·S·D (cross-attention); at 1.3B dims and
+//! 32,760 tokens that is the 283 TFLOP GPU.md's diffusers figure uses. `bench/dit_step_torch.py`
+//! times diffusers' `WanTransformer3DModel` the same way; `scripts/gpu-dit.sh` runs both and
+//! compares the `RESULT` lines. `--device cpu` runs the same code on the CPU backend (wall clock) as
+//! a smoke test of the driver with `--preset tiny`.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use cudarc::driver::sys::CUevent_flags;
+use ditstream_bench::median;
+use ditstream_common::config::Preset;
+use ditstream_denoiser::model::{WanConfig, WanTransformer};
+use ditstream_kernels::weights::{RandomWeights, WeightSource, WeightsError};
+use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, linear};
+
+#[derive(Parser, Debug)]
+#[command(about = "Time one Wan DiT forward with random weights (bf16, one GPU)")]
+struct Args {
+    /// Model dimensions (a built-in preset name).
+    #[arg(long, default_value = "wan2.1-t2v-1.3b")]
+    preset: String,
+    /// Video height in pixels (the latent is /8, tokens /16).
+    #[arg(long, default_value_t = 480)]
+    height: usize,
+    /// Video width in pixels.
+    #[arg(long, default_value_t = 832)]
+    width: usize,
+    /// Video frames (4k + 1; the latent has (frames − 1)/4 + 1).
+    #[arg(long, default_value_t = 5)]
+    frames: usize,
+    /// Text tokens of the prompt embedding (umT5 pads to 512).
+    #[arg(long, default_value_t = 512)]
+    text_len: usize,
+    /// Untimed warm-up forwards.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Timed forwards (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Skip the per-op timings.
+    #[arg(long)]
+    no_split: bool,
+    /// `cuda` (cuda:0) or `cpu` (a smoke test of the driver).
+    #[arg(long, default_value = "cuda")]
+    device: String,
+}
+
+/// Times closures on one device: CUDA events on its stream, or the wall clock on the CPU.
+struct Timer {
+    device: Device,
+}
+
+impl Timer {
+    /// Seconds `f` takes, from the first op it queues to the last one finishing.
+    fn time<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<f64> {
+        match self.device {
+            Device::Cuda(ordinal) => {
+                let stream = ditstream_kernels::cuda::cuda_stream(ordinal)?;
+                let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+                let start = stream.record_event(flags).context("cuEventRecord")?;
+                let out = f()?;
+                let end = stream.record_event(flags).context("cuEventRecord")?;
+                let ms = start.elapsed_ms(&end).context("cuEventElapsedTime")?;
+                drop(out);
+                Ok(f64::from(ms) / 1e3)
+            }
+            Device::Cpu => {
+                let t0 = Instant::now();
+                let out = f()?;
+                let s = t0.elapsed().as_secs_f64();
+                drop(out);
+                Ok(s)
+            }
+        }
+    }
+
+    /// Median seconds of `iters` timed calls after `warmup` untimed ones.
+    fn median<T>(
+        &self,
+        warmup: usize,
+        iters: usize,
+        mut f: impl FnMut() -> Result<T>,
+    ) -> Result<f64> {
+        for _ in 0..warmup {
+            self.time(&mut f)?;
+        }
+        let samples = (0..iters.max(1))
+            .map(|_| self.time(&mut f))
+            .collect::<Result<Vec<_>>>()?;
+        median(&samples).context("no samples")
+    }
+}
+
+/// What a dry build asked for: (name, shape, dtype) in request order.
+type Requests = Vec<(String, Vec<usize>, DType)>;
+
+/// Records the weights a model asks for and hands out zeros (a dry build on the host).
+#[derive(Default)]
+struct Recorder(Mutex<Requests>);
+
+impl WeightSource for Recorder {
+    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, WeightsError> {
+        let mut requests = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        requests.push((name.to_string(), shape.to_vec(), dtype));
+        Ok(Tensor::zeros(shape, dtype, Device::Cpu)?)
+    }
+}
+
+/// [`RandomWeights`] drawn ahead on every core: the draw is per tensor and single-threaded, ~1 min
+/// for 1.3B parameters, which would otherwise be spent with the GPU held idle.
+struct Prefetched {
+    drawn: Mutex<HashMap<String, Tensor>>,
+    random: RandomWeights,
+}
+
+impl Prefetched {
+    fn draw(random: RandomWeights, requests: Requests) -> Result<Prefetched> {
+        let next = AtomicUsize::new(0);
+        let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+        let drawn = Mutex::new(HashMap::new());
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| -> Result<()> {
+                        loop {
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            let Some((name, shape, dtype)) = requests.get(i) else {
+                                return Ok(());
+                            };
+                            let t = random.tensor(name, shape, *dtype)?;
+                            let mut map = drawn.lock().unwrap_or_else(|e| e.into_inner());
+                            map.insert(name.clone(), t);
+                        }
+                    })
+                })
+                .collect();
+            workers.into_iter().try_for_each(|w| {
+                w.join()
+                    .map_err(|_| anyhow::anyhow!("a weight-drawing thread panicked"))?
+            })
+        })?;
+        Ok(Prefetched {
+            drawn: Mutex::new(drawn.into_inner().unwrap_or_else(|e| e.into_inner())),
+            random,
+        })
+    }
+}
+
+impl WeightSource for Prefetched {
+    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, WeightsError> {
+        let mut drawn = self.drawn.lock().unwrap_or_else(|e| e.into_inner());
+        match drawn.remove(name) {
+            Some(t) if t.shape() == shape && t.dtype() == dtype => Ok(t),
+            _ => self.random.tensor(name, shape, dtype),
+        }
+    }
+}
+
+/// The model of `cfg` with `RandomWeights::new(seed)` in bf16 on `device`, the weights drawn on all
+/// host cores first.
+fn random_model(cfg: &WanConfig, seed: u64, device: Device) -> Result<WanTransformer> {
+    let recorder = Recorder::default();
+    WanTransformer::new(cfg.clone(), &recorder, DType::BF16, Device::Cpu)?;
+    let requests = recorder.0.into_inner().unwrap_or_else(|e| e.into_inner());
+    let weights = Prefetched::draw(RandomWeights::new(seed), requests)?;
+    Ok(WanTransformer::new(
+        cfg.clone(),
+        &weights,
+        DType::BF16,
+        device,
+    )?)
+}
+
+fn preset(name: &str) -> Result<Preset> {
+    Preset::ALL
+        .into_iter()
+        .find(|p| p.name() == name)
+        .with_context(|| {
+            let names: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
+            format!("--preset {name:?}: one of {names:?}")
+        })
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let device = match args.device.as_str() {
+        "cuda" => Device::Cuda(0),
+        "cpu" => Device::Cpu,
+        other => bail!("--device {other:?}: cuda or cpu"),
+    };
+    if args.frames % 4 != 1 || args.height % 16 != 0 || args.width % 16 != 0 {
+        bail!(
+            "--frames {} --height {} --width {}: frames must be 4k + 1 and height, width multiples of 16",
+            args.frames,
+            args.height,
+            args.width
+        );
+    }
+    let preset = preset(&args.preset)?;
+    let cfg = WanConfig::preset(preset);
+    let (d, heads, hd, ffn) = (
+        cfg.dim(),
+        cfg.num_attention_heads,
+        cfg.attention_head_dim,
+        cfg.ffn_dim,
+    );
+    let layers = cfg.num_layers;
+    let latent = [
+        1,
+        cfg.in_channels,
+        (args.frames - 1) / 4 + 1,
+        args.height / 8,
+        args.width / 8,
+    ];
+    let l = latent[2] * (latent[3] / 2) * (latent[4] / 2);
+    let s = args.text_len;
+    let timer = Timer { device };
+
+    let t0 = Instant::now();
+    let model = random_model(&cfg, 0, device)?;
+    let build_s = t0.elapsed().as_secs_f64();
+    println!(
+        "model {} ({layers} blocks, D {d}, FFN {ffn}) bf16 on {device}: built from random weights in {build_s:.1} s",
+        preset.name()
+    );
+    println!(
+        "video {}x{}x{} → latent {latent:?} → {l} tokens; text {s} tokens",
+        args.frames, args.height, args.width
+    );
+
+    let x = Tensor::randn(&latent, DType::BF16, 1, device)?;
+    // The timestep stays on the host: the model computes the sinusoid there (no device read-back).
+    let t = Tensor::from_vec(vec![500.0], &[1])?;
+    let ctx = Tensor::randn(&[1, s, cfg.text_dim], DType::BF16, 2, device)?;
+
+    let forward = timer.median(args.warmup, args.iters, || Ok(model.forward(&x, &t, &ctx)?))?;
+    let (lf, sf, df, ff) = (l as f64, s as f64, d as f64, ffn as f64);
+    let flops = layers as f64
+        * (2.0 * lf * df * df * 6.0
+            + 2.0 * sf * df * df * 2.0
+            + 4.0 * lf * df * ff
+            + 4.0 * lf * lf * df
+            + 4.0 * lf * sf * df);
+    println!(
+        "RESULT\tours\tforward\t{:.3}\tms\t{:.1}\tTFLOP/s",
+        forward * 1e3,
+        flops / forward / 1e12
+    );
+
+    if !args.no_split {
+        // The dominant ops alone, at one block's shapes, times the block count.
+        let reps = args.iters.max(3);
+        let q = Tensor::randn(&[1, l, heads, hd], DType::BF16, 3, device)?;
+        let kv_txt = Tensor::randn(&[1, s, heads, hd], DType::BF16, 4, device)?;
+        let self_attn = timer.median(1, reps, || {
+            Ok(attention(&q, &q, &q, AttentionOptions::default())?)
+        })?;
+        let cross_attn = timer.median(1, reps, || {
+            Ok(attention(
+                &q,
+                &kv_txt,
+                &kv_txt,
+                AttentionOptions::default(),
+            )?)
+        })?;
+        let h = Tensor::randn(&[1, l, d], DType::BF16, 5, device)?;
+        let h_ffn = Tensor::randn(&[1, l, ffn], DType::BF16, 6, device)?;
+        let txt = Tensor::randn(&[1, s, d], DType::BF16, 7, device)?;
+        let w_dd = Tensor::randn(&[d, d], DType::BF16, 8, device)?;
+        let w_up = Tensor::randn(&[ffn, d], DType::BF16, 9, device)?;
+        let w_down = Tensor::randn(&[d, ffn], DType::BF16, 10, device)?;
+        let bias_d = Tensor::randn(&[d], DType::BF16, 11, device)?;
+        let bias_f = Tensor::randn(&[ffn], DType::BF16, 12, device)?;
+        let linears = timer.median(1, reps, || {
+            // self q/k/v/o and cross q/o over the video tokens, cross k/v over the text, the FFN.
+            for _ in 0..6 {
+                linear(&h, &w_dd, Some(&bias_d))?;
+            }
+            for _ in 0..2 {
+                linear(&txt, &w_dd, Some(&bias_d))?;
+            }
+            linear(&h, &w_up, Some(&bias_f))?;
+            Ok(linear(&h_ffn, &w_down, Some(&bias_d))?)
+        })?;
+        let n = layers as f64;
+        let rest = forward - n * (self_attn + cross_attn + linears);
+        for (what, secs) in [
+            ("self-attention", n * self_attn),
+            ("cross-attention", n * cross_attn),
+            ("linears", n * linears),
+            ("rest", rest),
+        ] {
+            println!(
+                "RESULT\tours\t{what}\t{:.3}\tms\t{:.1}\t% of forward",
+                secs * 1e3,
+                100.0 * secs / forward
+            );
+        }
+        println!(
+            "self-attention alone: {:.3} ms per block, {:.1} TFLOP/s; linears {:.1} TFLOP/s",
+            self_attn * 1e3,
+            4.0 * lf * lf * df / self_attn / 1e12,
+            (2.0 * lf * df * df * 6.0 + 2.0 * sf * df * df * 2.0 + 4.0 * lf * df * ff)
+                / linears
+                / 1e12
+        );
+    }
+    Ok(())
+}

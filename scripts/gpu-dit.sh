@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repo root, with prebuilt executables in target/gpu/ (made here by
+# scripts/build-gpu-dit.sh; carry target/gpu and .whl with the working tree):
+#   1. the Wan transformer GPU test with DITSTREAM_REQUIRE_GPUS=1 (a missing GPU or library fails
+#      instead of skipping): both DiT fixtures in f32 and bf16 against diffusers' outputs;
+#   2. the DiT step driver at Wan2.1-1.3B dims, 480p 5 frames (3,120 tokens), with its per-op split;
+#   3. diffusers' WanTransformer3DModel at the same dims and tokens (bench/dit_step_torch.py; the
+#      carried wheel is unpacked to /tmp and put on PYTHONPATH);
+#   4. with --full: both again at 480p 81 frames (32,760 tokens), one timed forward each for ours
+#      (the portable attention takes ~1 s per block there), after the run above warmed the caches;
+#   5. a short table last: the parity summary, then ours vs diffusers and the ratio.
+# Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu.
+# Exits non-zero if any step failed (the table is printed anyway).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+full=0
+[ "${1:-}" = "--full" ] && full=1
+
+SP=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+PY=/opt/torch/.venv/bin/python
+LOGS=${OUT:-/tmp/ditstream-gpu}
+mkdir -p "$LOGS"
+
+# Library set-up (GPU.md): cudarc tries unversioned names first.
+mkdir -p /tmp/cudalinks
+link() { [ -e "$1" ] && ln -sf "$1" "/tmp/cudalinks/$2"; }
+link "$SP/nccl/lib/libnccl.so.2"      libnccl.so
+link "$SP/cudnn/lib/libcudnn.so.9"    libcudnn.so
+link "$SP/cu13/lib/libcublas.so.13"   libcublas.so
+link "$SP/cu13/lib/libcublasLt.so.13" libcublasLt.so
+link "$SP/cu13/lib/libnvrtc.so.13"    libnvrtc.so
+export LD_LIBRARY_PATH=/tmp/cudalinks:$SP/cu13/lib:$SP/cudnn/lib:$SP/nccl/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# NVLink multicast can take the host's GPUs out of service: keep it off in every process.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# One kernel cache for the run (the default would be ~/.cache/ditstream/kernels).
+export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
+export PYTHONUNBUFFERED=1
+
+status=0
+step() { echo; echo "=== $* ==="; }
+
+step "machine"
+date -u
+nvidia-smi -L 2>&1 || echo "nvidia-smi not available"
+for bin in target/gpu/denoiser_wan_cuda target/gpu/dit_step; do
+  if [ ! -x "$bin" ]; then
+    echo "missing $bin: run scripts/build-gpu-dit.sh on the build machine and carry target/gpu" >&2
+    exit 2
+  fi
+done
+root=$(pwd)
+
+step "Wan transformer on the GPU vs diffusers (DITSTREAM_REQUIRE_GPUS=1)"
+start=$(date +%s%N)
+# Run from denoiser/, as cargo runs integration tests: the test finds its fixtures there.
+(cd denoiser && DITSTREAM_REQUIRE_GPUS=1 timeout 300 "$root/target/gpu/denoiser_wan_cuda" \
+  --test-threads=1 --nocapture) > "$LOGS/wan_cuda.log" 2>&1
+rc=$?
+echo "exit $rc after $(( ($(date +%s%N) - start) / 1000000 )) ms"
+grep -E "^test |panicked|failed|test result" "$LOGS/wan_cuda.log" | head -n 30
+[ "$rc" -eq 0 ] || { echo "GPU test FAILED (exit $rc)"; status=1; }
+
+# The diffusers wheel is pure Python: unpack it where PYTHONPATH can see it.
+site=/tmp/ditstream-site
+whl=$(ls .whl/diffusers-0.42.1-*.whl 2>/dev/null | head -n 1)
+if [ -n "$whl" ]; then
+  rm -rf "$site" && mkdir -p "$site"
+  "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$whl" "$site"
+fi
+
+run_pair() { # $1: label, then the shared shape arguments; ours' iteration args come from OURS_ITERS
+  local label=$1; shift
+  step "ours, $label"
+  timeout 420 target/gpu/dit_step "$@" $OURS_ITERS 2>&1 | tee "$LOGS/dit_step_$label.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "dit_step $label FAILED"; status=1; }
+  step "diffusers, $label"
+  if [ -z "$whl" ]; then
+    echo "skipped: no diffusers wheel in .whl/"; status=1; return
+  fi
+  PYTHONPATH=$site timeout 300 "$PY" bench/dit_step_torch.py "$@" --split 2>&1 | tee "$LOGS/dit_step_torch_$label.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "dit_step_torch $label FAILED"; status=1; }
+}
+
+OURS_ITERS="--warmup 2 --iters 5"
+run_pair 480p5f --height 480 --width 832 --frames 5
+if [ "$full" -eq 1 ]; then
+  OURS_ITERS="--warmup 0 --iters 1"
+  run_pair 480p81f --height 480 --width 832 --frames 81
+fi
+
+step "summary"
+echo "GPU vs diffusers (f32 CPU run): worst over the 3 timestep cases per fixture, dtype and tensor"
+grep -ho 'WANPARITY.*' "$LOGS/wan_cuda.log" | awk -F'\t' '
+  { key = $2 " " $5 " " $4; s = $6; sub(/^scaled /, "", s); m = $7; sub(/^max\/rms /, "", m);
+    e = $8; sub(/^rms\/rms /, "", e);
+    if (!(key in seen)) { seen[key] = 1; order[n++] = key; tol[key] = $9 }
+    if (e + 0 > rms[key] + 0) rms[key] = e; if (m + 0 > mx[key] + 0) mx[key] = m; if (s + 0 > sc[key] + 0) sc[key] = s }
+  END {
+    if (n == 0) { print "no WANPARITY lines (see the log)"; exit }
+    printf "%-40s %10s %10s %10s  %s\n", "fixture dtype tensor", "scaled", "max/rms", "rms/rms", "tolerance"
+    for (i = 0; i < n; i++) { k = order[i]; printf "%-40s %10s %10s %10s  %s\n", k, sc[k], mx[k], rms[k], tol[k] }
+  }'
+echo
+for label in 480p5f 480p81f; do
+  [ -f "$LOGS/dit_step_$label.log" ] || continue
+  echo "Wan2.1-1.3B dims, bf16, $label: ms (ours | diffusers), ours/diffusers"
+  cat "$LOGS/dit_step_$label.log" "$LOGS/dit_step_torch_$label.log" 2>/dev/null | grep -h '^RESULT' | awk -F'\t' '
+    { v[$2 " " $3] = $4; x[$2 " " $3] = $6 " " $7; if (!($3 in seen)) { seen[$3] = 1; order[n++] = $3 } }
+    END {
+      printf "  %-16s %12s %12s %8s   %s\n", "what", "ours", "diffusers", "ratio", "(ours | diffusers)"
+      for (i = 0; i < n; i++) { k = order[i]; o = v["ours " k]; d = v["diffusers " k]
+        r = (o != "" && d != "" && d + 0 > 0) ? sprintf("%.2fx", o / d) : "-"
+        printf "  %-16s %12s %12s %8s   %s | %s\n", k, o, d, r, x["ours " k], x["diffusers " k] }
+    }'
+done
+echo
+[ "$status" -eq 0 ] && echo "gpu-dit: all steps passed" || echo "gpu-dit: SOME STEPS FAILED"
+exit "$status"

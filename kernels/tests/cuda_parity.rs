@@ -24,6 +24,7 @@
 
 #![cfg(feature = "cuda")]
 
+use ditstream_kernels::cuda::{AttentionKernel, FLASH_VARIANTS, with_attention_kernel};
 use ditstream_kernels::testing::{assert_close, max_abs_diff};
 use ditstream_kernels::{AttentionOptions, DType, Device, Tensor};
 
@@ -387,15 +388,118 @@ fn attention_matches_cpu() -> Result<()> {
                 kv_len,
             };
             let (out, lse) = k::attention(&q, &kk, &v, opts)?;
-            let (gout, glse) = k::attention(
-                &q.to_device(dev)?,
-                &kk.to_device(dev)?,
-                &v.to_device(dev)?,
-                opts,
-            )?;
+            // The portable kernel (bf16 at head dim 64/128 would otherwise go to the tensor-core one,
+            // tested with its own tolerance in `flash_attention_matches_cpu`).
+            let (gout, glse) = with_attention_kernel(AttentionKernel::Portable, || {
+                k::attention(
+                    &q.to_device(dev)?,
+                    &kk.to_device(dev)?,
+                    &v.to_device(dev)?,
+                    opts,
+                )
+            })?;
             // out is a convex combination of v rows (|v| ≲ 4): the f32 differences are ~S_k·2⁻²⁴·4.
             check("attention_out", &gout, &out, 1e-4, rtol(dtype));
             check("attention_lse", &glse, &lse, 1e-4, 1e-5);
+        }
+    }
+    Ok(())
+}
+
+/// The tensor-core attention (flash.cu: bf16 Q/K/V, mma.sync with f32 accumulation, P rounded to bf16
+/// for P·V), every compiled variant and the automatic choice, against the CPU twin on the same bf16
+/// inputs.
+///
+/// Tolerance. The GPU differs from the CPU (f32 throughout, out rounded to bf16 once) by
+/// - P rounded to bf16 before P·V: p̃ = p(1 + δ), |δ| ≤ u = 2⁻⁸, while l sums the unrounded p. The error
+///   of out = Σ p̃·v / l is |Σ p·δ·v| / l ≤ u·max|v| (p/l are convex weights): atol = 2⁻⁸·max|v|;
+/// - out stored in bf16 on both sides from f32 values that differ by the above: within rtol 1e-2 of
+///   |cpu| (one bf16 ulp, 2⁻⁷, with margin) plus the atol;
+/// - f32 order of the tensor-core sums and `ex2.approx` (≤ 2 ulp): ~1e-6 relative, inside both.
+///
+/// The bound above is worst case (all δ of one sign); random δ make the typical error ~u/√3 of |out|,
+/// so a second check bounds the relative RMS error ‖gpu − cpu‖/‖cpu‖ by 1e-2 (expected ≈ 4e-3: the two
+/// bf16 roundings of out and the P rounding, each ≲ 2⁻⁸/√3 RMS): a wrong key or column mapping would
+/// show there even where it stays inside the per-element bound.
+///
+/// LSE = m·scale + ln l with l an f32 sum of `ex2.approx` terms (relative error ~1e-6) and scores from
+/// f32 tensor-core sums of exact bf16 products (~D·2⁻²⁴·|q||k|): atol 1e-4 + rtol 1e-5, as for the
+/// portable kernel; −∞ exactly where no key is valid.
+#[test]
+fn flash_attention_matches_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    // (B, S_q, S_k, H, kv_len): S not a multiple of any tile, partial last K/V blocks, kv_len 0, a
+    // single key, kv_len on a 64/128-key boundary, and every key valid.
+    let cases = [
+        (1, 200, 200, 2, None),
+        (2, 130, 300, 3, Some(77)),
+        (1, 64, 128, 1, Some(0)),
+        (1, 1, 5, 1, Some(1)),
+        (1, 300, 257, 2, Some(129)),
+        (2, 257, 700, 2, Some(640)),
+        (1, 129, 1000, 1, None),
+    ];
+    for head_dim in [128, 64] {
+        for (ci, &(batch, seq_q, seq_k, heads, kv_len)) in cases.iter().enumerate() {
+            let seed = 60 + 3 * ci as u64;
+            let q = randn(&[batch, seq_q, heads, head_dim], DType::BF16, seed);
+            let kk = randn(&[batch, seq_k, heads, head_dim], DType::BF16, seed + 1);
+            let v = randn(&[batch, seq_k, heads, head_dim], DType::BF16, seed + 2);
+            // A non-default scale too, on one case.
+            let scale = (ci == 4).then_some(0.3);
+            let opts = AttentionOptions { scale, kv_len };
+            let (out, lse) = k::attention(&q, &kk, &v, opts)?;
+            let max_v = v.to_vec_f32()?.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+            let atol = max_v / 256.0;
+            let (gq, gk, gv) = (q.to_device(dev)?, kk.to_device(dev)?, v.to_device(dev)?);
+            let choices = FLASH_VARIANTS
+                .iter()
+                .enumerate()
+                .filter(|(_, var)| var.head_dim == head_dim)
+                .map(|(i, var)| (AttentionKernel::Flash(i), var.name))
+                .chain([(AttentionKernel::Auto, "auto")]);
+            for (choice, label) in choices {
+                let (gout, glse) =
+                    with_attention_kernel(choice, || k::attention(&gq, &gk, &gv, opts))?;
+                let op = format!("flash_attention_out {label}");
+                check(&op, &gout, &out, atol, 1e-2);
+                let (g, c) = (gout.to_vec_f32()?, out.to_vec_f32()?);
+                let err: f64 = g
+                    .iter()
+                    .zip(&c)
+                    .map(|(a, b)| f64::from(a - b).powi(2))
+                    .sum();
+                let norm: f64 = c.iter().map(|b| f64::from(*b).powi(2)).sum();
+                let rel_rms = if norm > 0.0 {
+                    (err / norm).sqrt()
+                } else {
+                    err.sqrt()
+                };
+                println!(
+                    "PARITY\tflash_attention_rel_rms {label}\tbf16\t{:?}\t{rel_rms:.3e}\tbound 1e-2",
+                    out.shape()
+                );
+                assert!(
+                    rel_rms <= 1e-2,
+                    "{op}: relative RMS error {rel_rms:.3e} > 1e-2"
+                );
+                check(
+                    &format!("flash_attention_lse {label}"),
+                    &glse,
+                    &lse,
+                    1e-4,
+                    1e-5,
+                );
+                let (gl, cl) = (glse.to_vec_f32()?, lse.to_vec_f32()?);
+                for (a, b) in gl.iter().zip(&cl) {
+                    assert_eq!(
+                        *a == f32::NEG_INFINITY,
+                        *b == f32::NEG_INFINITY,
+                        "{label}: lse −∞ where the CPU's is not (or the reverse): {a} vs {b}"
+                    );
+                }
+            }
         }
     }
     Ok(())

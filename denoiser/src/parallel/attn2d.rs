@@ -17,10 +17,10 @@
 //! their RoPE already, and attention does not care about key order). A column with no real key
 //! contributes a partial with LSE −∞, which the combine ignores.
 
-use ditstream_common::collectives::Communicator;
 use ditstream_kernels::{AttentionOptions, DType, Tensor, attention, lse_combine};
 
 use super::attention::ChunkAttention;
+use super::wire::TensorWire;
 use super::{ParallelError, Result, valid_in_chunk, wire};
 
 /// Attention2D over `row` (fixed row; group rank = col) and `col` (fixed col; group rank = row).
@@ -31,7 +31,7 @@ pub struct Attention2d<'c, C> {
     tokens: usize,
 }
 
-impl<'c, C: Communicator> Attention2d<'c, C> {
+impl<'c, C: TensorWire> Attention2d<'c, C> {
     /// Attention2D for a sequence of `tokens` real tokens.
     pub fn new(row: Option<&'c C>, col: Option<&'c C>, tokens: usize) -> Self {
         Self { row, col, tokens }
@@ -58,7 +58,7 @@ fn join_gathered(t: &Tensor) -> Result<Tensor> {
     Ok(t.permute(&perm)?.reshape(&joined)?)
 }
 
-impl<C: Communicator> ChunkAttention for Attention2d<'_, C> {
+impl<C: TensorWire> ChunkAttention for Attention2d<'_, C> {
     fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let &[b, s, h, d] = q.shape() else {
             return Err(ParallelError::Shape {

@@ -10,10 +10,12 @@
 //! returns `Cancelled` after the same step. A rank that fails makes the others' next collective
 //! fail (the backends poison the group), so no rank hangs.
 
-use ditstream_common::collectives::{Communicator, ReduceOp};
+use std::borrow::{Borrow, BorrowMut};
+
+use ditstream_common::collectives::ReduceOp;
 use ditstream_kernels::{DType, Tensor};
 
-use super::wire::{self, view, view_mut};
+use super::wire::{self, TensorWire};
 use super::{MeshComms, ParallelError, Result, check_mesh, forward};
 use crate::denoise::{Control, DenoiseError, DenoiseParams, Experts, StepProgress, make_sampler};
 use crate::model::ModelError;
@@ -33,7 +35,7 @@ enum Branches {
 /// [`crate::denoise::denoise`] (latents [1, C, T, H, W] f32, `cond`/`uncond` [1, S, text_dim],
 /// → final latent [1, C, T, H, W] f32, identical on every rank). Every rank calls it with the same
 /// arguments (the callbacks may differ).
-pub fn denoise<C: Communicator>(
+pub fn denoise<C: TensorWire>(
     experts: Experts<'_>,
     comms: &MeshComms<C>,
     params: &DenoiseParams,
@@ -157,7 +159,7 @@ fn missing_cfg<C>(comms: &MeshComms<C>) -> ParallelError {
 }
 
 /// Cancel if any rank's callback cancelled (max over the world of 0 = continue, 1 = cancel).
-fn agree_on_cancel<C: Communicator>(comms: &MeshComms<C>, mine: Control) -> Result<Control> {
+fn agree_on_cancel<C: TensorWire>(comms: &MeshComms<C>, mine: Control) -> Result<Control> {
     let Some(world) = &comms.world else {
         return Ok(mine);
     };
@@ -165,13 +167,15 @@ fn agree_on_cancel<C: Communicator>(comms: &MeshComms<C>, mine: Control) -> Resu
     let send = world.upload(&flag)?;
     let mut recv = world.alloc::<u8>(1)?;
     world.all_reduce(
-        view::<C, u8>(&send),
-        view_mut::<C, u8>(&mut recv),
+        Borrow::<C::Buf<u8>>::borrow(&send),
+        BorrowMut::<C::Buf<u8>>::borrow_mut(&mut recv),
         ReduceOp::Max,
     )?;
-    Ok(if world.download(view::<C, u8>(&recv))? == [1] {
-        Control::Cancel
-    } else {
-        Control::Continue
-    })
+    Ok(
+        if world.download(Borrow::<C::Buf<u8>>::borrow(&recv))? == [1] {
+            Control::Cancel
+        } else {
+            Control::Continue
+        },
+    )
 }

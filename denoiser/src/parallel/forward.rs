@@ -5,11 +5,11 @@
 //! and runs the head. The text for cross-attention is replicated, so cross-attention needs no
 //! collective.
 
-use ditstream_common::collectives::Communicator;
 use ditstream_common::mesh::{CpLayout, SeqShard};
 use ditstream_kernels::Tensor;
 
 use super::attention::{ChunkAttention, LocalChunk, ModelAttention};
+use super::wire::TensorWire;
 use super::{
     Attention2d, MeshComms, ParallelError, Result, RingAttention, UlyssesAttention, padded_rows,
     wire,
@@ -18,7 +18,7 @@ use crate::model::WanTransformer;
 
 /// The attention wrapper for `comms`' mesh, for a sequence of `tokens` real tokens: Ring or
 /// Attention2D over the cp axis (or the local attention), inside Ulysses when ulysses_size > 1.
-pub fn seq_attention<'c, C: Communicator>(
+pub fn seq_attention<'c, C: TensorWire>(
     comms: &'c MeshComms<C>,
     tokens: usize,
 ) -> Box<dyn ChunkAttention + 'c> {
@@ -42,7 +42,7 @@ pub fn seq_attention<'c, C: Communicator>(
 /// token), context [B, S_txt, text_dim] → velocity [B, C_out, T, H, W], the same on every rank of
 /// the sequence group and equal to `model.forward` on one rank. Every rank of the group calls it
 /// with the same inputs.
-pub fn forward<C: Communicator>(
+pub fn forward<C: TensorWire>(
     model: &WanTransformer,
     comms: &MeshComms<C>,
     x: &Tensor,
@@ -56,7 +56,7 @@ pub fn forward<C: Communicator>(
 
 /// [`forward`] with the attention wrapper chosen by the caller: `attention(L)` builds it for a
 /// sequence of L real tokens (benchmarks of one wrapper, tests, a future async Ulysses).
-pub fn forward_with<'c, C: Communicator>(
+pub fn forward_with<'c, C: TensorWire>(
     model: &WanTransformer,
     comms: &MeshComms<C>,
     x: &Tensor,
@@ -96,7 +96,7 @@ pub fn forward_with<'c, C: Communicator>(
 }
 
 /// This rank's shard [B, shard_len, D] → the real tokens of every shard in order [B, L, D].
-fn gather_sequence<C: Communicator>(
+fn gather_sequence<C: TensorWire>(
     comms: &MeshComms<C>,
     h: &Tensor,
     shard: SeqShard,

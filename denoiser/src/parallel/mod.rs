@@ -6,8 +6,10 @@
 //! Where things live:
 //! - [`MeshComms`] (this file): one rank's communicators, one per mesh group it needs, and the
 //!   check that a mesh fits the model ([`check_mesh`]).
-//! - `wire`: tensors in and out of the communicator's buffers (the one place that knows how a
-//!   [`Tensor`] becomes a `Communicator::Buf`).
+//! - `wire`: tensors in and out of the communicator's buffers ([`TensorWire`], the one place that
+//!   knows how a [`Tensor`] becomes a `Communicator::Buf`): host copies on the CPU backend; on NCCL
+//!   (feature `cuda`) device tensors are handed to NCCL in place, ordered against the kernels'
+//!   stream with events.
 //! - [`attention`]: the [`ChunkAttention`] trait the wrappers share, the local (innermost)
 //!   attention, and the adapter that hands a wrapper to the model as its `SelfAttention`.
 //! - [`ulysses`], [`ring`], [`attn2d`]: the three wrappers. Ulysses wraps any inner wrapper
@@ -42,6 +44,7 @@ pub use cfg::denoise;
 pub use forward::{forward, forward_with, seq_attention};
 pub use ring::RingAttention;
 pub use ulysses::UlyssesAttention;
+pub use wire::TensorWire;
 
 /// Why a parallel forward or denoise failed.
 #[derive(Debug, thiserror::Error)]

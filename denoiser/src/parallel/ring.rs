@@ -8,11 +8,11 @@
 //! chunk (padding sits at the end of the sequence), masked with `kv_len`, and a chunk with no
 //! real key is skipped (it still travels on).
 
-use ditstream_common::collectives::{Communicator, Pending};
+use ditstream_common::collectives::Pending;
 use ditstream_kernels::{AttentionOptions, DType, Tensor, attention, lse_merge_pair};
 
 use super::attention::ChunkAttention;
-use super::wire::{self, WireElement, by_dtype};
+use super::wire::{self, TensorWire, WireElement, by_dtype};
 use super::{Result, valid_in_chunk};
 
 /// Ring attention over `comm` (the cp group, group rank = chunk index).
@@ -21,14 +21,14 @@ pub struct RingAttention<'c, C> {
     tokens: usize,
 }
 
-impl<'c, C: Communicator> RingAttention<'c, C> {
+impl<'c, C: TensorWire> RingAttention<'c, C> {
     /// Ring over `comm` for a sequence of `tokens` real tokens.
     pub fn new(comm: &'c C, tokens: usize) -> Self {
         Self { comm, tokens }
     }
 }
 
-impl<C: Communicator> ChunkAttention for RingAttention<'_, C> {
+impl<C: TensorWire> ChunkAttention for RingAttention<'_, C> {
     fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         // K and V travel as one [2, B, S_c, H, D] buffer: one send/recv per step.
         let kv = Tensor::concat(
@@ -44,7 +44,7 @@ fn one(shape: &[usize]) -> Vec<usize> {
     std::iter::once(1).chain(shape.iter().copied()).collect()
 }
 
-fn ring_as<C: Communicator, T: WireElement>(
+fn ring_as<C: TensorWire, T: WireElement>(
     comm: &C,
     tokens: usize,
     q: &Tensor,
@@ -53,24 +53,29 @@ fn ring_as<C: Communicator, T: WireElement>(
     let (p, r) = (comm.size(), comm.rank());
     let chunk_len = kv.shape()[2];
     let (next_rank, prev_rank) = ((r + 1) % p, (r + p - 1) % p);
-    let mut current = wire::upload::<C, T>(comm, kv)?;
-    let mut incoming = comm.alloc::<T>(kv.numel())?;
+    // `current` holds the block we attend to and send on; each hop lands in a fresh buffer (on
+    // NCCL a fresh device tensor), so no tensor is ever overwritten.
+    let mut current = comm.stage::<T>(kv)?;
     let mut block = kv.clone();
     let mut acc: Option<(Tensor, Tensor)> = None;
     for step in 0..p {
         let last = step + 1 == p;
+        let mut incoming = if last {
+            None
+        } else {
+            Some(comm.receive::<T>(kv.numel(), kv.device())?)
+        };
         {
             // Post the hop of the block we hold before attending to it; the handle borrows both
             // buffers until it is waited on, at the end of this scope.
-            let pending = if last {
-                None
-            } else {
-                Some(comm.send_recv(
+            let pending = match incoming.as_mut() {
+                None => None,
+                Some(incoming) => Some(comm.send_recv(
                     wire::view::<C, T>(&current),
                     next_rank,
-                    wire::view_mut::<C, T>(&mut incoming),
+                    wire::view_mut::<C, T>(incoming),
                     prev_rank,
-                )?)
+                )?),
             };
             let chunk = (r + p - step) % p;
             let kv_len = valid_in_chunk(tokens, chunk, chunk_len);
@@ -94,9 +99,9 @@ fn ring_as<C: Communicator, T: WireElement>(
                 pending.wait()?;
             }
         }
-        if !last {
-            std::mem::swap(&mut current, &mut incoming);
-            block = wire::download::<C, T>(comm, &current, kv.shape())?;
+        if let Some(incoming) = incoming {
+            current = incoming;
+            block = comm.tensor::<T>(&current, kv.shape(), kv.device())?;
         }
     }
     match acc {

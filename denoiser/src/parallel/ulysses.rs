@@ -15,11 +15,10 @@
 //! [`UlyssesAttention::gather_out`] are the two exchanges; an async variant pushes V, Q and K
 //! separately as the projections produce them and joins before the inner attention.
 
-use ditstream_common::collectives::Communicator;
 use ditstream_kernels::Tensor;
 
 use super::attention::ChunkAttention;
-use super::wire::{self, UlyssesWay};
+use super::wire::{self, TensorWire, UlyssesWay};
 use super::{ParallelError, Result};
 
 /// Ulysses over `comm` (the Ulysses group) around `inner`.
@@ -28,7 +27,7 @@ pub struct UlyssesAttention<'c, C, I> {
     inner: I,
 }
 
-impl<'c, C: Communicator, I: ChunkAttention> UlyssesAttention<'c, C, I> {
+impl<'c, C: TensorWire, I: ChunkAttention> UlyssesAttention<'c, C, I> {
     /// Ulysses over `comm` around `inner`.
     pub fn new(comm: &'c C, inner: I) -> Self {
         Self { comm, inner }
@@ -85,7 +84,7 @@ fn shape_error(t: &Tensor) -> ParallelError {
     }
 }
 
-impl<C: Communicator, I: ChunkAttention> ChunkAttention for UlyssesAttention<'_, C, I> {
+impl<C: TensorWire, I: ChunkAttention> ChunkAttention for UlyssesAttention<'_, C, I> {
     fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let (q, k, v) = self.scatter_qkv(q, k, v)?;
         let out = self.inner.attend_chunk(&q, &k, &v)?;

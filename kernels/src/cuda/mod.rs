@@ -12,6 +12,7 @@
 //! - Kernels: `ops/<op>/<op>.cu` sources, compiled on first use for the device's architecture and cached
 //!   as CUBIN on disk (see [`nvrtc`]); modules and functions are cached per backend.
 
+pub mod attention_kernel;
 mod copy;
 pub(crate) mod gemm;
 pub mod nvrtc;
@@ -25,11 +26,12 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, sys as cu,
 };
 
+pub use attention_kernel::{AttentionKernel, FLASH_VARIANTS, FlashVariant, with_attention_kernel};
 pub(crate) use copy::{Layout, copy_strided};
 pub use nvrtc::{CudaConfig, set_cuda_config};
 pub(crate) use storage::{CudaBuf, CudaStorage};
 
-use crate::{DType, Device, KernelError, Result};
+use crate::{DType, Device, KernelError, Result, Tensor};
 
 /// A `.cu` source: its name (the op folder; names the cache file and errors) and its text.
 pub(crate) struct KernelSource {
@@ -105,6 +107,25 @@ pub fn synchronize(ordinal: usize) -> Result<()> {
         .stream
         .synchronize()
         .map_err(|e| backend.err("synchronize", "cuStreamSynchronize", e))
+}
+
+/// The device address of a CUDA tensor's first element, for code that works on device memory directly
+/// (the denoiser's collectives hand it to NCCL). Valid while the tensor (or a clone) lives. The ops that
+/// wrote it were queued on [`cuda_stream`]; a reader on another stream orders itself after them (an event
+/// recorded there). Tensors are immutable: never write through this address, except into a tensor from
+/// [`uninit_tensor`] before anything reads it.
+pub fn tensor_device_ptr(t: &Tensor) -> Result<u64> {
+    Ok(t.cuda_storage("tensor_device_ptr")?.ptr())
+}
+
+/// A contiguous tensor on GPU `ordinal` whose storage is allocated (stream-ordered, on [`cuda_stream`])
+/// but not written: its values are unspecified until the caller fills every element through
+/// [`tensor_device_ptr`] (on another stream: after an event recorded on [`cuda_stream`] following this
+/// call). For buffers that a foreign library fills (NCCL receives), which would otherwise pay a fill.
+pub fn uninit_tensor(shape: &[usize], dtype: DType, ordinal: usize) -> Result<Tensor> {
+    let numel = shape.iter().product();
+    let storage = CudaBackend::get(ordinal)?.alloc(dtype, numel)?;
+    Ok(Tensor::from_cuda(storage, shape))
 }
 
 /// Everything one GPU needs: context, stream, compiled kernels, cuBLASLt plans.

@@ -1,17 +1,20 @@
 //! CUDA twins of `attention`, `lse_combine` and `lse_merge_pair` (`attention.cu`).
 //!
-//! The attention kernel is the portable one: f32 CUDA-core maths with online softmax over 32-key tiles
-//! staged in shared memory; correct for any head dim ≤ 256, not fast (the Hopper kernel is separate).
+//! Two attention kernels: the tensor-core one of `flash.cu` (bf16, head dim 64/128, sm_80+; see
+//! `flash.rs`), picked automatically where it applies, and the portable one (f32 CUDA-core maths with
+//! online softmax over 32-key tiles staged in shared memory; any dtype, head dim ≤ 256, not fast), the
+//! fallback. `crate::cuda::with_attention_kernel` forces one (tests, benchmarks).
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
-use crate::cuda::{CudaBackend, KernelSource, grid_1d, suffix};
+use crate::cuda::attention_kernel::attention_kernel;
+use crate::cuda::{AttentionKernel, CudaBackend, KernelSource, grid_1d, suffix};
 use crate::{DType, KernelError, Result, Tensor};
 
 pub(crate) const SOURCE: KernelSource = KernelSource {
     name: "attention",
-    text: include_str!("attention.cu"),
+    text: concat!(include_str!("attention.cu"), include_str!("flash.cu")),
 };
 
 /// `ATT_*` of attention.cu: query rows per block, keys per tile, threads per block, head-dim bound.
@@ -22,7 +25,7 @@ const MAX_HEAD_DIM: usize = 256;
 /// `MAX_PARTS` of attention.cu: partials one `lse_combine` launch merges.
 const MAX_PARTS: usize = 16;
 
-fn int(op: &'static str, name: &'static str, v: usize) -> Result<i32> {
+pub(super) fn int(op: &'static str, name: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v)
         .map_err(|_| KernelError::arg(op, name, v, "the CUDA kernels take it as an i32"))
 }
@@ -35,6 +38,23 @@ pub(super) fn attention(
     scale: f32,
     kv_len: usize,
 ) -> Result<(Tensor, Tensor)> {
+    let dims = [batch, seq_q, seq_k, heads, head_dim];
+    let backend = CudaBackend::get(q.cuda_storage(op)?.ordinal)?;
+    let flash = match attention_kernel() {
+        AttentionKernel::Portable => None,
+        AttentionKernel::Flash(i) => Some(super::flash::check(
+            op,
+            &backend,
+            q.dtype(),
+            dims,
+            scale,
+            i,
+        )?),
+        AttentionKernel::Auto => super::flash::auto(&backend, q.dtype(), dims, scale),
+    };
+    if let Some(variant) = flash {
+        return super::flash::attention(op, &backend, (q, k, v), dims, scale, kv_len, variant);
+    }
     if head_dim > MAX_HEAD_DIM {
         return Err(KernelError::arg(
             op,
@@ -44,7 +64,6 @@ pub(super) fn attention(
         ));
     }
     let sq = q.cuda_storage(op)?;
-    let backend = CudaBackend::get(sq.ordinal)?;
     let out = backend.alloc(q.dtype(), q.numel())?;
     let lse = backend.alloc(DType::F32, batch * heads * seq_q)?;
     if batch * heads * seq_q > 0 {

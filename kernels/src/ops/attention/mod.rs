@@ -4,6 +4,8 @@
 pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 pub(super) mod cuda;
+#[cfg(feature = "cuda")]
+mod flash;
 #[cfg(test)]
 mod tests;
 

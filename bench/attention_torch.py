@@ -1,0 +1,73 @@
+"""PyTorch reference for bench/src/bin/attention.rs: torch.nn.functional.scaled_dot_product_attention,
+bf16, non-causal, D = 128, at the same (B, H, S) shapes, timed the same way (CUDA events around each
+call after warm-up, median of the timed calls). Backends: the default dispatch (cuDNN on the H200 with
+torch 2.11), cuDNN forced, and FlashAttention-2 (SDPBackend.FLASH_ATTENTION). Inputs are [B, H, S, D]
+contiguous (torch's native layout; ours are [B, S, H, D], the layout the DiT produces).
+
+Usage: attention_torch.py [--iters N] [--warmup N] B,H,S[,D] ...
+Prints `RESULT\ttorch\t<backend>\t(B,H,S,D)\t<ms>\t<TFLOP/s>` lines."""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+D = 128
+
+
+def timed(f, warmup, iters):
+    for _ in range(warmup):
+        f()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        f()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    n = len(times)
+    return times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("shapes", nargs="*", default=["1,12,32760", "1,40,75600", "1,24,27280", "2,12,8190"])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=7)
+    args = p.parse_args()
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in args.shapes:
+        dims = [int(x) for x in shape.split(",")]
+        b, h, s = dims[:3]
+        d = dims[3] if len(dims) > 3 else D
+        label = f"({b},{h},{s},{d})"
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        flops = 4 * b * h * s * s * d
+        for name, backend in [
+            ("default", None),
+            ("cudnn", SDPBackend.CUDNN_ATTENTION),
+            ("flash2", SDPBackend.FLASH_ATTENTION),
+        ]:
+            def call():
+                return F.scaled_dot_product_attention(q, k, v)
+
+            try:
+                if backend is None:
+                    t = timed(call, args.warmup, args.iters)
+                else:
+                    with sdpa_kernel(backend):
+                        t = timed(call, args.warmup, args.iters)
+            except RuntimeError as err:
+                print(f"SKIP\ttorch\t{name}\t{label}\t{str(err).splitlines()[0]}")
+                continue
+            print(f"RESULT\ttorch\t{name}\t{label}\t{t * 1e3:.3f}\t{flops / t / 1e12:.1f}", flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

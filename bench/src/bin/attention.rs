@@ -1,0 +1,122 @@
+//! Attention forward speed on `cuda:0`: our tensor-core kernel (every compiled variant of the head dim
+//! and the automatic choice) at the DiT self-attention shapes, bf16, non-causal, D = 128 by default.
+//!
+//! Timing follows GPU.md: CUDA events around each call on the one stream every op runs on (the output
+//! allocation included, as a model step pays it), after `--warmup` untimed calls (the first compiles
+//! the kernels), the median of `--iters`. Inputs are seeded normals. FLOPs = 4·B·H·S²·D.
+//! `bench/attention_torch.py` times torch's `scaled_dot_product_attention` the same way;
+//! `scripts/gpu-attention.sh` runs both and prints the table.
+//!
+//! Before timing, a check at full size: the automatic choice against the portable f32 kernel at the
+//! first shape (one call, ~1 s), and every variant against the automatic choice at every shape, printed
+//! as `CHECK` lines (max |diff| of out, max |diff| of lse).
+//!
+//! Output: `RESULT\tours\t<kernel>\t(B,H,S,D)\t<ms>\t<TFLOP/s>` lines.
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use cudarc::driver::sys::CUevent_flags;
+use ditstream_bench::median;
+use ditstream_kernels::cuda::{AttentionKernel, FLASH_VARIANTS, with_attention_kernel};
+use ditstream_kernels::testing::max_abs_diff;
+use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention};
+
+#[derive(Parser, Debug)]
+#[command(about = "Time our attention forward (bf16, D = 128) at the DiT shapes")]
+struct Args {
+    /// Shapes as B,H,S (D = 128) or B,H,S,D, separated by spaces.
+    #[arg(
+        long,
+        num_args = 1..,
+        default_values_t = ["1,12,32760".to_string(), "1,40,75600".to_string(), "1,24,27280".to_string(), "2,12,8190".to_string()]
+    )]
+    shapes: Vec<String>,
+    /// Untimed warm-up calls per kernel and shape.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Timed calls (the median is reported).
+    #[arg(long, default_value_t = 7)]
+    iters: usize,
+    /// Skip the full-size comparison with the portable kernel.
+    #[arg(long)]
+    no_portable_check: bool,
+    /// Only the automatic choice (not every variant).
+    #[arg(long)]
+    auto_only: bool,
+}
+
+fn parse_shape(s: &str) -> Result<[usize; 4]> {
+    let v: Vec<usize> = s
+        .split(',')
+        .map(|x| x.trim().parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .with_context(|| format!("shape {s:?}: expected B,H,S[,D]"))?;
+    match v[..] {
+        [b, h, seq] => Ok([b, h, seq, 128]),
+        [b, h, seq, d] => Ok([b, h, seq, d]),
+        _ => bail!("shape {s:?}: expected B,H,S[,D]"),
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dev = Device::Cuda(0);
+    let stream = ditstream_kernels::cuda::cuda_stream(0)?;
+    for (si, shape) in args.shapes.iter().enumerate() {
+        let [b, h, s, d] = parse_shape(shape)?;
+        let mut kernels = vec![(AttentionKernel::Auto, "auto".to_string())];
+        if !args.auto_only {
+            for (i, v) in FLASH_VARIANTS.iter().enumerate() {
+                if v.head_dim == d {
+                    kernels.push((AttentionKernel::Flash(i), v.name.to_string()));
+                }
+            }
+        }
+        let label = format!("({b},{h},{s},{d})");
+        let dims = [b, s, h, d];
+        let q = Tensor::randn(&dims, DType::BF16, 11, dev)?;
+        let k = Tensor::randn(&dims, DType::BF16, 12, dev)?;
+        let v = Tensor::randn(&dims, DType::BF16, 13, dev)?;
+        let opts = AttentionOptions::default();
+        let run =
+            |kernel: AttentionKernel| with_attention_kernel(kernel, || attention(&q, &k, &v, opts));
+        let (ref_out, ref_lse) = run(AttentionKernel::Auto)?;
+        if si == 0 && !args.no_portable_check {
+            let (po, pl) = run(AttentionKernel::Portable)?;
+            println!(
+                "CHECK\tauto vs portable\t{label}\tout max|diff| {:.3e}\tlse max|diff| {:.3e}",
+                max_abs_diff(&ref_out, &po)?,
+                max_abs_diff(&ref_lse, &pl)?
+            );
+        }
+        let flops = 4.0 * (b * h * s * s * d) as f64;
+        for (kernel, name) in &kernels {
+            let (o, l) = run(*kernel)?;
+            if *kernel != AttentionKernel::Auto {
+                println!(
+                    "CHECK\t{name} vs auto\t{label}\tout max|diff| {:.3e}\tlse max|diff| {:.3e}",
+                    max_abs_diff(&o, &ref_out)?,
+                    max_abs_diff(&l, &ref_lse)?
+                );
+            }
+            for _ in 0..args.warmup {
+                run(*kernel)?;
+            }
+            let mut times = Vec::with_capacity(args.iters);
+            for _ in 0..args.iters {
+                let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+                run(*kernel)?;
+                let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+                end.synchronize()?;
+                times.push(f64::from(start.elapsed_ms(&end)?) / 1e3);
+            }
+            let t = median(&times).context("no timed iterations")?;
+            println!(
+                "RESULT\tours\t{name}\t{label}\t{:.3}\t{:.1}",
+                t * 1e3,
+                flops / t / 1e12
+            );
+        }
+    }
+    Ok(())
+}

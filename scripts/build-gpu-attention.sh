@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Builds, here, the executables scripts/gpu-attention.sh runs on the GPU machine (release, --features
+# cuda; libcuda and libnvrtc load at run time, so no toolkit is needed to build), strips them and copies
+# them to target/gpu/:
+#   target/gpu/kernels_cuda_parity   GPU-vs-CPU parity of every CUDA op (kernels/tests/cuda_parity.rs)
+#   target/gpu/kernels_unit          the kernels crate's unit tests (incl. the NVRTC compile of every .cu)
+#   target/gpu/attention             the attention timing driver (bench/src/bin/attention.rs)
+# target/ is git-ignored: carry target/gpu to the GPU machine with the working tree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mkdir -p target/gpu
+json=$(cargo test --release -p ditstream-kernels --features cuda --no-run --message-format=json)
+pick() { # $1: target name, $2: target kind
+  printf '%s\n' "$json" | python3 -c '
+import json, sys
+name, kind = sys.argv[1], sys.argv[2]
+for line in sys.stdin:
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        continue
+    t = msg.get("target", {})
+    if msg.get("reason") == "compiler-artifact" and msg.get("executable") \
+            and t.get("name") == name and kind in t.get("kind", []):
+        print(msg["executable"])
+' "$1" "$2" | tail -n 1
+}
+parity=$(pick cuda_parity test)
+unit=$(pick ditstream_kernels lib)
+cargo build --release -p ditstream-bench --features cuda --bin attention
+bench=target/release/attention
+for exe in "$parity" "$unit" "$bench"; do
+  if [ -z "$exe" ] || [ ! -x "$exe" ]; then
+    echo "build-gpu-attention.sh: an executable is missing (parity '$parity', unit '$unit', bench '$bench')" >&2
+    exit 1
+  fi
+done
+cp -f "$parity" target/gpu/kernels_cuda_parity
+cp -f "$unit" target/gpu/kernels_unit
+cp -f "$bench" target/gpu/attention
+# Debug info is most of their size, and the working tree that travels is limited to 64 MiB.
+strip --strip-debug target/gpu/kernels_cuda_parity target/gpu/kernels_unit target/gpu/attention
+ls -l target/gpu/kernels_cuda_parity target/gpu/kernels_unit target/gpu/attention
+echo "built; on the GPU machine (target/gpu carried along): scripts/gpu-attention.sh"

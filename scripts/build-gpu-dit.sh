@@ -11,17 +11,7 @@ cd "$(dirname "$0")/.."
 
 mkdir -p target/gpu
 json=$(cargo test --release -p ditstream-denoiser --features cuda --test wan_cuda --no-run --message-format=json)
-test_exe=$(printf '%s\n' "$json" | python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        msg = json.loads(line)
-    except ValueError:
-        continue
-    t = msg.get("target", {})
-    if msg.get("reason") == "compiler-artifact" and msg.get("executable") and t.get("name") == "wan_cuda":
-        print(msg["executable"])
-' | tail -n 1)
+test_exe=$(printf '%s\n' "$json" | python3 scripts/lib/cargo-exe.py wan_cuda)
 cargo build --release -p ditstream-bench --features cuda --bin dit_step
 step_exe=target/release/dit_step
 for exe in "$test_exe" "$step_exe"; do

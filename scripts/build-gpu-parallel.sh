@@ -12,17 +12,7 @@ cd "$(dirname "$0")/.."
 
 mkdir -p target/gpu
 json=$(cargo test --release -p ditstream-denoiser --features cuda --test parallel_nccl --no-run --message-format=json)
-test_exe=$(printf '%s\n' "$json" | python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        msg = json.loads(line)
-    except ValueError:
-        continue
-    t = msg.get("target", {})
-    if msg.get("reason") == "compiler-artifact" and msg.get("executable") and t.get("name") == "parallel_nccl":
-        print(msg["executable"])
-' | tail -n 1)
+test_exe=$(printf '%s\n' "$json" | python3 scripts/lib/cargo-exe.py parallel_nccl)
 cargo build --release -p ditstream-bench --features cuda --bin denoise_step
 step_exe=target/release/denoise_step
 for exe in "$test_exe" "$step_exe"; do

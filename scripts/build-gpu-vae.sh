@@ -14,19 +14,7 @@ mkdir -p target/gpu
 json=$(cargo test --release -p ditstream-kernels -p ditstream-decoder \
   --features ditstream-kernels/cuda,ditstream-decoder/cuda --no-run --message-format=json)
 pick() { # $1: target name, $2: target kind
-  printf '%s\n' "$json" | python3 -c '
-import json, sys
-name, kind = sys.argv[1], sys.argv[2]
-for line in sys.stdin:
-    try:
-        msg = json.loads(line)
-    except ValueError:
-        continue
-    t = msg.get("target", {})
-    if msg.get("reason") == "compiler-artifact" and msg.get("executable") \
-            and t.get("name") == name and kind in t.get("kind", []):
-        print(msg["executable"])
-' "$1" "$2" | tail -n 1
+  printf '%s\n' "$json" | python3 scripts/lib/cargo-exe.py "$1" "$2"
 }
 parity=$(pick cuda_parity test)
 unit=$(pick ditstream_kernels lib)

@@ -16,17 +16,7 @@ cp -f target/release/collectives target/gpu/collectives
 # The test executable's name carries a hash: ask cargo for it.
 json=$(cargo test --release -p ditstream-common --features cuda --test collectives_nccl \
   --no-run --message-format=json)
-exe=$(printf '%s\n' "$json" | python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        msg = json.loads(line)
-    except ValueError:
-        continue
-    if msg.get("reason") == "compiler-artifact" and msg.get("executable") \
-            and msg.get("target", {}).get("name") == "collectives_nccl":
-        print(msg["executable"])
-' | tail -n 1)
+exe=$(printf '%s\n' "$json" | python3 scripts/lib/cargo-exe.py collectives_nccl)
 if [ -z "$exe" ] || [ ! -x "$exe" ]; then
   echo "build-gpu.sh: could not find the collectives_nccl test executable" >&2
   exit 1

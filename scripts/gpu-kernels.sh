@@ -13,21 +13,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-SP=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
 LOGS=${OUT:-/tmp/ditstream-gpu}
 mkdir -p "$LOGS"
 
-# Library set-up (GPU.md): cudarc tries unversioned names first.
-mkdir -p /tmp/cudalinks
-link() { [ -e "$1" ] && ln -sf "$1" "/tmp/cudalinks/$2"; }
-link "$SP/nccl/lib/libnccl.so.2"      libnccl.so
-link "$SP/cudnn/lib/libcudnn.so.9"    libcudnn.so
-link "$SP/cu13/lib/libcublas.so.13"   libcublas.so
-link "$SP/cu13/lib/libcublasLt.so.13" libcublasLt.so
-link "$SP/cu13/lib/libnvrtc.so.13"    libnvrtc.so
-export LD_LIBRARY_PATH=/tmp/cudalinks:$SP/cu13/lib:$SP/cudnn/lib:$SP/nccl/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-# NVLink multicast can take the host's GPUs out of service: keep it off in every process.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
+source scripts/lib/gpu-env.sh
 # A fresh kernel cache per run (the default would be ~/.cache/ditstream/kernels).
 export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
 rm -rf "$DITSTREAM_KERNEL_CACHE"

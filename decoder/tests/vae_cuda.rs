@@ -41,27 +41,9 @@ const F32_MAX: f32 = 1e-4;
 const BF16_RMS: f32 = 3e-2;
 const BF16_MAX: f32 = 0.5;
 
-/// The GPU to test on, or `None` (with a message) when there is none and none is required.
+/// The GPU to test on (the shared gate: skips without one unless DITSTREAM_REQUIRE_GPUS is set).
 fn gpu() -> Option<Device> {
-    let required = std::env::var("DITSTREAM_REQUIRE_GPUS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(0);
-    match ditstream_kernels::cuda::cuda_device_count() {
-        Ok(n) if n >= required.max(1) => Some(Device::Cuda(0)),
-        outcome => {
-            let why = match outcome {
-                Ok(n) => format!("{n} CUDA device(s)"),
-                Err(e) => e.to_string(),
-            };
-            assert!(
-                required == 0,
-                "DITSTREAM_REQUIRE_GPUS={required} but the GPU is unusable: {why}"
-            );
-            eprintln!("skipped: no usable GPU ({why})");
-            None
-        }
-    }
+    ditstream_kernels::testing::test_gpu()
 }
 
 /// The fixture folder: under the crate as built, or, for an executable carried to another machine

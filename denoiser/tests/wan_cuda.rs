@@ -60,27 +60,9 @@ fn bf16_max_bound() -> f64 {
 /// Bound on |got − want| / (1 + |want|) in f32 (the CPU test's).
 const F32_SCALED: f64 = 1e-4;
 
-/// The GPU to test on, or `None` (with a message) when there is none and none is required.
+/// The GPU to test on (the shared gate: skips without one unless DITSTREAM_REQUIRE_GPUS is set).
 fn gpu() -> Option<Device> {
-    let required = std::env::var("DITSTREAM_REQUIRE_GPUS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(0);
-    match ditstream_kernels::cuda::cuda_device_count() {
-        Ok(n) if n >= required.max(1) => Some(Device::Cuda(0)),
-        outcome => {
-            let why = match outcome {
-                Ok(n) => format!("{n} CUDA device(s)"),
-                Err(e) => e.to_string(),
-            };
-            assert!(
-                required == 0,
-                "DITSTREAM_REQUIRE_GPUS={required} but the GPU is unusable: {why}"
-            );
-            eprintln!("skipped: no usable GPU ({why})");
-            None
-        }
-    }
+    ditstream_kernels::testing::test_gpu()
 }
 
 /// The fixture folder: under this crate's source when it is where the test was built, else under

@@ -91,6 +91,32 @@ pub fn assert_close_slices(actual: &[f32], expected: &[f32], atol: f32, rtol: f3
     }
 }
 
+/// The GPU a GPU test runs on (`cuda:0`), or `None` when there is none: the test then prints why and
+/// returns, unless `DITSTREAM_REQUIRE_GPUS` (set by the `scripts/gpu-*.sh` runs) asks for GPUs, in
+/// which case their absence fails the test, so a skip never hides a failure on a GPU machine.
+#[cfg(feature = "cuda")]
+pub fn test_gpu() -> Option<crate::Device> {
+    let required = std::env::var("DITSTREAM_REQUIRE_GPUS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(0);
+    match crate::cuda::cuda_device_count() {
+        Ok(n) if n >= required.max(1) => Some(crate::Device::Cuda(0)),
+        outcome => {
+            let why = match outcome {
+                Ok(n) => format!("{n} CUDA device(s)"),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                required == 0,
+                "DITSTREAM_REQUIRE_GPUS={required} but the GPU is unusable: {why}"
+            );
+            eprintln!("skipped: no usable GPU ({why})");
+            None
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

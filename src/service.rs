@@ -101,19 +101,9 @@ pub fn to_wire(event: Event) -> Result<pb::GenerateEvent, Status> {
     Ok(pb::GenerateEvent { event: Some(event) })
 }
 
-type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateEvent, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl VideoService for VideoServer {
-    type GenerateStream = EventStream;
-
-    async fn generate(
-        &self,
-        request: Request<pb::GenerateRequest>,
-    ) -> Result<Response<EventStream>, Status> {
-        let deadline = grpc_timeout(request.metadata()).map(|d| Instant::now() + d);
-        let r = request.into_inner();
-        let raw = RawRequest {
+impl From<pb::GenerateRequest> for RawRequest {
+    fn from(r: pb::GenerateRequest) -> RawRequest {
+        RawRequest {
             prompt: r.prompt,
             negative_prompt: r.negative_prompt,
             width: r.width,
@@ -126,7 +116,22 @@ impl VideoService for VideoServer {
             seed: r.seed,
             model: r.model,
             segment_frames: r.segment_frames,
-        };
+        }
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl VideoService for VideoServer {
+    type GenerateStream = EventStream;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        let deadline = grpc_timeout(request.metadata()).map(|d| Instant::now() + d);
+        let raw = RawRequest::from(request.into_inner());
         let params = raw
             .validate(&self.cfg, self.engine.model_name())
             .map_err(|e| Status::invalid_argument(e.to_string()))?;

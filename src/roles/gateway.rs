@@ -216,21 +216,7 @@ impl VideoService for Gateway {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<EventStream>, Status> {
         let deadline = grpc_timeout(request.metadata()).map(|d| Instant::now() + d);
-        let r = request.into_inner();
-        let raw = RawRequest {
-            prompt: r.prompt,
-            negative_prompt: r.negative_prompt,
-            width: r.width,
-            height: r.height,
-            num_frames: r.num_frames,
-            fps: r.fps,
-            steps: r.steps,
-            guidance_scale: r.guidance_scale,
-            guidance_scale_2: r.guidance_scale_2,
-            seed: r.seed,
-            model: r.model,
-            segment_frames: r.segment_frames,
-        };
+        let raw = RawRequest::from(request.into_inner());
         let shared = &self.0;
         let params = raw
             .validate(&shared.cfg, &shared.model)

@@ -165,3 +165,109 @@ fn bad_inputs_and_checkpoints_are_named() {
     );
     std::fs::remove_dir_all(&tmp).unwrap();
 }
+
+/// A copy of the head-dim-12 fixture's transformer folder with its weights rewritten by `edit`
+/// and its config by `config`; returns the folder.
+fn broken_checkpoint(
+    name: &str,
+    edit: impl Fn(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+    config: impl Fn(String) -> String,
+) -> PathBuf {
+    let src = fixture("dit_diffusers_test").join("transformer");
+    let dir = std::env::temp_dir().join(format!("ditstream-wan-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = std::fs::read_to_string(src.join("config.json")).unwrap();
+    std::fs::write(dir.join("config.json"), config(text)).unwrap();
+    let bytes = std::fs::read(src.join("diffusion_pytorch_model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    edit(&mut tensors);
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(
+        views,
+        None,
+        &dir.join("diffusion_pytorch_model.safetensors"),
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn broken_checkpoints_name_the_tensor_or_field() {
+    let keep = |t: String| t;
+    let load = |dir: &Path| {
+        WanTransformer::from_dir(dir, DType::F32, ditstream_kernels::Device::Cpu)
+            .unwrap_err()
+            .to_string()
+    };
+
+    let missing = broken_checkpoint(
+        "missing",
+        |t| t.retain(|(n, ..)| n != "blocks.1.attn2.to_k.weight"),
+        keep,
+    );
+    let e = load(&missing);
+    assert!(
+        e.ends_with("tensor `blocks.1.attn2.to_k.weight` is missing"),
+        "{e}"
+    );
+
+    let shape = broken_checkpoint(
+        "shape",
+        |t| {
+            let p = t.iter_mut().find(|(n, ..)| n == "proj_out.bias").unwrap();
+            p.2 = vec![p.2[0] / 2];
+            p.3.truncate(p.3.len() / 2);
+        },
+        keep,
+    );
+    let e = load(&shape);
+    assert!(
+        e.contains("tensor `proj_out.bias` has shape [8], the config implies [16]"),
+        "{e}"
+    );
+
+    let dtype = broken_checkpoint(
+        "dtype",
+        |t| {
+            let p = t
+                .iter_mut()
+                .find(|(n, ..)| n == "scale_shift_table")
+                .unwrap();
+            p.1 = safetensors::Dtype::I32;
+        },
+        keep,
+    );
+    let e = load(&dtype);
+    assert!(
+        e.contains("tensor `scale_shift_table` has dtype I32; only F32, F16 and BF16 load"),
+        "{e}"
+    );
+
+    let field = broken_checkpoint(
+        "field",
+        |_| {},
+        |c| c.replacen('{', "{\n  \"num_atention_heads\": 2,", 1),
+    );
+    let e = load(&field);
+    assert!(
+        e.contains("config.json: unknown field `num_atention_heads`"),
+        "{e}"
+    );
+
+    for dir in [missing, shape, dtype, field] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

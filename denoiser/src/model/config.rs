@@ -8,8 +8,9 @@ use serde::Deserialize;
 
 use super::ModelError;
 
-/// `WanTransformer3DModel`'s config (diffusers names). Keys this code does not read are ignored,
-/// as diffusers itself does; values it cannot run are refused by [`WanConfig::check`].
+/// `WanTransformer3DModel`'s config (diffusers names). [`WanConfig::from_dir`] refuses keys that
+/// `WanTransformer3DModel` does not have (a typo or another model's config); values it cannot run are
+/// refused by [`WanConfig::check`].
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct WanConfig {
     /// Patch size (t, h, w); Wan uses (1, 2, 2).
@@ -46,6 +47,28 @@ pub struct WanConfig {
     #[serde(default)]
     pub added_kv_proj_dim: Option<usize>,
 }
+
+/// Every option of diffusers' `WanTransformer3DModel` (0.42.1). `rope_max_seq_len` and
+/// `pos_embed_seq_len` have no effect here: RoPE tables are built for the grid at hand, and
+/// `pos_embed_seq_len` belongs to image conditioning, refused by [`WanConfig::check`].
+const KNOWN_FIELDS: &[&str] = &[
+    "patch_size",
+    "num_attention_heads",
+    "attention_head_dim",
+    "in_channels",
+    "out_channels",
+    "text_dim",
+    "freq_dim",
+    "ffn_dim",
+    "num_layers",
+    "cross_attn_norm",
+    "qk_norm",
+    "eps",
+    "image_dim",
+    "added_kv_proj_dim",
+    "rope_max_seq_len",
+    "pos_embed_seq_len",
+];
 
 fn yes() -> bool {
     true
@@ -86,14 +109,27 @@ impl WanConfig {
     /// Reads `config.json` from a diffusers transformer folder and checks it.
     pub fn from_dir(dir: &Path) -> Result<WanConfig, ModelError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::Config {
+        let error = |message: String| ModelError::Config {
             path: path.clone(),
-            message: e.to_string(),
-        })?;
-        let cfg: WanConfig = serde_json::from_str(&text).map_err(|e| ModelError::Config {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
+            message,
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| error(e.to_string()))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| error(e.to_string()))?;
+        let Some(fields) = json.as_object() else {
+            return Err(error("not a JSON object".to_string()));
+        };
+        // diffusers' bookkeeping keys start with `_`; everything else must be an option of
+        // WanTransformer3DModel (the ones read above, and those with no effect here).
+        if let Some(unknown) = fields
+            .keys()
+            .find(|k| !k.starts_with('_') && !KNOWN_FIELDS.contains(&k.as_str()))
+        {
+            return Err(error(format!(
+                "unknown field `{unknown}`: WanTransformer3DModel has no such option"
+            )));
+        }
+        let cfg: WanConfig = serde_json::from_value(json).map_err(|e| error(e.to_string()))?;
         cfg.check()
             .map_err(|message| ModelError::Config { path, message })?;
         Ok(cfg)

@@ -43,9 +43,40 @@ async fn deliver(pending: &Pending, chunk: LatentChunk) -> bool {
     }
 }
 
-/// Logs why a request stream ended early.
-fn stream_failed(e: &LinkError) {
-    tracing::warn!(error = %e, "latent stream failed");
+/// One request's stream of chunks, whatever the transport.
+trait ChunkStream: Send {
+    /// The next verified chunk; `None` after the last.
+    fn next(
+        &mut self,
+    ) -> impl std::future::Future<Output = Result<Option<LatentChunk>, LinkError>> + Send;
+}
+
+impl ChunkStream for quic::ChunkReceiver {
+    async fn next(&mut self) -> Result<Option<LatentChunk>, LinkError> {
+        quic::ChunkReceiver::next(self).await
+    }
+}
+
+#[cfg(feature = "ucx")]
+impl ChunkStream for ditstream_common::link::ucx::ChunkReceiver {
+    async fn next(&mut self) -> Result<Option<LatentChunk>, LinkError> {
+        ditstream_common::link::ucx::ChunkReceiver::next(self).await
+    }
+}
+
+/// Hands every chunk of one request stream to its request, until the stream or the request ends.
+async fn pump(mut rx: impl ChunkStream, pending: Pending) {
+    loop {
+        match rx.next().await {
+            Ok(Some(chunk)) => {
+                if !deliver(&pending, chunk).await {
+                    return;
+                }
+            }
+            Ok(None) => return,
+            Err(e) => return tracing::warn!(error = %e, "latent stream failed"),
+        }
+    }
 }
 
 /// A decoder's listening link: binds `pools.link_listen` and serves every connection in the
@@ -70,21 +101,9 @@ pub async fn listen(
                                 return tracing::warn!(error = %e, "latent link handshake failed");
                             }
                         };
-                        while let Ok(Some(mut rx)) = quic::ChunkReceiver::accept(&conn).await {
+                        while let Ok(Some(rx)) = quic::ChunkReceiver::accept(&conn).await {
                             let pending = Arc::clone(&pending);
-                            tokio::spawn(async move {
-                                loop {
-                                    match rx.next().await {
-                                        Ok(Some(chunk)) => {
-                                            if !deliver(&pending, chunk).await {
-                                                return;
-                                            }
-                                        }
-                                        Ok(None) => return,
-                                        Err(e) => return stream_failed(&e),
-                                    }
-                                }
-                            });
+                            tokio::spawn(pump(rx, pending));
                         }
                     });
                 }
@@ -107,21 +126,9 @@ fn listen_ucx(
         while let Ok(conn) = listener.accept().await {
             let pending = Arc::clone(&pending);
             tokio::spawn(async move {
-                while let Ok(Some(mut rx)) = ucx::ChunkReceiver::accept(&conn).await {
+                while let Ok(Some(rx)) = ucx::ChunkReceiver::accept(&conn).await {
                     let pending = Arc::clone(&pending);
-                    tokio::spawn(async move {
-                        loop {
-                            match rx.next().await {
-                                Ok(Some(chunk)) => {
-                                    if !deliver(&pending, chunk).await {
-                                        return;
-                                    }
-                                }
-                                Ok(None) => return,
-                                Err(e) => return stream_failed(&e),
-                            }
-                        }
-                    });
+                    tokio::spawn(pump(rx, pending));
                 }
             });
         }

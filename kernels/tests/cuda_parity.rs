@@ -245,6 +245,20 @@ fn norms_match_cpu() -> Result<()> {
                 atol,
                 rtol(dtype),
             );
+            // The DiT's fused norm-modulate, per sample and per token, output in x's dtype: the
+            // LayerNorm's bound, and (1 + scale) ~ 1–3 times it plus shift: atol × 4.
+            for mod_shape in [[3, 1, d], [3, 5, d]] {
+                let shift = randn(&mod_shape, DType::F32, 26);
+                let scale = randn(&mod_shape, DType::F32, 27);
+                let (gs, gc) = (shift.to_device(dev)?, scale.to_device(dev)?);
+                check(
+                    "layer_norm_modulate",
+                    &k::layer_norm_modulate(&g, &gs, &gc, 1e-6, dtype)?,
+                    &k::layer_norm_modulate(&x, &shift, &scale, 1e-6, dtype)?,
+                    4.0 * atol,
+                    rtol(dtype),
+                );
+            }
         }
         // The VAE's channel-first norm: x [B, C, T, H, W], gamma [C, 1, 1, 1].
         let x = randn(&[2, 96, 2, 5, 7], dtype, 23);

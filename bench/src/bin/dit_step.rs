@@ -184,6 +184,87 @@ fn random_model(cfg: &WanConfig, seed: u64, device: Device) -> Result<WanTransfo
     )?)
 }
 
+/// The block's other ops (what "rest" is made of) alone at one block's shapes, each × `n` blocks,
+/// with the bytes each must move and the bandwidth that implies, so the slow ones stand out.
+fn block_rest_ops(
+    timer: &Timer,
+    [l, d, heads, hd, ffn]: [usize; 5],
+    latent: [usize; 5],
+    reps: usize,
+    n: f64,
+    device: Device,
+) -> Result<()> {
+    use ditstream_kernels as k;
+    let x = Tensor::randn(&[1, l, d], DType::BF16, 20, device)?;
+    let y = Tensor::randn(&[1, l, d], DType::BF16, 21, device)?;
+    let m = Tensor::randn(&[1, 1, d], DType::F32, 22, device)?;
+    let w = Tensor::randn(&[d], DType::F32, 23, device)?;
+    let wb = Tensor::randn(&[d], DType::BF16, 24, device)?;
+    let up = Tensor::randn(&[1, l, ffn], DType::BF16, 25, device)?;
+    let q = Tensor::randn(&[1, l, heads, hd], DType::BF16, 26, device)?;
+    let grid = [latent[2], latent[3] / 2, latent[4] / 2];
+    let (cos, sin) = k::rope_tables_3d(grid, hd, 10_000.0, device)?;
+    let act = (l * d * 2) as f64; // one bf16 [L, D] activation, bytes
+    let ops: Vec<(&str, f64, f64)> = vec![
+        (
+            "norm+modulate, unfused (×2)",
+            2.0,
+            timer.median(1, reps, || {
+                let f = k::layer_norm(&x.to_dtype(DType::F32)?, None, None, 1e-6)?;
+                Ok(k::modulate(&f, &m, &m)?.to_dtype(DType::BF16)?)
+            })?,
+        ),
+        (
+            "layer_norm_modulate (×2)",
+            2.0,
+            timer.median(1, reps, || {
+                Ok(k::layer_norm_modulate(&x, &m, &m, 1e-6, DType::BF16)?)
+            })?,
+        ),
+        (
+            "rms_norm q/k (×3)",
+            3.0,
+            timer.median(1, reps, || Ok(k::rms_norm(&x, &w, 1e-6)?))?,
+        ),
+        (
+            "apply_rope (×2)",
+            2.0,
+            timer.median(1, reps, || Ok(k::apply_rope(&q, &cos, &sin)?))?,
+        ),
+        (
+            "gated_residual (×2)",
+            3.0,
+            timer.median(1, reps, || Ok(k::gated_residual(&x, &y, &m)?))?,
+        ),
+        (
+            "add (×1)",
+            3.0,
+            timer.median(1, reps, || Ok(k::add(&x, &y)?))?,
+        ),
+        (
+            "layer_norm affine (×1)",
+            2.0,
+            timer.median(1, reps, || {
+                Ok(k::layer_norm(&x, Some(&wb), Some(&wb), 1e-6)?)
+            })?,
+        ),
+        (
+            "gelu_tanh [L, FFN] (×1)",
+            2.0 * ffn as f64 / d as f64,
+            timer.median(1, reps, || Ok(k::gelu_tanh(&up)?))?,
+        ),
+    ];
+    let calls = [2.0, 2.0, 3.0, 2.0, 2.0, 1.0, 1.0, 1.0];
+    for ((what, passes, secs), calls) in ops.iter().zip(calls) {
+        println!(
+            "RESULT\tours\trest op {what}\t{:.3}\tms\t{:.0}\tGB/s",
+            secs * 1e3 * calls * n,
+            passes * act / secs / 1e9
+        );
+    }
+    Ok(())
+}
+
 fn preset(name: &str) -> Result<Preset> {
     Preset::ALL
         .into_iter()
@@ -297,6 +378,7 @@ fn main() -> Result<()> {
         })?;
         let n = layers as f64;
         let rest = forward - n * (self_attn + cross_attn + linears);
+        block_rest_ops(&timer, [l, d, heads, hd, ffn], latent, reps, n, device)?;
         for (what, secs) in [
             ("self-attention", n * self_attn),
             ("cross-attention", n * cross_attn),

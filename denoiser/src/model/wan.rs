@@ -17,7 +17,7 @@
 use ditstream_kernels::weights::WeightSource;
 use ditstream_kernels::{
     AttentionOptions, DType, Device, Tensor, apply_rope, attention, gated_residual, gelu_tanh,
-    layer_norm, linear, modulate, rms_norm, rope_tables_3d, silu,
+    layer_norm, layer_norm_modulate, linear, rms_norm, rope_tables_3d, silu,
 };
 
 use super::{ModelError, WanConfig};
@@ -73,8 +73,7 @@ fn norm_modulate(
     eps: f32,
     dtype: DType,
 ) -> Result<Tensor, ModelError> {
-    let normed = layer_norm(&x.to_dtype(DType::F32)?, None, None, eps)?;
-    Ok(modulate(&normed, shift, scale)?.to_dtype(dtype)?)
+    Ok(layer_norm_modulate(x, shift, scale, eps, dtype)?)
 }
 
 /// A `Linear` layer: weight [out, in], optional bias [out].

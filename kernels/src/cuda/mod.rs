@@ -147,6 +147,38 @@ impl std::fmt::Debug for CudaBackend {
     }
 }
 
+/// Makes the device's default memory pool (where every `cuMemAllocAsync` of cudarc comes from) keep
+/// freed memory instead of returning it to the driver at each synchronisation, which is what its
+/// default release threshold of 0 does. Tensors are freed and re-allocated on every forward and
+/// every VAE chunk; with the default, each synchronising call (a read-back, a timed event) gives the
+/// memory back and the next forward maps it again, gigabytes at a time. The pool then behaves like
+/// PyTorch's caching allocator: it holds what the peak needed. Memory pressure from other pools or
+/// processes is not a concern on a GPU that serves one role.
+fn keep_pool_memory(ctx: &CudaContext) -> std::result::Result<(), cu::CUresult> {
+    if !ctx.has_async_alloc() {
+        return Ok(()); // no stream-ordered allocator: cudarc uses cuMemAlloc, nothing is pooled
+    }
+    let mut pool: cu::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer and the context's device handle.
+    let code = unsafe { cu::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) };
+    if code != cu::CUresult::CUDA_SUCCESS {
+        return Err(code);
+    }
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: `pool` is the device's default pool; the attribute takes a pointer to a u64 (cuuint64_t).
+    let code = unsafe {
+        cu::cuMemPoolSetAttribute(
+            pool,
+            cu::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    };
+    match code {
+        cu::CUresult::CUDA_SUCCESS => Ok(()),
+        e => Err(e),
+    }
+}
+
 impl CudaBackend {
     /// The backend of GPU `ordinal`, created on first use.
     pub fn get(ordinal: usize) -> Result<Arc<CudaBackend>> {
@@ -183,6 +215,12 @@ impl CudaBackend {
         // cross-stream events are not needed (stream order already orders uses and frees).
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| err("cuStreamCreate", e))?;
+        keep_pool_memory(&ctx).map_err(|code| KernelError::Cuda {
+            op: "init",
+            call: "cuMemPoolSetAttribute",
+            device,
+            detail: format!("{code:?}"),
+        })?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| err("cuDeviceGetAttribute", e))?;

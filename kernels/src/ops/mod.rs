@@ -22,7 +22,7 @@ pub use elementwise::{
     add, affine, clamp, gated_residual, gelu_tanh, modulate, mul, scale, silu, sub,
 };
 pub use matmul::{linear, matmul};
-pub use norm::{layer_norm, rms_norm, rms_norm_channels};
+pub use norm::{layer_norm, layer_norm_modulate, rms_norm, rms_norm_channels};
 pub use rope::{apply_rope, rope_band_dims, rope_tables_3d};
 pub use ulysses::{
     ulysses_pack_heads, ulysses_pack_qkv, ulysses_pack_seq, ulysses_unpack_heads,

@@ -25,6 +25,30 @@ pub(super) fn layer_norm(
     out
 }
 
+/// LayerNorm (no affine) of each length-`d` row, then `· (1 + scale) + shift` with row r using
+/// modulation row r / `rows_per_mod` of `shift`/`scale`.
+pub(super) fn layer_norm_modulate(
+    x: &[f32],
+    d: usize,
+    shift: &[f32],
+    scale: &[f32],
+    rows_per_mod: usize,
+    eps: f32,
+) -> Vec<f32> {
+    let mut out = layer_norm(x, d, None, None, eps);
+    if d == 0 {
+        return out;
+    }
+    for (r, row) in out.chunks_exact_mut(d).enumerate() {
+        let m = (r / rows_per_mod) * d;
+        let (sh, sc) = (&shift[m..m + d], &scale[m..m + d]);
+        for ((o, &sh), &sc) in row.iter_mut().zip(sh).zip(sc) {
+            *o = *o * (1.0 + sc) + sh;
+        }
+    }
+    out
+}
+
 /// RMSNorm of each length-`d` row: x · rsqrt(mean(x²) + eps) · weight.
 pub(super) fn rms_norm(x: &[f32], d: usize, weight: &[f32], eps: f32) -> Vec<f32> {
     let mut out = vec![0.0; x.len()];

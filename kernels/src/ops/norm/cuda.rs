@@ -89,6 +89,48 @@ pub(super) fn layer_norm(
     Ok(Tensor::from_cuda(out, x.shape()))
 }
 
+/// LayerNorm (no affine) then modulation over the last dim `d`, stored in `out_dtype`; shift/scale
+/// are f32 with row r of x using their row r / `rows_per_mod` (checked by the caller).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn layer_norm_modulate(
+    op: &'static str,
+    x: &Tensor,
+    shift: &Tensor,
+    scale: &Tensor,
+    d: usize,
+    rows_per_mod: usize,
+    eps: f32,
+    out_dtype: DType,
+) -> Result<Tensor> {
+    let sx = x.cuda_storage(op)?;
+    let backend = CudaBackend::get(sx.ordinal)?;
+    let out = backend.alloc(out_dtype, x.numel())?;
+    let rows = x.numel().checked_div(d).unwrap_or(0);
+    if rows > 0 {
+        let name = format!(
+            "layer_norm_modulate_{}_{}",
+            suffix(x.dtype()),
+            suffix(out_dtype)
+        );
+        let f = backend.function(&SOURCE, &name)?;
+        let (xp, shp, scp, outp) = (
+            sx.ptr(),
+            shift.cuda_storage(op)?.ptr(),
+            scale.cuda_storage(op)?.ptr(),
+            out.ptr(),
+        );
+        let (rows_i, d_i, per_i) = (rows as i64, int(op, "d", d)?, rows_per_mod as i64);
+        let mut launch = backend.stream.launch_builder(&f);
+        launch.arg(&xp).arg(&shp).arg(&scp).arg(&outp);
+        launch.arg(&rows_i).arg(&d_i).arg(&per_i).arg(&eps);
+        // SAFETY: x/out hold rows·d elements; shift/scale hold (rows / rows_per_mod)·d f32 (the caller
+        // checked their shape against x's).
+        unsafe { launch.launch(row_grid(rows)) }
+            .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    }
+    Ok(Tensor::from_cuda(out, x.shape()))
+}
+
 /// RMSNorm over the last dim `d` → x's shape and dtype.
 pub(super) fn rms_norm(
     op: &'static str,

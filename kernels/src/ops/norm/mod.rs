@@ -10,7 +10,7 @@ mod tests;
 use super::same_device;
 #[cfg(not(feature = "cuda"))]
 use super::unsupported;
-use crate::{Device, KernelError, Result, Tensor};
+use crate::{DType, Device, KernelError, Result, Tensor};
 
 /// Checks that an optional per-channel parameter holds exactly `len` values (any shape, so that
 /// checkpoint shapes like [C, 1, 1, 1] pass as they are).
@@ -62,6 +62,93 @@ pub fn layer_norm(
         #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
+}
+
+/// The DiT's pre-attention and pre-FFN step in one pass: `LN(x)·(1 + scale) + shift`, LayerNorm
+/// without affine over the last dim D, computed in f32 and stored once in `out_dtype` (diffusers'
+/// `(norm(x.float()) * (1 + scale) + shift).type_as(x)`). Fusing it reads x once and writes the
+/// result once, where the three ops (cast, norm, modulate, cast) made four f32 round trips.
+///
+/// `shift` and `scale` hold f32 rows of D that broadcast over x's leading dims in one pattern: a
+/// prefix of x's leading dims is kept, the rest are 1 — [B, 1, D] (per sample) or x's own shape
+/// (per token) for x [B, L, D]. Row r of x uses their row r / (x rows / their rows).
+pub fn layer_norm_modulate(
+    x: &Tensor,
+    shift: &Tensor,
+    scale: &Tensor,
+    eps: f32,
+    out_dtype: DType,
+) -> Result<Tensor> {
+    const OP: &str = "layer_norm_modulate";
+    let d = *x
+        .shape()
+        .last()
+        .ok_or_else(|| KernelError::shape(OP, "x must have rank ≥ 1", &[x.shape()]))?;
+    let rows = x.numel().checked_div(d).unwrap_or(0);
+    let mod_rows = modulation_rows(OP, x, shift, scale)?;
+    for (name, t) in [("shift", shift), ("scale", scale)] {
+        if t.dtype() != DType::F32 {
+            return Err(KernelError::arg(
+                OP,
+                name,
+                format!("{:?}", t.dtype()),
+                "the modulation rows are f32 (the DiT keeps them in f32)",
+            ));
+        }
+    }
+    let rows_per_mod = rows.checked_div(mod_rows).unwrap_or(1).max(1);
+    match same_device(OP, &[x, shift, scale])? {
+        Device::Cpu => {
+            let out = cpu::layer_norm_modulate(
+                &x.cpu_f32(OP)?,
+                d,
+                &shift.cpu_f32(OP)?,
+                &scale.cpu_f32(OP)?,
+                rows_per_mod,
+                eps,
+            );
+            Tensor::from_f32_cpu(out, x.shape(), out_dtype)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            cuda::layer_norm_modulate(OP, x, shift, scale, d, rows_per_mod, eps, out_dtype)
+        }
+        #[cfg(not(feature = "cuda"))]
+        device @ Device::Cuda(_) => unsupported(OP, device),
+    }
+}
+
+/// The rows of D that `shift` and `scale` hold, checked against the broadcast pattern of
+/// [`layer_norm_modulate`] (both must have the same shape).
+fn modulation_rows(op: &'static str, x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<usize> {
+    let bad = |why: &str| {
+        KernelError::shape(
+            op,
+            why.to_string(),
+            &[x.shape(), shift.shape(), scale.shape()],
+        )
+    };
+    if shift.shape() != scale.shape() {
+        return Err(bad("shift and scale must have the same shape"));
+    }
+    let (xs, ss) = (x.shape(), shift.shape());
+    if ss.len() > xs.len() || ss.last() != xs.last() {
+        return Err(bad(
+            "shift/scale must end in x's last dim and have no more dims than x",
+        ));
+    }
+    // Left-pad with 1s to x's rank (NumPy alignment), then: x's dims for a prefix, 1s after it.
+    let padded: Vec<usize> = std::iter::repeat_n(1, xs.len() - ss.len())
+        .chain(ss.iter().copied())
+        .collect();
+    let lead = xs.len() - 1;
+    let kept = (0..lead).take_while(|&i| padded[i] == xs[i]).count();
+    if padded[kept..lead].iter().any(|&p| p != 1) {
+        return Err(bad(
+            "shift/scale must keep a prefix of x's leading dims and be 1 in the others ([B, 1, D] or [B, L, D])",
+        ));
+    }
+    Ok(xs[..kept].iter().product())
 }
 
 /// RMSNorm over the whole last dim: x [.., D] → x · rsqrt(mean(x²) + eps) · weight [D], in x's dtype.

@@ -39,6 +39,32 @@ __device__ void layer_norm(const T* x, const W* w, const W* b, T* out, i64 rows,
     }
 }
 
+// LayerNorm without affine, then * (1 + scale) + shift (f32 rows of d; row r uses modulation row
+// r / rows_per_mod), written once in the output type O.
+template <typename T, typename O>
+__device__ void layer_norm_modulate(const T* x, const float* shift, const float* scale, O* out, i64 rows,
+                                    int d, i64 rows_per_mod, float eps) {
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* xr = x + row * d;
+        O* yr = out + row * d;
+        const float* sh = shift + (row / rows_per_mod) * d;
+        const float* sc = scale + (row / rows_per_mod) * d;
+        float s = 0.0f;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) s += ld(xr + i);
+        float mean = block_sum(s) / d;
+        float q = 0.0f;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            float t = ld(xr + i) - mean;
+            q += t * t;
+        }
+        float inv_std = 1.0f / sqrtf(block_sum(q) / d + eps);
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            float y = (ld(xr + i) - mean) * inv_std;
+            st(yr + i, y * (1.0f + sc[i]) + sh[i]);
+        }
+    }
+}
+
 template <typename T, typename W>
 __device__ void rms_norm(const T* x, const W* w, T* out, i64 rows, int d, float eps) {
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -92,3 +118,11 @@ __device__ void rms_norm_channels(const T* x, const W* gamma, const W* bias, T* 
         rms_norm_channels(x, gamma, bias, out, batch, channels, positions, has_bias); \
     }
 FOR_TYPES2(NORMS)
+
+#define NORM_MODULATE(TN, T, ON, O) \
+    extern "C" __global__ void layer_norm_modulate_##TN##_##ON(const T* x, const float* shift, \
+                                                              const float* scale, O* out, i64 rows, \
+                                                              int d, i64 rows_per_mod, float eps) { \
+        layer_norm_modulate(x, shift, scale, out, rows, d, rows_per_mod, eps); \
+    }
+FOR_TYPES2(NORM_MODULATE)

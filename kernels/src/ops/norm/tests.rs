@@ -110,3 +110,64 @@ fn rms_norm_channels_normalises_over_dim_1() -> Result<()> {
     );
     Ok(())
 }
+
+/// The fused norm-modulate equals LN then modulate (the composition it replaces) for per-sample
+/// and per-token modulation, and against an f64 formula; bf16 output is the f32 result rounded once.
+#[test]
+fn layer_norm_modulate_matches_the_composition_and_f64() -> Result<()> {
+    let (b, l, d, eps) = (2, 5, 64, 1e-6);
+    let x = Tensor::randn(&[b, l, d], DType::F32, 21, Device::Cpu)?;
+    for (what, mod_shape) in [("per sample", vec![b, 1, d]), ("per token", vec![b, l, d])] {
+        let shift = Tensor::randn(&mod_shape, DType::F32, 22, Device::Cpu)?;
+        let scale = Tensor::randn(&mod_shape, DType::F32, 23, Device::Cpu)?;
+        let fused = layer_norm_modulate(&x, &shift, &scale, eps, DType::F32)?;
+        let composed = crate::modulate(&layer_norm(&x, None, None, eps)?, &shift, &scale)?;
+        assert_eq!(fused.to_vec_f32()?, composed.to_vec_f32()?, "{what}");
+
+        let (xv, sh, sc) = (x.to_vec_f32()?, shift.to_vec_f32()?, scale.to_vec_f32()?);
+        let per = if mod_shape[1] == 1 { l } else { 1 };
+        let mut expect = Vec::new();
+        for (r, row) in xv.chunks(d).enumerate() {
+            let mean = row.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
+            let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
+            let m = (r / per) * d;
+            for (i, &v) in row.iter().enumerate() {
+                let n = (v as f64 - mean) / (var + eps as f64).sqrt();
+                expect.push((n * (1.0 + sc[m + i] as f64) + sh[m + i] as f64) as f32);
+            }
+        }
+        assert_close_slices(&fused.to_vec_f32()?, &expect, 2e-5, 1e-5);
+
+        let bf = layer_norm_modulate(&x.to_dtype(DType::BF16)?, &shift, &scale, eps, DType::BF16)?;
+        assert_eq!(bf.dtype(), DType::BF16);
+        let want = layer_norm_modulate(&x.to_dtype(DType::BF16)?, &shift, &scale, eps, DType::F32)?
+            .to_dtype(DType::BF16)?;
+        assert_eq!(bf.to_vec_f32()?, want.to_vec_f32()?, "{what}: one rounding");
+    }
+    Ok(())
+}
+
+#[test]
+fn layer_norm_modulate_refuses_other_broadcasts() -> Result<()> {
+    let x = Tensor::zeros(&[2, 3, 8], DType::F32, Device::Cpu)?;
+    let ok = Tensor::zeros(&[2, 1, 8], DType::F32, Device::Cpu)?;
+    // [1, 3, 8] broadcasts over the batch but keeps the token dim: not a kept prefix.
+    let over_batch = Tensor::zeros(&[1, 3, 8], DType::F32, Device::Cpu)?;
+    let e = layer_norm_modulate(&x, &over_batch, &over_batch, 1e-6, DType::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("prefix of x's leading dims"), "{e}");
+    let e = layer_norm_modulate(&x, &ok, &over_batch, 1e-6, DType::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("same shape"), "{e}");
+    let bf = ok.to_dtype(DType::BF16)?;
+    let e = layer_norm_modulate(&x, &bf, &bf, 1e-6, DType::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("f32"), "{e}");
+    // [8] alone (one row for all) is fine.
+    let one = Tensor::zeros(&[8], DType::F32, Device::Cpu)?;
+    layer_norm_modulate(&x, &one, &one, 1e-6, DType::F32)?;
+    Ok(())
+}

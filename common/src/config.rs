@@ -83,6 +83,9 @@ pub enum LinkKind {
     Quic,
     /// UCX active messages (builds with `--features ucx`): RDMA-capable fabrics.
     Ucx,
+    /// NCCL point-to-point, GPU to GPU (builds with `--features cuda`; both pools on GPUs):
+    /// NVLink within a node. Chunk headers travel over QUIC beside it.
+    Nccl,
 }
 
 /// `pools:` section, read by `ditstream gateway`, `denoiser` and `decoder`.

@@ -12,8 +12,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use ditstream_common::config::Config;
-use ditstream_common::link::LatentChunk;
-use ditstream_kernels::Tensor;
 use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::decoder_pool_server::{DecoderPool, DecoderPoolServer};
 use tokio::sync::mpsc;
@@ -85,7 +83,7 @@ impl DecoderPool for DecoderService {
                 r.num_frames, r.fps, r.segment_frames
             )));
         }
-        let (chunk_tx, mut chunk_rx) = mpsc::channel::<LatentChunk>(64);
+        let (chunk_tx, mut chunk_rx) = mpsc::channel::<link::Delivery>(64);
         {
             let mut pending = lock(&self.pending);
             if pending.contains_key(&r.request_id) {
@@ -122,24 +120,22 @@ impl DecoderPool for DecoderService {
                 let channels = stage.latent_channels() as u64;
                 let (h, w) = ((params.height / 8) as u64, (params.width / 8) as u64);
                 while !session.is_done() {
-                    let chunk = handle
+                    let arrived = handle
                         .block_on(async {
                             tokio::time::timeout(CHUNK_TIMEOUT, chunk_rx.recv()).await
                         })
                         .map_err(|_| {
                             anyhow::anyhow!("no latent chunk for {} s", CHUNK_TIMEOUT.as_secs())
                         })?
-                        .context("the latent link closed before the last chunk")?;
-                    let s = &chunk.header.shape;
+                        .context("the latent link closed before the last chunk")??;
+                    let s = &arrived.header.shape;
                     if s.len() != 5 || s[0] != 1 || s[1] != channels || s[3] != h || s[4] != w {
                         anyhow::bail!(
                             "chunk {} has shape {s:?}; this request's latent is [1, {channels}, n, {h}, {w}]",
-                            chunk.header.chunk_index
+                            arrived.header.chunk_index
                         );
                     }
-                    let shape: Vec<usize> = s.iter().map(|&d| d as usize).collect();
-                    let latent = Tensor::from_vec(chunk.to_f32()?, &shape)?;
-                    for seg in session.push(&latent)? {
+                    for seg in session.push(&arrived.latent)? {
                         send(event(pb::decode_event::Event::MediaSegment(
                             pb::MediaSegment {
                                 sequence_number: seg.sequence_number,
@@ -210,7 +206,7 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDec
         Arc::new(tokio::task::spawn_blocking(move || DecodeStage::from_config(&build)).await??);
     let identity = link_identity(cfg, config_dir)?;
     let pending: Pending = Arc::default();
-    let (link_addr, link_task) = link::listen(cfg, &identity, Arc::clone(&pending)).await?;
+    let (link_addr, link_task) = link::listen(cfg, &identity, Arc::clone(&pending), 0).await?;
     let listener =
         tokio::net::TcpListener::bind(addr("pools.decoder_listen", &cfg.pools.decoder_listen)?)
             .await?;

@@ -71,7 +71,7 @@ impl DenoiserService {
                 "decoder_link_address = {address:?}: not an address"
             ))
         })?;
-        let conn = link::Connection::connect(kind, target, host, &self.identity)
+        let conn = link::Connection::connect(kind, target, host, &self.identity, 0)
             .await
             .map_err(|e| Status::unavailable(format!("{e:#}")))?;
         links.insert(address.to_string(), conn.clone());

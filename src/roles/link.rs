@@ -9,14 +9,28 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::bail;
 use ditstream_common::config::{Config, LinkKind};
-use ditstream_common::link::{LatentChunk, LinkError, quic};
+use ditstream_common::link::{ChunkHeader, LatentChunk, LinkDType, LinkError, quic};
 use ditstream_kernels::Tensor;
 use tokio::sync::mpsc;
 
 use crate::roles::addr;
 
+/// A verified chunk as the decoder consumes it: its header and its latent frames, on the host
+/// (QUIC, UCX) or already on the decoder's GPU (NCCL).
+#[derive(Debug)]
+pub struct Arrived {
+    /// What the chunk is (request, index, frames, shape).
+    pub header: ChunkHeader,
+    /// Its latent frames [1, C, n, H, W].
+    pub latent: Tensor,
+}
+
+/// What a request's Decode call receives: the next chunk, or why its stream failed (a corrupted
+/// chunk, a lost connection), so the request ends with that reason instead of waiting.
+pub type Delivery = Result<Arrived, LinkError>;
+
 /// Requests with an open Decode call, by id: where their chunks go.
-pub type Pending = Arc<Mutex<HashMap<String, mpsc::Sender<LatentChunk>>>>;
+pub type Pending = Arc<Mutex<HashMap<String, mpsc::Sender<Delivery>>>>;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Each critical section is one map operation: a poisoned lock still holds a consistent map.
@@ -28,90 +42,146 @@ pub fn kind_name(kind: LinkKind) -> &'static str {
     match kind {
         LinkKind::Quic => "quic",
         LinkKind::Ucx => "ucx",
+        LinkKind::Nccl => "nccl",
     }
 }
 
-/// Hands one chunk to its request; false when the request is gone (its stream should stop).
-async fn deliver(pending: &Pending, chunk: LatentChunk) -> bool {
-    let target = lock(pending).get(&chunk.header.request_id).cloned();
+/// Hands one delivery to request `id`; false when the request is gone (its stream should stop).
+async fn deliver(pending: &Pending, id: &str, item: Delivery) -> bool {
+    let target = lock(pending).get(id).cloned();
     match target {
-        Some(tx) => tx.send(chunk).await.is_ok(),
+        Some(tx) => tx.send(item).await.is_ok(),
         None => {
-            tracing::warn!(id = %chunk.header.request_id, "chunk for a request with no Decode call; dropped");
+            tracing::warn!(%id, "chunk for a request with no Decode call; dropped");
             false
         }
     }
 }
 
+/// A host chunk's payload as a latent tensor.
+fn host_arrived(chunk: LatentChunk) -> Result<Arrived, LinkError> {
+    let shape: Vec<usize> = chunk.header.shape.iter().map(|&d| d as usize).collect();
+    let latent = match chunk.header.dtype {
+        LinkDType::F32 => Tensor::from_vec(chunk.to_f32()?, &shape),
+        LinkDType::Bf16 => Tensor::from_bf16_vec(
+            bytemuck::pod_collect_to_vec::<u8, half::bf16>(&chunk.payload),
+            &shape,
+        ),
+    }
+    .map_err(|e| LinkError::Malformed(format!("chunk {}: {e}", chunk.header.chunk_index)))?;
+    Ok(Arrived {
+        header: chunk.header,
+        latent,
+    })
+}
+
 /// One request's stream of chunks, whatever the transport.
-trait ChunkStream: Send {
+pub(crate) trait ChunkStream: Send {
     /// The next verified chunk; `None` after the last.
     fn next(
         &mut self,
-    ) -> impl std::future::Future<Output = Result<Option<LatentChunk>, LinkError>> + Send;
+    ) -> impl std::future::Future<Output = Result<Option<Arrived>, LinkError>> + Send;
 }
 
 impl ChunkStream for quic::ChunkReceiver {
-    async fn next(&mut self) -> Result<Option<LatentChunk>, LinkError> {
-        quic::ChunkReceiver::next(self).await
+    async fn next(&mut self) -> Result<Option<Arrived>, LinkError> {
+        quic::ChunkReceiver::next(self)
+            .await?
+            .map(host_arrived)
+            .transpose()
     }
 }
 
 #[cfg(feature = "ucx")]
 impl ChunkStream for ditstream_common::link::ucx::ChunkReceiver {
-    async fn next(&mut self) -> Result<Option<LatentChunk>, LinkError> {
-        ditstream_common::link::ucx::ChunkReceiver::next(self).await
+    async fn next(&mut self) -> Result<Option<Arrived>, LinkError> {
+        ditstream_common::link::ucx::ChunkReceiver::next(self)
+            .await?
+            .map(host_arrived)
+            .transpose()
     }
 }
 
 /// Hands every chunk of one request stream to its request, until the stream or the request ends.
-async fn pump(mut rx: impl ChunkStream, pending: Pending) {
+/// A failed stream fails its request: the one named by a checksum error, or the one whose chunks
+/// the stream was carrying.
+pub(crate) async fn pump(mut rx: impl ChunkStream, pending: Pending) {
+    let mut request: Option<String> = None;
     loop {
         match rx.next().await {
-            Ok(Some(chunk)) => {
-                if !deliver(&pending, chunk).await {
+            Ok(Some(arrived)) => {
+                let id = arrived.header.request_id.clone();
+                if !deliver(&pending, &id, Ok(arrived)).await {
                     return;
                 }
+                request = Some(id);
             }
             Ok(None) => return,
-            Err(e) => return tracing::warn!(error = %e, "latent stream failed"),
+            Err(e) => {
+                tracing::warn!(error = %e, "latent stream failed");
+                let id = match &e {
+                    LinkError::Checksum { request_id, .. } => Some(request_id.clone()),
+                    _ => request,
+                };
+                if let Some(id) = id {
+                    deliver(&pending, &id, Err(e)).await;
+                }
+                return;
+            }
         }
     }
 }
 
 /// A decoder's listening link: binds `pools.link_listen` and serves every connection in the
-/// background. Returns the bound address and the accept task.
+/// background; an NCCL link receives onto GPU `gpu`. Returns the bound address and the accept
+/// task.
 pub async fn listen(
     cfg: &Config,
     identity: &quic::Identity,
     pending: Pending,
+    gpu: usize,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let at = addr("pools.link_listen", &cfg.pools.link_listen)?;
-    match cfg.pools.link {
-        LinkKind::Quic => {
-            let endpoint = quic::listen(at, identity)?;
-            let bound = endpoint.local_addr()?;
-            let task = tokio::spawn(async move {
-                while let Some(incoming) = endpoint.accept().await {
-                    let pending = Arc::clone(&pending);
-                    tokio::spawn(async move {
-                        let conn = match incoming.await {
-                            Ok(c) => c,
-                            Err(e) => {
-                                return tracing::warn!(error = %e, "latent link handshake failed");
-                            }
-                        };
-                        while let Ok(Some(rx)) = quic::ChunkReceiver::accept(&conn).await {
-                            let pending = Arc::clone(&pending);
-                            tokio::spawn(pump(rx, pending));
-                        }
-                    });
+    let nccl = match cfg.pools.link {
+        LinkKind::Ucx => return listen_ucx(at, pending),
+        LinkKind::Quic => false,
+        LinkKind::Nccl if cfg!(feature = "cuda") => true,
+        LinkKind::Nccl => bail!(
+            "pools.link = nccl: this binary was built without CUDA (build with `--features cuda`)"
+        ),
+    };
+    // QUIC carries the chunks, or (NCCL) their headers beside the GPU-to-GPU transfers.
+    let endpoint = quic::listen(at, identity)?;
+    let bound = endpoint.local_addr()?;
+    let task = tokio::spawn(async move {
+        while let Some(incoming) = endpoint.accept().await {
+            let pending = Arc::clone(&pending);
+            tokio::spawn(async move {
+                let conn = match incoming.await {
+                    Ok(c) => c,
+                    Err(e) => return tracing::warn!(error = %e, "latent link handshake failed"),
+                };
+                if nccl {
+                    return serve_nccl(conn, gpu, pending).await;
+                }
+                while let Ok(Some(rx)) = quic::ChunkReceiver::accept(&conn).await {
+                    tokio::spawn(pump(rx, Arc::clone(&pending)));
                 }
             });
-            Ok((bound, task))
         }
-        LinkKind::Ucx => listen_ucx(at, pending),
-    }
+    });
+    Ok((bound, task))
+}
+
+#[cfg(feature = "cuda")]
+async fn serve_nccl(conn: quinn::Connection, gpu: usize, pending: Pending) {
+    super::nccl_link::serve(conn, gpu, pending).await;
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn serve_nccl(conn: quinn::Connection, _: usize, _: Pending) {
+    // `listen` refuses pools.link = nccl in this build, so no connection gets here.
+    conn.close(0u32.into(), b"built without CUDA");
 }
 
 #[cfg(feature = "ucx")]
@@ -152,16 +222,22 @@ pub enum Connection {
     /// UCX.
     #[cfg(feature = "ucx")]
     Ucx(ditstream_common::link::ucx::Connection),
+    /// NCCL, with QUIC beside it for headers.
+    #[cfg(feature = "cuda")]
+    Nccl(super::nccl_link::NcclConnection),
 }
 
 impl Connection {
-    /// Connects to the decoder at `address` with the transport it registered.
+    /// Connects to the decoder at `address` with the transport it registered; an NCCL link
+    /// sends from GPU `gpu` (where the denoiser's latents are).
     pub async fn connect(
         kind: &str,
         address: SocketAddr,
         host: &str,
         identity: &quic::Identity,
+        gpu: usize,
     ) -> anyhow::Result<Connection> {
+        let _ = gpu; // only an NCCL link uses it
         match kind {
             "quic" | "" => Ok(Connection::Quic(
                 quic::connect(address, host, identity).await?,
@@ -173,13 +249,14 @@ impl Connection {
                     ucx::connect(address, &ucx::UcxConfig::default()).await?,
                 ))
             }
+            #[cfg(feature = "cuda")]
+            "nccl" => Ok(Connection::Nccl(
+                super::nccl_link::NcclConnection::connect(address, host, identity, gpu).await?,
+            )),
             other => bail!(
-                "decoder link kind {other:?}: this binary speaks quic{}",
-                if cfg!(feature = "ucx") {
-                    " and ucx"
-                } else {
-                    ""
-                }
+                "decoder link kind {other:?}: this binary speaks quic{}{}",
+                if cfg!(feature = "ucx") { ", ucx" } else { "" },
+                if cfg!(feature = "cuda") { ", nccl" } else { "" },
             ),
         }
     }
@@ -191,6 +268,8 @@ impl Connection {
             // A UCX endpoint reports failure on the next send; the caller reconnects then.
             #[cfg(feature = "ucx")]
             Connection::Ucx(_) => true,
+            #[cfg(feature = "cuda")]
+            Connection::Nccl(c) => c.is_open(),
         }
     }
 
@@ -226,7 +305,57 @@ impl Connection {
                 }
                 sender.finish().await?;
             }
+            #[cfg(feature = "cuda")]
+            Connection::Nccl(conn) => {
+                conn.send_latent(id, latent).await?;
+            }
         }
         Ok(frames as u32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::time::Duration;
+
+    use ditstream_common::link::quic::PoolCa;
+    use ditstream_common::link::write_chunk;
+
+    use super::*;
+
+    /// A chunk whose payload was damaged on the way ends its request with the checksum error (the
+    /// Decode call reports it at once), over a real QUIC connection on loopback.
+    #[tokio::test]
+    async fn a_corrupted_chunk_fails_its_request_with_the_checksum_error() {
+        let ca = PoolCa::generate("pools").unwrap();
+        let identity = ca.issue("localhost").unwrap();
+        let cfg = Config::parse("model: {preset: tiny}\n", "test").unwrap();
+        let pending: Pending = Arc::default();
+        let (tx, mut rx) = mpsc::channel(4);
+        lock(&pending).insert("req-1".to_string(), tx);
+        let (at, _task) = listen(&cfg, &identity, Arc::clone(&pending), 0)
+            .await
+            .unwrap();
+
+        let conn = quic::connect(at, "localhost", &identity).await.unwrap();
+        let values = vec![0.25f32; 16 * 2 * 3];
+        let mut chunk =
+            LatentChunk::from_f32("req-1", 0, 0, true, &[1, 16, 1, 2, 3], &values).unwrap();
+        chunk.payload[5] ^= 0x10;
+        let mut stream = conn.open_uni().await.unwrap();
+        write_chunk(&mut stream, &chunk).await.unwrap();
+        stream.finish().unwrap();
+
+        let got = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("the request hears about its chunk")
+            .expect("the sender stays registered");
+        let e = got.unwrap_err().to_string();
+        assert!(
+            e.starts_with("latent link: chunk 0 of request req-1: checksum"),
+            "{e}"
+        );
     }
 }

@@ -15,6 +15,8 @@ pub mod decoder;
 pub mod denoiser;
 pub mod gateway;
 pub mod link;
+#[cfg(feature = "cuda")]
+pub mod nccl_link;
 pub mod registration;
 
 use std::net::SocketAddr;

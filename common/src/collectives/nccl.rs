@@ -571,6 +571,30 @@ impl NcclComm {
         self.comm
     }
 
+    /// Sends `buf` to group rank `to` (`ncclSend`) and returns once the transfer is complete, i.e.
+    /// the peer has received it. One-sided point-to-point, for links between pools (the NCCL
+    /// latent link); the ranks of a mesh use the collectives and `send_recv`.
+    pub fn send<T: Element>(&self, buf: &CudaSlice<T>, to: usize) -> Result<()> {
+        self.guarded("send", || {
+            check::peer("send", "to", to, self.size())?;
+            let (s, _gs) = buf.device_ptr(&self.stream);
+            self.grouped_p2p(dtype(T::DTYPE), &[(s, buf.len(), to)], &[])?;
+            self.sync("send")
+        })
+    }
+
+    /// Receives into `buf` from group rank `from` (`ncclRecv`, exactly `buf.len()` elements) and
+    /// returns once it holds the data. The counterpart of [`NcclComm::send`].
+    pub fn recv<T: Element>(&self, buf: &mut CudaSlice<T>, from: usize) -> Result<()> {
+        self.guarded("recv", || {
+            check::peer("recv", "from", from, self.size())?;
+            let len = buf.len();
+            let (r, _gr) = buf.device_ptr_mut(&self.stream);
+            self.grouped_p2p(dtype(T::DTYPE), &[], &[(r, len, from)])?;
+            self.sync("recv")
+        })
+    }
+
     fn ensure_usable(&self) -> Result<()> {
         match self.broken.borrow().as_ref() {
             Some(reason) => Err(CollectiveError::Poisoned {

@@ -3,8 +3,10 @@
 //! needs to check and place it: request id, chunk index, latent frame range, shape, dtype and a
 //! CRC-32 of the payload.
 //!
-//! The wire framing here is shared by the byte-stream transports ([`quic`]; UCX — `ucx`, behind
-//! the `ucx` feature — and NCCL point-to-point move the same header and payload as messages):
+//! The wire framing here is shared by the transports: the byte streams of [`quic`] carry it whole;
+//! UCX (`ucx`, behind the `ucx` feature) moves the same header and payload as messages; the NCCL
+//! link (the root package's `roles::nccl_link`) sends the framed header over QUIC and the payload
+//! GPU to GPU:
 //!
 //! `b"DSLC" | u32 header_len | header | u64 payload_len | payload`, integers little-endian.
 
@@ -206,7 +208,7 @@ impl LatentChunk {
     /// Checks the payload against the header's shape and checksum.
     pub fn verify(&self) -> Result<(), LinkError> {
         let h = &self.header;
-        let expected = h.shape.iter().product::<u64>() * h.dtype.size() as u64;
+        let expected = h.payload_bytes();
         if self.payload.len() as u64 != expected {
             return Err(LinkError::Malformed(format!(
                 "chunk {} of {}: {} payload bytes for shape {:?} ({expected} expected)",
@@ -230,6 +232,11 @@ impl LatentChunk {
 }
 
 impl ChunkHeader {
+    /// The payload's size in bytes by its shape and dtype.
+    pub fn payload_bytes(&self) -> u64 {
+        self.shape.iter().product::<u64>() * self.dtype.size() as u64
+    }
+
     /// The header's bytes: id, index, first frame, last flag, dtype, checksum, rank, dims.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(32 + self.request_id.len() + 8 * self.shape.len());
@@ -322,18 +329,44 @@ pub async fn write_chunk<W: AsyncWrite + Unpin>(
     w: &mut W,
     chunk: &LatentChunk,
 ) -> Result<(), LinkError> {
-    let header = chunk.header.encode();
+    write_frame_head(w, &chunk.header, chunk.payload.len() as u64).await?;
+    w.write_all(&chunk.payload).await?;
+    Ok(())
+}
+
+/// Writes a frame's magic, header and payload length, and not the payload: the payload follows
+/// on the same stream ([`write_chunk`]) or over another transport (the NCCL link's GPU-to-GPU
+/// transfer, which has no framing of its own).
+pub async fn write_frame_head<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    header: &ChunkHeader,
+    payload_len: u64,
+) -> Result<(), LinkError> {
+    let header = header.encode();
     w.write_all(MAGIC).await?;
     w.write_all(&(header.len() as u32).to_le_bytes()).await?;
     w.write_all(&header).await?;
-    w.write_all(&(chunk.payload.len() as u64).to_le_bytes())
-        .await?;
-    w.write_all(&chunk.payload).await?;
+    w.write_all(&payload_len.to_le_bytes()).await?;
     Ok(())
 }
 
 /// Reads one framed chunk and verifies it; `None` at a clean end of stream (between chunks).
 pub async fn read_chunk<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<LatentChunk>, LinkError> {
+    let Some((header, payload_len)) = read_frame_head(r).await? else {
+        return Ok(None);
+    };
+    let mut payload = vec![0u8; payload_len as usize];
+    r.read_exact(&mut payload).await?;
+    let chunk = LatentChunk { header, payload };
+    chunk.verify()?;
+    Ok(Some(chunk))
+}
+
+/// Reads a frame's magic, header and payload length (checked against the size limits), leaving
+/// the payload unread; `None` at a clean end of stream.
+pub async fn read_frame_head<R: AsyncRead + Unpin>(
+    r: &mut R,
+) -> Result<Option<(ChunkHeader, u64)>, LinkError> {
     let mut magic = [0u8; 4];
     match r.read_exact(&mut magic).await {
         Ok(_) => {}
@@ -360,11 +393,7 @@ pub async fn read_chunk<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Latent
             "payload of {payload_len} bytes exceeds {MAX_PAYLOAD_BYTES}"
         )));
     }
-    let mut payload = vec![0u8; payload_len as usize];
-    r.read_exact(&mut payload).await?;
-    let chunk = LatentChunk { header, payload };
-    chunk.verify()?;
-    Ok(Some(chunk))
+    Ok(Some((header, payload_len)))
 }
 
 #[cfg(test)]

@@ -22,9 +22,11 @@
 //! (output allocation included, as the decoder pays it), after `--warmup` untimed calls (the first one
 //! compiles kernels and lets cuDNN measure its algorithms), median of `--iters` batches. FLOPs =
 //! 2·C_out·C_in·kt·kh·kw·T·H·W (the bias not counted). Inputs: seeded normals (beyond 16 Mi elements
-//! one block repeated, `ditstream_bench::random_input`), weights scaled by 1/√fan_in. Also printed: `CHECK` (cuDNN vs im2col and
-//! channels-last vs channels-first at full size), `TOTAL` (Σ calls × time over one chunk per path) and
-//! `PLAN` (the algorithm cuDNN chose per shape).
+//! one block repeated, `ditstream_bench::random_input`), weights scaled by 1/√fan_in.
+//!
+//! Also printed: `CHECK` (cuDNN vs im2col, and channels-last vs channels-first, at full size), `TOTAL`
+//! (Σ calls × time over one chunk, per path) and `PLAN` (the algorithm cuDNN chose per shape, and how
+//! long choosing took: `DITSTREAM_CUDNN_SEARCH=heuristic` compares cuDNN's ranking with its measurement).
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -55,6 +57,13 @@ struct Args {
     /// Only these paths (comma-separated: im2col, cudnn, cudnn_prejoined, cudnn_ndhwc).
     #[arg(long, default_value = "im2col,cudnn,cudnn_prejoined,cudnn_ndhwc")]
     paths: String,
+    /// Appended to every path name in the output (e.g. `_heur` for a run with
+    /// DITSTREAM_CUDNN_SEARCH=heuristic).
+    #[arg(long, default_value = "")]
+    tag: String,
+    /// Skip the full-size comparison of the paths (`CHECK` lines).
+    #[arg(long)]
+    no_check: bool,
     /// Print the case list (`CASE` lines, read by bench/conv_torch.py) and exit.
     #[arg(long)]
     list: bool,
@@ -230,17 +239,20 @@ fn main() -> Result<()> {
             conv3d_channels_last(&joined_last, &w_last, Some(&b), [1, 1, 1], padding)
                 .map_err(anyhow::Error::from)
         };
-        // Full-size agreement of the paths (also the first, measuring, cuDNN call of each shape).
-        let reference = causal(ConvAlgo::Im2col)?;
-        let via_cudnn = causal(ConvAlgo::Cudnn)?;
-        let last = ndhwc()?.permute(&[0, 4, 1, 2, 3])?;
-        println!(
-            "CHECK\t{}\tcudnn vs im2col max|diff| {:.3e} rel rms {:.2e}\tndhwc vs cudnn max|diff| {:.3e}",
-            c.name,
-            max_abs_diff(&via_cudnn, &reference)?,
-            rel_rms(&via_cudnn, &reference)?,
-            max_abs_diff(&last, &prejoined()?)?
-        );
+        if !args.no_check {
+            // Full-size agreement of the paths (also the first, measuring, cuDNN call of each shape).
+            let reference = causal(ConvAlgo::Im2col)?;
+            let via_cudnn = causal(ConvAlgo::Cudnn)?;
+            let last = ndhwc()?.permute(&[0, 4, 1, 2, 3])?;
+            println!(
+                "CHECK\t{}\tcudnn vs im2col max|diff| {:.3e} rel rms {:.2e}\tndhwc vs cudnn max|diff| \
+                 {:.3e}",
+                c.name,
+                max_abs_diff(&via_cudnn, &reference)?,
+                rel_rms(&via_cudnn, &reference)?,
+                max_abs_diff(&last, &prejoined()?)?
+            );
+        }
         for (pi, path) in paths.iter().enumerate() {
             let secs = match *path {
                 "im2col" => time(&mut || causal(ConvAlgo::Im2col))?,
@@ -250,7 +262,8 @@ fn main() -> Result<()> {
             };
             totals[pi] += secs * c.calls as f64;
             println!(
-                "RESULT\t{path}\t{}\t{:.4}\t{:.1}",
+                "RESULT\t{path}{}\t{}\t{:.4}\t{:.1}",
+                args.tag,
                 c.name,
                 secs * 1e3,
                 c.flops() / secs / 1e12
@@ -258,10 +271,10 @@ fn main() -> Result<()> {
         }
     }
     for (path, total) in paths.iter().zip(&totals) {
-        println!("TOTAL\t{path}\t{:.3}", total * 1e3);
+        println!("TOTAL\t{path}{}\t{:.3}", args.tag, total * 1e3);
     }
     for plan in cudnn_conv_plans(0)? {
-        println!("PLAN\t{plan}");
+        println!("PLAN{}\t{plan}", args.tag);
     }
     Ok(())
 }

@@ -14,7 +14,9 @@
 //!   run and timed, as torch's `cudnn.benchmark = True` does), with up to [`FIND_WORKSPACE_BYTES`] of
 //!   workspace; the fastest that succeeded is kept. Should Find fail, the heuristic ranking
 //!   (`cudnnGetConvolutionForwardAlgorithm_v7`) picks instead. Find writes the output buffer, which
-//!   the caller is about to overwrite anyway.
+//!   the caller is about to overwrite anyway. Find costs time once per shape (the `PLAN` lines of
+//!   `bench/src/bin/conv.rs` show it), which a first decode pays; `DITSTREAM_CUDNN_SEARCH=heuristic`
+//!   ranks without running instead (µs), `find` (the default) measures.
 //! - Numerics: bf16 data with an f32 compute type (f32 accumulation) and tensor-op maths; f32 data with
 //!   FMA maths only (no TF32), so the f32 path stays as exact as the f32 GEMMs (`gemm.rs`) for parity.
 //! - Sizes: the legacy descriptors take 32-bit dims and strides: [`DnnConvKey::fits`] says whether a
@@ -241,10 +243,38 @@ struct Plan {
     search_ms: f64,
 }
 
+/// How a plan's algorithm is chosen (`DITSTREAM_CUDNN_SEARCH`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Search {
+    /// Run and time every candidate on the call's buffers (`find`, the default).
+    Find,
+    /// cuDNN's heuristic ranking, nothing run (`heuristic`).
+    Heuristic,
+}
+
+impl Search {
+    fn from_env() -> Result<Self> {
+        match std::env::var("DITSTREAM_CUDNN_SEARCH") {
+            Err(_) => Ok(Search::Find),
+            Ok(v) => match v.as_str() {
+                "" | "find" => Ok(Search::Find),
+                "heuristic" => Ok(Search::Heuristic),
+                other => Err(KernelError::arg(
+                    "cudnn",
+                    "DITSTREAM_CUDNN_SEARCH",
+                    other,
+                    "expected `find` (measure each algorithm) or `heuristic` (rank without running)",
+                )),
+            },
+        }
+    }
+}
+
 /// A device's cuDNN handle, plans and workspace; lives in `CudaBackend::dnn` behind a mutex.
 pub(crate) struct Dnn {
     handle: sys::cudnnHandle_t,
     version: usize,
+    search: Search,
     plans: HashMap<DnnConvKey, Plan>,
     workspace: Option<CudaSlice<u8>>,
 }
@@ -295,6 +325,7 @@ fn library_version() -> Result<usize> {
 
 impl Dnn {
     fn new(backend: &CudaBackend) -> Result<Self> {
+        let search = Search::from_env()?;
         let version = library_version()?;
         let unavailable = |call: &str, e: CudnnError| KernelError::CudaUnavailable {
             library: "libcudnn",
@@ -309,6 +340,7 @@ impl Dnn {
         let dnn = Dnn {
             handle,
             version,
+            search,
             plans: HashMap::new(),
             workspace: None,
         };
@@ -330,7 +362,7 @@ impl Dnn {
         (x, w, y): (u64, u64, u64),
     ) -> std::result::Result<&Plan, CallError> {
         if !self.plans.contains_key(key) {
-            let plan = build_plan(self.handle, backend, key, (x, w, y))?;
+            let plan = build_plan(self.handle, self.search, backend, key, (x, w, y))?;
             tracing::debug!(
                 ?key,
                 algo = ?plan.algo,
@@ -349,9 +381,11 @@ impl Dnn {
     }
 }
 
-/// Measures (or, failing that, ranks) the algorithms for `key` and keeps the fastest.
+/// Measures (or, with `Search::Heuristic` or when Find fails, ranks) the algorithms for `key` and keeps
+/// the fastest.
 fn build_plan(
     handle: sys::cudnnHandle_t,
+    search: Search,
     backend: &CudaBackend,
     key: &DnnConvKey,
     (x, w, y): (u64, u64, u64),
@@ -369,35 +403,37 @@ fn build_plan(
     let mut perf: Vec<sys::cudnnConvolutionFwdAlgoPerf_t> =
         vec![unsafe { std::mem::zeroed() }; max_count as usize];
     let mut returned: c_int = 0;
-    // The search's workspace: freed (stream-ordered) when this function returns; none if it cannot be
-    // had, which only narrows the search to algorithms that need none.
-    // SAFETY: handed to cuDNN only, which needs no initial contents.
-    let scratch = unsafe { backend.stream.alloc::<u8>(FIND_WORKSPACE_BYTES) }.ok();
-    let (scratch_ptr, scratch_len) = match &scratch {
-        Some(s) => (s.device_ptr(&backend.stream).0, FIND_WORKSPACE_BYTES),
-        None => (0, 0),
-    };
-    // SAFETY: the descriptors describe the caller's buffers x, w, y (checked shapes); the workspace holds
-    // scratch_len bytes; `perf` holds max_count entries.
-    let found = unsafe {
-        sys::cudnnFindConvolutionForwardAlgorithmEx(
-            handle,
-            desc.x,
-            x as *const c_void,
-            desc.w,
-            w as *const c_void,
-            desc.conv,
-            desc.y,
-            y as *mut c_void,
-            max_count,
-            &mut returned,
-            perf.as_mut_ptr(),
-            scratch_ptr as *mut c_void,
-            scratch_len,
-        )
-    }
-    .result();
-    let how = if found.is_ok() {
+    let found = (search == Search::Find).then(|| {
+        // The search's workspace: freed (stream-ordered) when this closure returns; none if it cannot
+        // be had, which only narrows the search to algorithms that need none.
+        // SAFETY: handed to cuDNN only, which needs no initial contents.
+        let scratch = unsafe { backend.stream.alloc::<u8>(FIND_WORKSPACE_BYTES) }.ok();
+        let (scratch_ptr, scratch_len) = match &scratch {
+            Some(s) => (s.device_ptr(&backend.stream).0, FIND_WORKSPACE_BYTES),
+            None => (0, 0),
+        };
+        // SAFETY: the descriptors describe the caller's buffers x, w, y (checked shapes); the workspace
+        // holds scratch_len bytes; `perf` holds max_count entries.
+        unsafe {
+            sys::cudnnFindConvolutionForwardAlgorithmEx(
+                handle,
+                desc.x,
+                x as *const c_void,
+                desc.w,
+                w as *const c_void,
+                desc.conv,
+                desc.y,
+                y as *mut c_void,
+                max_count,
+                &mut returned,
+                perf.as_mut_ptr(),
+                scratch_ptr as *mut c_void,
+                scratch_len,
+            )
+        }
+        .result()
+    });
+    let how = if let Some(Ok(())) = found {
         "find"
     } else {
         // Ranked without running: the heuristic's order.
@@ -415,18 +451,21 @@ fn build_plan(
             )
         }
         .map_err(call("cudnnGetConvolutionForwardAlgorithm_v7"))?;
-        "heuristic"
+        if found.is_some() {
+            "heuristic (find failed)"
+        } else {
+            "heuristic"
+        }
     };
-    drop(scratch);
     let candidates = &perf[..(returned.max(0) as usize).min(perf.len())];
     // The fastest that ran (both calls return their results fastest first), within the workspace cap.
     let usable = |p: &&sys::cudnnConvolutionFwdAlgoPerf_t| {
         p.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS && p.memory <= FIND_WORKSPACE_BYTES
     };
     let best = candidates.iter().find(usable).ok_or((
-        "cudnnFindConvolutionForwardAlgorithmEx (no algorithm ran)",
+        "algorithm search (no candidate succeeded within the workspace cap)",
         found
-            .err()
+            .and_then(|f| f.err())
             .unwrap_or(CudnnError(sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED)),
     ))?;
     // bf16 runs with the math type cuDNN reported for the algorithm (as NVIDIA advises after Find); f32

@@ -515,7 +515,11 @@ fn with_dnn<T>(backend: &CudaBackend, f: impl FnOnce(&mut Dnn) -> Result<T>) -> 
     match &mut *slot {
         DnnSlot::Ready(dnn) => f(dnn),
         DnnSlot::Unavailable(e) => Err(e.clone()),
-        DnnSlot::Untried => unreachable!("initialised above"),
+        // Set just above; kept as an error rather than a panic.
+        DnnSlot::Untried => Err(KernelError::CudaUnavailable {
+            library: "libcudnn",
+            detail: "not initialised".into(),
+        }),
     }
 }
 

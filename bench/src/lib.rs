@@ -1,5 +1,41 @@
-//! Shared helpers for the benchmark binaries in `bench/src/bin/`: timing statistics and the
-//! NCCL-tests bandwidth conventions, so every driver reports numbers the same way.
+//! Shared helpers for the benchmark binaries in `bench/src/bin/`: timing statistics, the
+//! NCCL-tests bandwidth conventions, and large random inputs, so every driver reports numbers the same way.
+
+use ditstream_kernels::{DType, Device, Tensor};
+
+/// Most seeded normals drawn on the host for one benchmark input (16 Mi; the draw is ~30 ns each).
+const RANDOM_BLOCK: usize = 1 << 24;
+
+/// A tensor of seeded normals on `device`. Up to 16 Mi elements they are `Tensor::randn`'s; a larger
+/// tensor repeats one such block (copied on the device), since drawing ~10⁹ normals on the host would
+/// take longer than the benchmark. Speed does not depend on the values, only on their not being zeros.
+pub fn random_input(
+    shape: &[usize],
+    dtype: DType,
+    seed: u64,
+    device: Device,
+) -> ditstream_kernels::Result<Tensor> {
+    tiled_randn(shape, dtype, seed, device, RANDOM_BLOCK)
+}
+
+/// [`random_input`] with a given block size.
+fn tiled_randn(
+    shape: &[usize],
+    dtype: DType,
+    seed: u64,
+    device: Device,
+    block_len: usize,
+) -> ditstream_kernels::Result<Tensor> {
+    let numel: usize = shape.iter().product();
+    if numel <= block_len {
+        return Tensor::randn(shape, dtype, seed, device);
+    }
+    let block = Tensor::randn(&[block_len], dtype, seed, device)?;
+    let copies = vec![&block; numel.div_ceil(block_len)];
+    Tensor::concat(&copies, 0)?
+        .narrow(0, 0, numel)?
+        .reshape(shape)
+}
 
 /// Median of `samples` (mean of the middle two for an even count); `None` when empty.
 pub fn median(samples: &[f64]) -> Option<f64> {
@@ -51,6 +87,23 @@ mod tests {
         assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), Some(2.5));
         assert_eq!(median(&[]), None);
+    }
+
+    #[test]
+    fn random_inputs_repeat_one_block_beyond_it() -> ditstream_kernels::Result<()> {
+        let small = random_input(&[3, 5], DType::F32, 1, Device::Cpu)?;
+        assert_eq!(
+            small.to_vec_f32()?,
+            Tensor::randn(&[3, 5], DType::F32, 1, Device::Cpu)?.to_vec_f32()?
+        );
+        let (block, n) = (64, 2 * 64 + 7);
+        let big = tiled_randn(&[1, n], DType::BF16, 2, Device::Cpu, block)?;
+        assert_eq!(big.shape(), [1, n]);
+        let v = big.to_vec_f32()?;
+        assert_eq!(v[block..2 * block], v[..block]);
+        assert_eq!(v[2 * block..], v[..7]);
+        assert!(v[..7].iter().any(|&x| x != 0.0));
+        Ok(())
     }
 
     #[test]

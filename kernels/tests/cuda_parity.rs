@@ -19,12 +19,14 @@
 //! - LSE (always f32): it is a max plus a log of a sum of ≤ S_k terms in [0, 1]: atol 1e-4 covers
 //!   S_k·2⁻²⁴ relative error of the sum for S_k up to ~1e3 with margin, plus rtol 1e-5 on |lse|;
 //! - layout ops and casts move stored values: exact;
-//! - convolutions: as `linear` (atol 1e-5 per summed tap), plus, in bf16, the bias added after the
-//!   GEMM's own bf16 rounding (derived at `convolutions_match_cpu`).
+//! - convolutions (both CUDA paths, im2col and cuDNN): as `linear` (atol 1e-5 per summed tap), plus,
+//!   in bf16, the bias added after the sum's own bf16 rounding (derived at `convolutions_match_cpu`).
 
 #![cfg(feature = "cuda")]
 
-use ditstream_kernels::cuda::{AttentionKernel, FLASH_VARIANTS, with_attention_kernel};
+use ditstream_kernels::cuda::{
+    AttentionKernel, ConvAlgo, FLASH_VARIANTS, with_attention_kernel, with_conv_algo,
+};
 use ditstream_kernels::testing::{assert_close, max_abs_diff};
 use ditstream_kernels::{AttentionOptions, DType, Device, Tensor};
 
@@ -619,15 +621,24 @@ fn timing_at_dit_sizes() -> Result<()> {
     Ok(())
 }
 
-/// Convolutions: im2col + cuBLASLt GEMM + bias. The GEMM sums K = C_in·kt·kh·kw products of N(0,1)
-/// values, so the f32 order difference is ≲ K·2⁻²⁴·few, as for `linear`: atol = 1e-5·K. In bf16 the
-/// GPU rounds the GEMM's sum to bf16 before adding the bias and rounds again (the CPU rounds once):
-/// the extra rounding is ≤ 2⁻⁹·|sum| ≤ 2⁻⁹·(|out| + |bias|); the |out| part is inside rtol 1e-2 with
-/// the final rounding (2 · 2⁻⁹ < 1e-2), the |bias| part (|bias| ≲ 4 for N(0,1)) adds 4·2⁻⁹ to atol.
+/// Convolutions, by both CUDA paths (`ConvAlgo::Im2col`: im2col + cuBLASLt GEMM + bias;
+/// `ConvAlgo::Cudnn`: the frame join where needed + cuDNN + bias) and the default (`Auto`).
+///
+/// Tolerance. Either path sums the K = C_in·kt·kh·kw products of N(0,1) values in f32 (the GEMM's or
+/// cuDNN's f32 compute type; f32 data use FMA maths only, no TF32), in some order: the difference from
+/// the CPU's order is ≲ K·2⁻²⁴·few, as for `linear`: atol = 1e-5·K. cuDNN may also pick a transform
+/// algorithm (FFT, Winograd) for f32, whose error is ~1e-6 of the output's size (≲ √K·1e-6 here), well
+/// inside that atol. In bf16 the GPU rounds the sum to bf16 before adding the bias and rounds again (the
+/// CPU rounds once): the extra rounding is ≤ 2⁻⁹·|sum| ≤ 2⁻⁹·(|out| + |bias|); the |out| part is inside
+/// rtol 1e-2 with the final rounding (2 · 2⁻⁹ < 1e-2), the |bias| part (|bias| ≲ 4 for N(0,1)) adds
+/// 4·2⁻⁹ to atol. The frame join copies stored bits (exact).
 #[test]
 fn convolutions_match_cpu() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     use ditstream_kernels as k;
+    // The GPU machine has cuDNN (GPU.md): this suite claims to test that path, so it must load there.
+    let version = ditstream_kernels::cuda::cudnn_version(0)?;
+    println!("cuDNN {version}");
     let atol = |taps: usize, dtype: DType| {
         1e-5 * taps as f32
             + match dtype {
@@ -635,6 +646,11 @@ fn convolutions_match_cpu() -> Result<()> {
                 DType::F32 => 0.0,
             }
     };
+    let paths = [
+        (ConvAlgo::Im2col, "im2col"),
+        (ConvAlgo::Cudnn, "cudnn"),
+        (ConvAlgo::Auto, "auto"),
+    ];
     for dtype in [DType::F32, DType::BF16] {
         // conv3d: (x shape, w shape, stride, padding, bias); batch 2 and odd sizes included.
         for (xs, ws, stride, padding, with_bias) in [
@@ -660,50 +676,53 @@ fn convolutions_match_cpu() -> Result<()> {
             let w = randn(&ws, dtype, 101);
             let b = randn(&[ws[0]], DType::F32, 102);
             let bias = with_bias.then_some(&b);
-            let gb = b.to_device(dev)?;
+            let (gx, gw, gb) = (x.to_device(dev)?, w.to_device(dev)?, b.to_device(dev)?);
             let gbias = with_bias.then_some(&gb);
             let taps = ws[1] * ws[2] * ws[3] * ws[4];
-            check(
-                "conv3d",
-                &k::conv3d(
-                    &x.to_device(dev)?,
-                    &w.to_device(dev)?,
-                    gbias,
-                    stride,
-                    padding,
-                )?,
-                &k::conv3d(&x, &w, bias, stride, padding)?,
-                atol(taps, dtype),
-                rtol(dtype),
-            );
+            let cpu = k::conv3d(&x, &w, bias, stride, padding)?;
+            for (algo, label) in paths {
+                let out = with_conv_algo(algo, || k::conv3d(&gx, &gw, gbias, stride, padding))?;
+                check(
+                    &format!("conv3d {label}"),
+                    &out,
+                    &cpu,
+                    atol(taps, dtype),
+                    rtol(dtype),
+                );
+            }
         }
-        // causal_conv3d: each of the VAE's kernels, without a cache and with 1 and 2 cached frames.
-        for (ws, cached) in [
-            ([6, 4, 3, 3, 3], 0),
-            ([6, 4, 3, 3, 3], 1),
-            ([6, 4, 3, 3, 3], 2),
-            ([8, 4, 3, 1, 1], 2), // upsample3d's time_conv
-            ([5, 4, 1, 1, 1], 0),
-            ([16, 16, 3, 3, 3], 2),
+        // causal_conv3d: each of the VAE's kernels, without a cache and with 1 and 2 cached frames
+        // (cuDNN: joined with 2, 1 and 0 zero frames), one with an odd frame size (the join's 2-byte
+        // words in bf16).
+        for (ws, cached, hw) in [
+            ([6, 4, 3, 3, 3], 0, [6, 10]),
+            ([6, 4, 3, 3, 3], 1, [6, 10]),
+            ([6, 4, 3, 3, 3], 2, [6, 10]),
+            ([8, 4, 3, 1, 1], 2, [6, 10]), // upsample3d's time_conv
+            ([5, 4, 1, 1, 1], 0, [6, 10]),
+            ([16, 16, 3, 3, 3], 2, [6, 10]),
+            ([6, 3, 3, 3, 3], 2, [5, 7]),
         ] {
-            let x = randn(&[1, ws[1], 3, 6, 10], dtype, 110);
+            let x = randn(&[1, ws[1], 3, hw[0], hw[1]], dtype, 110);
             let w = randn(&ws, dtype, 111);
             let b = randn(&[ws[0]], dtype, 112);
-            let cache = (cached > 0).then(|| randn(&[1, ws[1], cached, 6, 10], dtype, 113));
+            let cache = (cached > 0).then(|| randn(&[1, ws[1], cached, hw[0], hw[1]], dtype, 113));
             let gcache = cache.as_ref().map(|c| c.to_device(dev)).transpose()?;
+            let (gx, gw, gb) = (x.to_device(dev)?, w.to_device(dev)?, b.to_device(dev)?);
             let taps = ws[1] * ws[2] * ws[3] * ws[4];
-            check(
-                "causal_conv3d",
-                &k::causal_conv3d(
-                    &x.to_device(dev)?,
-                    &w.to_device(dev)?,
-                    Some(&b.to_device(dev)?),
-                    gcache.as_ref(),
-                )?,
-                &k::causal_conv3d(&x, &w, Some(&b), cache.as_ref())?,
-                atol(taps, dtype),
-                rtol(dtype),
-            );
+            let cpu = k::causal_conv3d(&x, &w, Some(&b), cache.as_ref())?;
+            for (algo, label) in paths {
+                let out = with_conv_algo(algo, || {
+                    k::causal_conv3d(&gx, &gw, Some(&gb), gcache.as_ref())
+                })?;
+                check(
+                    &format!("causal_conv3d {label}"),
+                    &out,
+                    &cpu,
+                    atol(taps, dtype),
+                    rtol(dtype),
+                );
+            }
         }
         // conv2d: the upsamplers' 3×3 stride 1, and stride 2 (the encoder's downsampling).
         for (xs, ws, stride, padding) in [
@@ -714,17 +733,59 @@ fn convolutions_match_cpu() -> Result<()> {
             let x = randn(&xs, dtype, 120);
             let w = randn(&ws, dtype, 121);
             let b = randn(&[ws[0]], DType::F32, 122);
+            let (gx, gw, gb) = (x.to_device(dev)?, w.to_device(dev)?, b.to_device(dev)?);
             let taps = ws[1] * ws[2] * ws[3];
+            let cpu = k::conv2d(&x, &w, Some(&b), stride, padding)?;
+            for (algo, label) in paths {
+                let out = with_conv_algo(algo, || k::conv2d(&gx, &gw, Some(&gb), stride, padding))?;
+                check(
+                    &format!("conv2d {label}"),
+                    &out,
+                    &cpu,
+                    atol(taps, dtype),
+                    rtol(dtype),
+                );
+            }
+        }
+        // Channels-last (cuDNN only): its CPU twin is permute ∘ conv3d ∘ permute. Bias in f32 and in
+        // the data dtype; channel counts that do (8, 16) and do not (3, 5) fill 16-byte words.
+        for (xs, ws, stride, padding, bias_dtype) in [
+            (
+                [1, 3, 6, 10, 8],
+                [16, 3, 3, 3, 8],
+                [1, 1, 1],
+                [1, 1, 1],
+                DType::F32,
+            ),
+            (
+                [2, 3, 5, 7, 3],
+                [5, 3, 3, 3, 3],
+                [1, 2, 2],
+                [0, 1, 1],
+                dtype,
+            ),
+            (
+                [1, 2, 6, 4, 16],
+                [8, 1, 1, 1, 16],
+                [1, 1, 1],
+                [0, 0, 0],
+                dtype,
+            ),
+        ] {
+            let x = randn(&xs, dtype, 125);
+            let w = randn(&ws, dtype, 126);
+            let b = randn(&[ws[0]], bias_dtype, 127);
+            let taps = ws[1] * ws[2] * ws[3] * ws[4];
             check(
-                "conv2d",
-                &k::conv2d(
+                "conv3d_channels_last cudnn",
+                &k::conv3d_channels_last(
                     &x.to_device(dev)?,
                     &w.to_device(dev)?,
                     Some(&b.to_device(dev)?),
                     stride,
                     padding,
                 )?,
-                &k::conv2d(&x, &w, Some(&b), stride, padding)?,
+                &k::conv3d_channels_last(&x, &w, Some(&b), stride, padding)?,
                 atol(taps, dtype),
                 rtol(dtype),
             );
@@ -732,13 +793,17 @@ fn convolutions_match_cpu() -> Result<()> {
         // Mixed dtypes: bf16 activations with f32 weights are promoted to f32, as in `linear`.
         let x = randn(&[1, 3, 2, 5, 4], DType::BF16, 130);
         let w = randn(&[4, 3, 3, 3, 3], DType::F32, 131);
-        check(
-            "conv3d_mixed",
-            &k::causal_conv3d(&x.to_device(dev)?, &w.to_device(dev)?, None, None)?,
-            &k::causal_conv3d(&x, &w, None, None)?,
-            atol(81, DType::F32),
-            rtol(DType::BF16),
-        );
+        let (gx, gw) = (x.to_device(dev)?, w.to_device(dev)?);
+        let cpu = k::causal_conv3d(&x, &w, None, None)?;
+        for (algo, label) in paths {
+            check(
+                &format!("conv3d_mixed {label}"),
+                &with_conv_algo(algo, || k::causal_conv3d(&gx, &gw, None, None))?,
+                &cpu,
+                atol(81, DType::F32),
+                rtol(DType::BF16),
+            );
+        }
         // Resampling moves stored values: exact.
         let x = randn(&[2, 3, 2, 5, 7], dtype, 140);
         let g = x.to_device(dev)?;

@@ -1,11 +1,12 @@
 //! The CUDA backend's device layer (feature `cuda`): one [`CudaBackend`] per GPU ordinal, holding the
-//! context, the one stream every op of that device runs on, the NVRTC-compiled kernels and the cuBLASLt
-//! plans; plus device storage for [`Tensor`](crate::Tensor) and the strided-copy kernel behind the layout
+//! context, the one stream every op of that device runs on, the NVRTC-compiled kernels, the cuBLASLt
+//! plans and the cuDNN convolution plans; plus device storage for [`Tensor`](crate::Tensor) and the strided-copy kernel behind the layout
 //! ops and casts.
 //!
 //! - Libraries load at run time (cudarc `dynamic-loading`). cudarc panics when a library is missing, so
-//!   [`CudaBackend::get`] probes `libcuda` and `libnvrtc` first and `gemm` probes `libcublasLt` before its
-//!   first use: a missing library is [`KernelError::CudaUnavailable`] naming the library.
+//!   [`CudaBackend::get`] probes `libcuda` and `libnvrtc` first, `gemm` probes `libcublasLt` and
+//!   [`cudnn`] `libcudnn` before their first use: a missing library is [`KernelError::CudaUnavailable`]
+//!   naming the library (for cuDNN, convolutions fall back to im2col; see [`ConvAlgo`]).
 //! - One stream per device: every op on `Device::Cuda(n)` is queued on backend `n`'s stream, so ops are
 //!   ordered without events (cudarc's per-buffer event tracking is switched off). Reading a tensor back to
 //!   the host synchronises that stream. [`cuda_stream`] hands the stream out, e.g. to NCCL.
@@ -13,7 +14,9 @@
 //!   as CUBIN on disk (see [`nvrtc`]); modules and functions are cached per backend.
 
 pub mod attention_kernel;
+pub mod conv_algo;
 mod copy;
+pub mod cudnn;
 pub(crate) mod gemm;
 pub mod nvrtc;
 mod storage;
@@ -27,7 +30,9 @@ use cudarc::driver::{
 };
 
 pub use attention_kernel::{AttentionKernel, FLASH_VARIANTS, FlashVariant, with_attention_kernel};
+pub use conv_algo::{AUTO_CONV_ALGO, ConvAlgo, conv_algo, with_conv_algo};
 pub(crate) use copy::{Layout, copy_strided};
+pub use cudnn::{cudnn_conv_plans, cudnn_version};
 pub use nvrtc::{CudaConfig, set_cuda_config};
 pub(crate) use storage::{CudaBuf, CudaStorage};
 
@@ -128,7 +133,7 @@ pub fn uninit_tensor(shape: &[usize], dtype: DType, ordinal: usize) -> Result<Te
     Ok(Tensor::from_cuda(storage, shape))
 }
 
-/// Everything one GPU needs: context, stream, compiled kernels, cuBLASLt plans.
+/// Everything one GPU needs: context, stream, compiled kernels, cuBLASLt and cuDNN plans.
 pub(crate) struct CudaBackend {
     pub ordinal: usize,
     pub ctx: Arc<CudaContext>,
@@ -139,6 +144,8 @@ pub(crate) struct CudaBackend {
     functions: Mutex<HashMap<(&'static str, String), CudaFunction>>,
     /// Created on the first GEMM (probing libcublasLt then).
     pub blas: Mutex<Option<gemm::Blas>>,
+    /// Created on the first cuDNN convolution (probing libcudnn then).
+    pub dnn: Mutex<cudnn::DnnSlot>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -240,6 +247,7 @@ impl CudaBackend {
             modules: Mutex::default(),
             functions: Mutex::default(),
             blas: Mutex::new(None),
+            dnn: Mutex::default(),
         })
     }
 

@@ -1,4 +1,8 @@
-// Convolution as im2col + GEMM (the GEMM is cuBLASLt's, see cuda.rs), and nearest x2 upsampling.
+// Helpers of the two CUDA convolution paths (see cuda.rs), and nearest x2 upsampling.
+//
+// im2col path: im2col + a cuBLASLt GEMM per block of output pixels + conv_bias_scatter.
+// cuDNN path: conv_join_frames (only where a time padding is not symmetric or frames are cached) +
+// cudnnConvolutionForward + conv_bias_add.
 //
 // im2col: for one batch item and a range [p0, p0 + np) of flattened output pixels (t, h, w), writes
 // col[tap][p] = input value under kernel tap (c, dt, dh, dw) for output pixel p, or 0 in the padding.
@@ -8,6 +12,17 @@
 //
 // conv_bias_scatter: the GEMM's [C_out, np] block (+ bias[c_out]) → out[c_out, p0 + p], a row of
 // `p_total` pixels per output channel.
+//
+// conv_join_frames: out [BC, F, plane] = `zeros_front` zero frames, then cache [BC, cached, plane], then
+// x [BC, x_frames, plane], then `zeros_back` zero frames along F, for every (batch, channel) row BC: the
+// one copy that turns a causal conv with cached frames into a plain conv cuDNN can run (it reads one
+// buffer). Bit copies in words of W (16, 4 or 2 bytes, the widest that divides a frame's bytes; the host
+// picks it), so one kernel serves every dtype.
+//
+// conv_bias_add: out[i] += bias[(i / inner) % channels] in place (inner = T·H·W for [B, C, T, H, W],
+// 1 for channels-last). `vec` (chosen on the host) processes 16-byte words of V = 16/sizeof(T) elements
+// that share one channel (inner % V == 0) or hold V consecutive channels (inner == 1, channels % V == 0),
+// so one index division serves V elements.
 
 // Mirrors `ConvGeom` in cuda.rs (all i64: no padding questions).
 struct ConvGeom {
@@ -54,6 +69,61 @@ __device__ void conv_bias_scatter(const T* block, const B* bias, T* out, i64 c_o
         st(out + co * p_total + p0 + p, v);
     }
 }
+
+template <typename W>
+__device__ void conv_join_frames(const W* x, const W* cache, W* out, i64 rows, i64 zeros_front,
+                                 i64 cached, i64 x_frames, i64 zeros_back, i64 plane) {
+    const i64 frames = zeros_front + cached + x_frames + zeros_back;
+    FOR_EACH(i, rows * frames * plane) {
+        i64 p = i % plane, r = i / plane;
+        i64 f = r % frames, row = r / frames;
+        i64 fc = f - zeros_front, fx = fc - cached;
+        W v = W();  // value-initialised: all-zero bits
+        if (fc >= 0 && fc < cached) {
+            v = cache[(row * cached + fc) * plane + p];
+        } else if (fx >= 0 && fx < x_frames) {
+            v = x[(row * x_frames + fx) * plane + p];
+        }
+        out[i] = v;
+    }
+}
+
+#define JOIN(WN, W)                                                                                  \
+    extern "C" __global__ void conv_join_frames_##WN(const W* x, const W* cache, W* out, i64 rows,  \
+                                                     i64 zeros_front, i64 cached, i64 x_frames,     \
+                                                     i64 zeros_back, i64 plane) {                   \
+        conv_join_frames(x, cache, out, rows, zeros_front, cached, x_frames, zeros_back, plane);     \
+    }
+JOIN(w16, uint4)
+JOIN(w4, unsigned int)
+JOIN(w2, unsigned short)
+
+template <typename T, typename B>
+__device__ void conv_bias_add(T* out, const B* bias, i64 channels, i64 inner, i64 n, int vec) {
+    constexpr int V = 16 / sizeof(T);
+    if (vec) {
+        FOR_EACH(wi, n / V) {
+            i64 c0 = (wi * V / inner) % channels;
+            uint4 word = reinterpret_cast<const uint4*>(out)[wi];
+            T* vals = reinterpret_cast<T*>(&word);
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                i64 c = inner == 1 ? c0 + j : c0;
+                st(vals + j, ld(vals + j) + ld(bias + c));
+            }
+            reinterpret_cast<uint4*>(out)[wi] = word;
+        }
+    } else {
+        FOR_EACH(i, n) { st(out + i, ld(out + i) + ld(bias + (i / inner) % channels)); }
+    }
+}
+
+#define BIAS_ADD(TN, T, BN, B)                                                                        \
+    extern "C" __global__ void conv_bias_add_##TN##_##BN(T* out, const B* bias, i64 channels,       \
+                                                         i64 inner, i64 n, int vec) {                \
+        conv_bias_add(out, bias, channels, inner, n, vec);                                           \
+    }
+FOR_TYPES2(BIAS_ADD)
 
 // x [N, H, W] → out [N, 2H, 2W], out[n, i, j] = x[n, i/2, j/2].
 template <typename T>

@@ -1,10 +1,16 @@
-//! CUDA twins of the convolutions and of nearest ×2 upsampling (`conv.cu`).
+//! CUDA twins of the convolutions and of nearest ×2 upsampling (`conv.cu`). A convolution takes one of
+//! two paths, chosen by [`ConvAlgo`] (default `Auto`: [`AUTO_CONV_ALGO`] where it applies):
 //!
-//! A convolution is im2col + one cuBLASLt GEMM per block of output pixels, f32 accumulation:
-//! for batch item b and output pixels [p0, p0 + np) (flattened t, h, w),
-//! col [K = C_in·kt·kh·kw, np] ← im2col; block [C_out, np] = w [C_out, K] · col; then
-//! out[b, :, p0..p0 + np] = block + bias (`conv_bias_scatter`). Blocks are sized so that col holds at
-//! most [`COL_BUDGET`] elements: memory stays bounded whatever the frame size (at 480p the 96-wide
+//! **cuDNN** (`crate::cuda::cudnn`): `cudnnConvolutionForward` on our NCDHW tensors, the algorithm
+//! measured once per shape, then `conv_bias_add` in place. cuDNN pads symmetrically and reads one
+//! input buffer, so a causal conv (time padding kt − 1 in front, none behind) and its cached frames are
+//! first joined into one buffer by one copy (`conv_join_frames`: zero frames, cache, x) and run with no
+//! time padding; a conv with symmetric padding and no cache reads x in place.
+//!
+//! **im2col + cuBLASLt**, f32 accumulation: for batch item b and output pixels [p0, p0 + np)
+//! (flattened t, h, w), col [K = C_in·kt·kh·kw, np] ← im2col; block [C_out, np] = w [C_out, K] · col;
+//! then out[b, :, p0..p0 + np] = block + bias (`conv_bias_scatter`). Blocks are sized so that col holds
+//! at most [`COL_BUDGET`] elements: memory stays bounded whatever the frame size (at 480p the 96-wide
 //! 3×3×3 convs take ~26k pixels per block). A causal conv's cached frames are read in place by im2col
 //! (no concatenated copy of the input). A 1×1×1 conv without padding, stride or cache whose one block
 //! covers the item skips im2col: the input already is col.
@@ -14,15 +20,23 @@
 //! col' with ld np and w's row-major [C_out × K] buffer is w' with ld K: m = np, n = C_out, k = K, no
 //! transposes.
 //!
-//! Operands of different dtypes are promoted to f32 (exact for bf16) and the result cast back to x's
-//! dtype, as `linear` does. In bf16 the GEMM's block is rounded to bf16 before the bias is added (two
-//! roundings where the CPU has one): see the parity tolerances in `kernels/tests/cuda_parity.rs`.
+//! Both paths: operands of different dtypes are promoted to f32 (exact for bf16) and the result cast
+//! back to x's dtype, as `linear` does. In bf16 the convolution's sum is rounded to bf16 before the bias
+//! is added (two roundings where the CPU has one): see the parity tolerances in
+//! `kernels/tests/cuda_parity.rs`.
+//!
+//! [`conv3d_channels_last`] runs cuDNN on channels-last tensors: the measured answer to whether a
+//! channels-last VAE would pay (`bench/src/bin/conv.rs`).
 
 use cudarc::driver::{DeviceRepr, PushKernelArg};
 
 use super::cpu::ConvGeometry;
-use crate::cuda::{CudaBackend, KernelSource, gemm::GemmKey, gemm::gemm, grid_1d, suffix};
-use crate::{DType, Result, Tensor};
+use crate::cuda::cudnn::{self, DnnConvKey, DnnLayout};
+use crate::cuda::{
+    AUTO_CONV_ALGO, ConvAlgo, CudaBackend, CudaStorage, KernelSource, conv_algo, gemm::GemmKey,
+    gemm::gemm, grid_1d, suffix,
+};
+use crate::{DType, KernelError, Result, Tensor};
 
 pub(crate) const SOURCE: KernelSource = KernelSource {
     name: "conv",
@@ -61,6 +75,63 @@ fn common_dtype(x: &Tensor, w: &Tensor) -> DType {
     }
 }
 
+/// The path one call takes: im2col, or cuDNN with its shape and the zero frames to join in front of and
+/// behind the input (cached frames are joined too).
+enum Path {
+    Im2col,
+    Cudnn { key: DnnConvKey, zeros: [usize; 2] },
+}
+
+/// The cuDNN form of `g` in NCDHW: time padding made symmetric by joining the excess as zero frames
+/// (`zeros` [front, back]); `None` where H or W padding is asymmetric (never from the public ops) or a
+/// size exceeds cuDNN's 32-bit descriptors.
+fn cudnn_form(g: &ConvGeometry, dtype: DType) -> Option<(DnnConvKey, [usize; 2])> {
+    if g.pad_front[1..] != g.pad_back[1..] {
+        return None;
+    }
+    let t_pad = g.pad_front[0].min(g.pad_back[0]);
+    let zeros = [g.pad_front[0] - t_pad, g.pad_back[0] - t_pad];
+    let key = DnnConvKey {
+        dtype,
+        layout: DnnLayout::Ncdhw,
+        batch: g.batch,
+        c_in: g.in_channels,
+        c_out: g.out_channels,
+        input: [zeros[0] + g.input[0] + zeros[1], g.input[1], g.input[2]],
+        kernel: g.kernel,
+        stride: g.stride,
+        pad: [t_pad, g.pad_front[1], g.pad_front[2]],
+    };
+    key.fits().then_some((key, zeros))
+}
+
+/// The path for this call under the thread's [`ConvAlgo`].
+fn choose(backend: &CudaBackend, op: &'static str, g: &ConvGeometry, dtype: DType) -> Result<Path> {
+    let form = cudnn_form(g, dtype);
+    let cudnn = |(key, zeros)| Path::Cudnn { key, zeros };
+    match conv_algo() {
+        ConvAlgo::Im2col => Ok(Path::Im2col),
+        ConvAlgo::Cudnn => {
+            let form = form.ok_or_else(|| {
+                KernelError::arg(
+                    op,
+                    "ConvAlgo",
+                    "Cudnn",
+                    "cuDNN needs symmetric H/W padding and fewer than 2³¹ elements per tensor",
+                )
+            })?;
+            cudnn::ensure(backend)?;
+            Ok(cudnn(form))
+        }
+        ConvAlgo::Auto => Ok(match form {
+            Some(form) if AUTO_CONV_ALGO != ConvAlgo::Im2col && cudnn::available(backend) => {
+                cudnn(form)
+            }
+            _ => Path::Im2col,
+        }),
+    }
+}
+
 /// Conv3d on the GPU: `cache` [B, C_in, T_c, H, W] (optional) followed by x [B, C_in, T, H, W] along T
 /// is the input `g` describes (g.input[0] = T_c + T); w [C_out, C_in, kt, kh, kw], bias [C_out] →
 /// [B, C_out, T_out, H_out, W_out] in x's dtype.
@@ -89,9 +160,227 @@ pub(super) fn conv3d(
     let (xc, wc) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?);
     let cache = cache.map(|c| c.to_dtype(dtype)).transpose()?;
     let backend = CudaBackend::get(xc.cuda_storage(op)?.ordinal)?;
+    let out = match choose(&backend, op, g, dtype)? {
+        Path::Im2col => im2col_conv3d(&backend, op, cache.as_ref(), &xc, &wc, bias, g, dtype)?,
+        Path::Cudnn { key, zeros } => cudnn_conv3d(
+            &backend,
+            op,
+            cache.as_ref(),
+            &xc,
+            &wc,
+            bias,
+            g,
+            (&key, zeros),
+        )?,
+    };
+    Tensor::from_cuda(out, &out_shape).to_dtype(x.dtype())
+}
+
+/// The cuDNN path of [`conv3d`] on operands already in `key.dtype` (non-empty output and sum): joins
+/// `zeros[0]` zero frames, the cache, x and `zeros[1]` zero frames when there is anything to join, runs
+/// the convolution `key` and adds the bias; the [B, C_out, T_out, H_out, W_out] result in `key.dtype`.
+#[allow(clippy::too_many_arguments)]
+fn cudnn_conv3d(
+    backend: &CudaBackend,
+    op: &'static str,
+    cache: Option<&Tensor>,
+    xc: &Tensor,
+    wc: &Tensor,
+    bias: Option<&Tensor>,
+    g: &ConvGeometry,
+    (key, zeros): (&DnnConvKey, [usize; 2]),
+) -> Result<CudaStorage> {
+    let cached = cache.map_or(0, |c| c.shape()[2]);
+    let x_ptr = xc.cuda_storage(op)?.ptr();
+    // The joined input (freed, stream-ordered, after the convolution is queued), or x itself.
+    let joined = if cached + zeros[0] + zeros[1] > 0 {
+        let cache_ptr = match cache {
+            Some(c) => c.cuda_storage(op)?.ptr(),
+            None => 0,
+        };
+        let frames = [zeros[0], cached, g.input[0] - cached, zeros[1]];
+        let (rows, plane) = (g.batch * g.in_channels, g.input[1] * g.input[2]);
+        let joined = join_frames(
+            backend, op, key.dtype, x_ptr, cache_ptr, rows, frames, plane,
+        )?;
+        Some(joined)
+    } else {
+        None
+    };
+    let input_ptr = joined.as_ref().map_or(x_ptr, |j| j.ptr());
+    let pixels: usize = g.output().iter().product();
+    let n = g.batch * g.out_channels * pixels;
+    let out = backend.alloc(key.dtype, n)?;
+    let w_ptr = wc.cuda_storage(op)?.ptr();
+    cudnn::conv_forward(backend, op, key, input_ptr, w_ptr, out.ptr())?;
+    if let Some(bias) = bias {
+        bias_add(backend, op, &out, bias, (n, g.out_channels, pixels))?;
+    }
+    Ok(out)
+}
+
+/// Channels-last Conv3d through cuDNN: x [B, T, H, W, C_in], w [C_out, kt, kh, kw, C_in], bias [C_out]
+/// → [B, T_out, H_out, W_out, C_out] in x's dtype; `g` is the geometry in NCDHW terms, with symmetric
+/// padding. Always cuDNN (an error where it cannot be used): there is no im2col twin of this layout.
+pub(super) fn conv3d_channels_last(
+    op: &'static str,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    g: &ConvGeometry,
+) -> Result<Tensor> {
+    let dtype = common_dtype(x, w);
+    let [t_out, h_out, w_out] = g.output();
+    let out_shape = [g.batch, t_out, h_out, w_out, g.out_channels];
+    let numel: usize = out_shape.iter().product();
+    if numel == 0 || g.in_channels * g.kernel.iter().product::<usize>() == 0 {
+        let zeros = Tensor::zeros(&out_shape, x.dtype(), x.device())?;
+        return match bias {
+            Some(b) => crate::add(&zeros, b),
+            None => Ok(zeros),
+        };
+    }
+    let key = DnnConvKey {
+        dtype,
+        layout: DnnLayout::Ndhwc,
+        batch: g.batch,
+        c_in: g.in_channels,
+        c_out: g.out_channels,
+        input: g.input,
+        kernel: g.kernel,
+        stride: g.stride,
+        pad: g.pad_front,
+    };
+    if !key.fits() {
+        return Err(KernelError::arg(
+            op,
+            "size",
+            format!("{:?}", x.shape()),
+            "cuDNN needs fewer than 2³¹ elements per tensor",
+        ));
+    }
+    let (xc, wc) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?);
+    let backend = CudaBackend::get(xc.cuda_storage(op)?.ordinal)?;
+    let out = backend.alloc(dtype, numel)?;
+    cudnn::conv_forward(
+        &backend,
+        op,
+        &key,
+        xc.cuda_storage(op)?.ptr(),
+        wc.cuda_storage(op)?.ptr(),
+        out.ptr(),
+    )?;
+    if let Some(bias) = bias {
+        bias_add(&backend, op, &out, bias, (numel, g.out_channels, 1))?;
+    }
+    Tensor::from_cuda(out, &out_shape).to_dtype(x.dtype())
+}
+
+/// One buffer [rows, F, plane] holding, along F, `frames[0]` zero frames, the `frames[1]` frames of
+/// `cache` [rows, frames[1], plane], the `frames[2]` frames of `x` [rows, frames[2], plane] and
+/// `frames[3]` zero frames (rows = B·C), in `dtype`. One kernel: the copy cuDNN's one-buffer input needs.
+#[allow(clippy::too_many_arguments)]
+fn join_frames(
+    backend: &CudaBackend,
+    op: &'static str,
+    dtype: DType,
+    x_ptr: u64,
+    cache_ptr: u64,
+    rows: usize,
+    frames: [usize; 4],
+    plane: usize,
+) -> Result<CudaStorage> {
+    let total: usize = frames.iter().sum();
+    let out = backend.alloc(dtype, rows * total * plane)?;
+    let plane_bytes = plane * dtype.size_in_bytes();
+    // Frames start at multiples of plane_bytes from 256-byte-aligned buffer starts, so a word size that
+    // divides plane_bytes keeps every word access aligned.
+    let (name, word) = match plane_bytes {
+        b if b % 16 == 0 => ("conv_join_frames_w16", 16),
+        b if b % 4 == 0 => ("conv_join_frames_w4", 4),
+        _ => ("conv_join_frames_w2", 2),
+    };
+    let plane_words = (plane_bytes / word) as i64;
+    let n = rows * total * plane_bytes / word;
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = backend.function(&SOURCE, name)?;
+    let out_ptr = out.ptr();
+    let [zf, cached, x_frames, zb] = frames.map(|v| v as i64);
+    let rows_i = rows as i64;
+    let mut launch = backend.stream.launch_builder(&f);
+    launch
+        .arg(&x_ptr)
+        .arg(&cache_ptr)
+        .arg(&out_ptr)
+        .arg(&rows_i)
+        .arg(&zf)
+        .arg(&cached)
+        .arg(&x_frames)
+        .arg(&zb)
+        .arg(&plane_words);
+    // SAFETY: x holds rows·x_frames·plane elements and cache rows·cached·plane (read only when cached > 0),
+    // out rows·total·plane; the word size divides plane's bytes and every buffer start is aligned.
+    unsafe { launch.launch(grid_1d(n)) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    Ok(out)
+}
+
+/// out[i] += bias[(i / inner) % channels] for i < n, in place (`out` a fresh, aligned buffer of ≥ n
+/// elements).
+fn bias_add(
+    backend: &CudaBackend,
+    op: &'static str,
+    out: &CudaStorage,
+    bias: &Tensor,
+    (n, channels, inner): (usize, usize, usize),
+) -> Result<()> {
+    let dtype = out.dtype();
+    if n == 0 {
+        return Ok(());
+    }
+    let name = format!("conv_bias_add_{}_{}", suffix(dtype), suffix(bias.dtype()));
+    let f = backend.function(&SOURCE, &name)?;
+    // 16-byte words of V elements when every word's elements share a channel or are V consecutive ones.
+    let per_word = 16 / dtype.size_in_bytes();
+    let vec = n.is_multiple_of(per_word)
+        && (inner.is_multiple_of(per_word) || (inner == 1 && channels.is_multiple_of(per_word)));
+    let (out_ptr, bias_ptr) = (out.ptr(), bias.cuda_storage(op)?.ptr());
+    let (c, inner_i, n_i, vec_i) = (channels as i64, inner as i64, n as i64, i32::from(vec));
+    let mut launch = backend.stream.launch_builder(&f);
+    launch
+        .arg(&out_ptr)
+        .arg(&bias_ptr)
+        .arg(&c)
+        .arg(&inner_i)
+        .arg(&n_i)
+        .arg(&vec_i);
+    let threads = if vec { n / per_word } else { n };
+    // SAFETY: out holds n elements of dtype starting 256-byte aligned; bias holds `channels` elements.
+    unsafe { launch.launch(grid_1d(threads)) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    Ok(())
+}
+
+/// The im2col path of [`conv3d`] on operands already in `dtype` (non-empty output and sum): the
+/// [B, C_out, T_out, H_out, W_out] result in `dtype`.
+#[allow(clippy::too_many_arguments)]
+fn im2col_conv3d(
+    backend: &CudaBackend,
+    op: &'static str,
+    cache: Option<&Tensor>,
+    xc: &Tensor,
+    wc: &Tensor,
+    bias: Option<&Tensor>,
+    g: &ConvGeometry,
+    dtype: DType,
+) -> Result<CudaStorage> {
+    let [t_out, h_out, w_out] = g.output();
+    let pixels = t_out * h_out * w_out;
+    let [kt, kh, kw] = g.kernel;
+    let taps = g.in_channels * kt * kh * kw;
     let out = backend.alloc(dtype, g.batch * g.out_channels * pixels)?;
 
-    let cached = cache.as_ref().map_or(0, |c| c.shape()[2]);
+    let cached = cache.map_or(0, |c| c.shape()[2]);
     let geom = ConvGeom {
         c_in: g.in_channels as i64,
         cached: cached as i64,
@@ -135,7 +424,7 @@ pub(super) fn conv3d(
         out.ptr(),
         partial.ptr(),
     );
-    let cache_ptr = match &cache {
+    let cache_ptr = match cache {
         Some(c) => c.cuda_storage(op)?.ptr(),
         None => 0,
     };
@@ -182,7 +471,7 @@ pub(super) fn conv3d(
                 stride_d: 0,
                 bias: false,
             };
-            gemm(&backend, op, key, col_ptr, w_ptr, partial_ptr, None)?;
+            gemm(backend, op, key, col_ptr, w_ptr, partial_ptr, None)?;
             let out_b = out_ptr + b * out_item;
             let mut launch = backend.stream.launch_builder(&scatter);
             launch
@@ -200,7 +489,7 @@ pub(super) fn conv3d(
                 .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
         }
     }
-    Tensor::from_cuda(out, &out_shape).to_dtype(x.dtype())
+    Ok(out)
 }
 
 /// x [.., H, W] → [.., 2H, 2W] (`n` images of h × w), x's dtype.

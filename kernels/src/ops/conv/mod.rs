@@ -1,6 +1,10 @@
 //! Convolutions and resampling for the VAE (and the DiT's patch embedding): general Conv3d, Wan's causal
 //! Conv3d with its cached previous frames, Conv2d, nearest ×2 upsampling, and the upsample3d step that
-//! turns time_conv's doubled channels into doubled frames.
+//! turns time_conv's doubled channels into doubled frames; plus a channels-last Conv3d, which measures
+//! whether that layout would pay on a GPU (see [`conv3d_channels_last`]).
+//!
+//! On CUDA a convolution runs through cuDNN or im2col + cuBLASLt (`cuda.rs`; the choice is
+//! `ditstream_kernels::cuda::ConvAlgo`).
 
 pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
@@ -14,12 +18,13 @@ use super::{dims, expect_rank, same_device};
 use crate::{Device, KernelError, Result, Tensor};
 use cpu::ConvGeometry;
 
-/// Checks an input of shape `xs` = [B, C_in, T, H, W] against w [C_out, C_in, kt, kh, kw] and
-/// bias [C_out] and returns the geometry with the given stride and (front, back) padding per axis.
+/// Checks an input of shape `xs` = [B, C_in, T, H, W] against a filter of shape `ws` =
+/// [C_out, C_in, kt, kh, kw] and bias [C_out] and returns the geometry with the given stride and
+/// (front, back) padding per axis.
 fn geometry(
     op: &'static str,
     xs: &[usize],
-    w: &Tensor,
+    ws: &[usize],
     bias: Option<&Tensor>,
     stride: [usize; 3],
     pad_front: [usize; 3],
@@ -32,8 +37,13 @@ fn geometry(
             &[xs],
         ));
     }
-    expect_rank(op, "w [C_out, C_in, kt, kh, kw]", w, 5)?;
-    let ws = w.shape();
+    if ws.len() != 5 {
+        return Err(KernelError::shape(
+            op,
+            "expected rank 5: w [C_out, C_in, kt, kh, kw]",
+            &[ws],
+        ));
+    }
     let bias_ok = bias.is_none_or(|b| b.shape() == [ws[0]]);
     if ws[1] != xs[1] || !bias_ok {
         let mut shapes = vec![xs, ws];
@@ -124,8 +134,58 @@ pub fn conv3d(
     stride: [usize; 3],
     padding: [usize; 3],
 ) -> Result<Tensor> {
-    let geometry = geometry("conv3d", x.shape(), w, bias, stride, padding, padding)?;
+    let geometry = geometry(
+        "conv3d",
+        x.shape(),
+        w.shape(),
+        bias,
+        stride,
+        padding,
+        padding,
+    )?;
     run("conv3d", None, x, w, bias, &geometry)
+}
+
+/// [`conv3d`] on channels-last tensors: x [B, T, H, W, C_in], w [C_out, kt, kh, kw, C_in], bias
+/// [C_out] → [B, T_out, H_out, W_out, C_out] in x's dtype, with the sizes, stride and symmetric padding
+/// of [`conv3d`]. By definition it equals permuting x and w to channels-first, [`conv3d`], and permuting
+/// the result back, which is what the CPU does. On CUDA it is cuDNN with channels-last descriptors (an
+/// error where cuDNN cannot be used): the measurement of whether a channels-last VAE would pay
+/// (`bench/src/bin/conv.rs`); the models keep channels-first tensors.
+pub fn conv3d_channels_last(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    stride: [usize; 3],
+    padding: [usize; 3],
+) -> Result<Tensor> {
+    const OP: &str = "conv3d_channels_last";
+    let xs = dims::<5>(OP, "x [B, T, H, W, C_in]", x)?;
+    let ws = dims::<5>(OP, "w [C_out, kt, kh, kw, C_in]", w)?;
+    let first = |[n, t, h, w, c]: [usize; 5]| [n, c, t, h, w];
+    let geometry = geometry(OP, &first(xs), &first(ws), bias, stride, padding, padding)?;
+    let mut operands = vec![x, w];
+    operands.extend(bias);
+    match same_device(OP, &operands)? {
+        Device::Cpu => {
+            let to_first = [0, 4, 1, 2, 3];
+            let out = conv3d(
+                &x.permute(&to_first)?,
+                &w.permute(&to_first)?,
+                bias,
+                stride,
+                padding,
+            )?;
+            out.permute(&[0, 2, 3, 4, 1])
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::conv3d_channels_last(OP, x, w, bias, &geometry),
+        #[cfg(not(feature = "cuda"))]
+        device @ Device::Cuda(_) => {
+            let _ = geometry;
+            unsupported(OP, device)
+        }
+    }
 }
 
 /// Wan's causal Conv3d (diffusers `WanCausalConv3d`, stride 1, padding p = k/2 per axis for odd kernels:
@@ -189,7 +249,7 @@ pub fn causal_conv3d(
     let geometry = geometry(
         OP,
         &input_shape,
-        w,
+        w.shape(),
         bias,
         [1, 1, 1],
         [front_frames - cached_frames, p_h, p_w],
@@ -220,7 +280,7 @@ pub fn conv2d(
     let geometry = geometry(
         OP,
         x3.shape(),
-        &w3,
+        w3.shape(),
         bias,
         [1, stride[0], stride[1]],
         pad,

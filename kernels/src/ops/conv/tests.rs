@@ -169,6 +169,30 @@ fn causal_conv3d_with_cache_equals_full_sequence() -> Result<()> {
 }
 
 #[test]
+fn conv3d_channels_last_matches_naive() -> Result<()> {
+    // x [B, T, H, W, C] and w [C_out, kt, kh, kw, C_in]: the naive loop runs on the channels-first
+    // copies, and its output is read back channels-last.
+    let x = randn(&[2, 4, 5, 6, 3], 30);
+    let w = randn(&[4, 3, 3, 3, 3], 31);
+    let bias = randn(&[4], 32);
+    let (stride, padding) = ([1, 2, 1], [1, 1, 0]);
+    let out = conv3d_channels_last(&x, &w, Some(&bias), stride, padding)?;
+    let first = [0, 4, 1, 2, 3];
+    let (padded, dims) = pad(&x.permute(&first)?, padding, padding)?;
+    let (expect, shape) =
+        naive_valid_conv3d((&padded, dims), &w.permute(&first)?, Some(&bias), stride)?;
+    assert_eq!(
+        out.shape(),
+        [shape[0], shape[2], shape[3], shape[4], shape[1]]
+    );
+    let expect = Tensor::from_vec(expect, &shape)?.permute(&[0, 2, 3, 4, 1])?;
+    assert_close(&out, &expect, ATOL, 0.0);
+    // Channel counts of x and w must agree (C_in is the last axis of both).
+    assert!(conv3d_channels_last(&x, &randn(&[4, 3, 3, 3, 2], 33), None, stride, padding).is_err());
+    Ok(())
+}
+
+#[test]
 fn conv2d_matches_naive() -> Result<()> {
     for (stride, padding) in [([1, 1], [1, 1]), ([2, 2], [1, 1]), ([1, 1], [0, 0])] {
         let x = randn(&[3, 4, 7, 6], 60);

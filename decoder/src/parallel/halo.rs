@@ -34,7 +34,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use ditstream_common::collectives::CollectiveError;
 use ditstream_common::config::VaeSplitDim;
-use ditstream_kernels::{AttentionOptions, Tensor, attention, conv3d};
+use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, conv3d};
 
 use super::shard::Shard;
 use super::wire::{self, TensorWire};
@@ -97,7 +97,7 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
         let input = if front > 0 {
             let mut shape = haloed.shape().to_vec();
             shape[2] = front;
-            let zeros = Tensor::zeros(&shape, haloed.dtype(), haloed.device())?;
+            let zeros = zeros(&shape, haloed.dtype(), haloed.device())?;
             Tensor::concat(&[&zeros, &haloed], 2)?
         } else {
             haloed
@@ -153,10 +153,51 @@ fn exchange_halo<C: TensorWire>(
             from_next = Some(rows);
         }
     }
-    let zeros = || Tensor::zeros(&edge_shape, x.dtype(), x.device());
-    let from_prev = from_prev.map_or_else(zeros, Ok)?;
-    let from_next = from_next.map_or_else(zeros, Ok)?;
+    let border = || zeros(&edge_shape, x.dtype(), x.device());
+    let from_prev = from_prev.map_or_else(border, Ok)?;
+    let from_next = from_next.map_or_else(border, Ok)?;
     Ok(Tensor::concat(&[&from_prev, x, &from_next], axis)?)
+}
+
+/// Zeros of `shape` on `device`, filled there. `Tensor::zeros` builds them on the host and uploads them
+/// (a pageable copy per call); a border rank needs a zero halo at every conv of every chunk, where
+/// that upload would cost more than the neighbour's halo does.
+fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => device_zeros(shape, dtype, ordinal),
+        _ => Ok(Tensor::zeros(shape, dtype, device)?),
+    }
+}
+
+/// A fresh device tensor cleared by a stream-ordered memset on the kernels' stream (the stream its
+/// allocation and every later reader are on).
+#[cfg(feature = "cuda")]
+fn device_zeros(shape: &[usize], dtype: DType, ordinal: usize) -> Result<Tensor> {
+    use ditstream_kernels::KernelError;
+    use ditstream_kernels::cuda::{cuda_stream, tensor_device_ptr, uninit_tensor};
+    let t = uninit_tensor(shape, dtype, ordinal)?;
+    let bytes = t.numel() * dtype.size_in_bytes();
+    if bytes == 0 {
+        return Ok(t);
+    }
+    let stream = cuda_stream(ordinal)?;
+    let ptr = tensor_device_ptr(&t)?;
+    // SAFETY: `ptr` is the start of `t`'s fresh storage (uninit_tensor: allocated, not yet read or
+    // written) of at least `bytes` bytes on this GPU, and `t` outlives the view. Writing into such a
+    // tensor before anything reads it is what `uninit_tensor` is for. The view is leaked, never freed
+    // (the tensor owns the storage); the backend's context has event tracking off, so the view records
+    // no events.
+    let mut view = unsafe { stream.upgrade_device_ptr::<u8>(ptr, bytes) };
+    let cleared = stream.memset_zeros(&mut view);
+    let _ = view.leak();
+    cleared.map_err(|e| KernelError::Cuda {
+        op: "parallel VAE halo",
+        call: "cuMemsetD8Async",
+        device: Device::Cuda(ordinal),
+        detail: format!("{e:?}"),
+    })?;
+    Ok(t)
 }
 
 /// Sends `edge` to group rank `peer` and returns the same-shaped rows `peer` sends back (edge's

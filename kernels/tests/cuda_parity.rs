@@ -825,3 +825,131 @@ fn convolutions_match_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+// ---- Wide attention heads (head dim 256–512: the Wan VAE's mid-block attention is one head of 384
+// over a frame's 6,240 (480p) or 14,400 (720p) tokens). Both CUDA kernels against the CPU twin.
+
+/// Relative RMS error ‖gpu − cpu‖ / ‖cpu‖.
+fn attention_rel_rms(gpu: &Tensor, cpu: &Tensor) -> Result<f64> {
+    let (g, c) = (gpu.to_vec_f32()?, cpu.to_vec_f32()?);
+    let err: f64 = g
+        .iter()
+        .zip(&c)
+        .map(|(a, b)| f64::from(a - b).powi(2))
+        .sum();
+    let norm: f64 = c.iter().map(|b| f64::from(*b).powi(2)).sum();
+    Ok(if norm > 0.0 {
+        (err / norm).sqrt()
+    } else {
+        err.sqrt()
+    })
+}
+
+/// max over tokens of ‖x_token,head‖₂ for x [B, S, H, D].
+fn max_token_norm(x: &Tensor) -> Result<f32> {
+    let d = x.shape()[3];
+    Ok(x.to_vec_f32()?
+        .chunks_exact(d)
+        .map(|row| row.iter().map(|v| v * v).sum::<f32>().sqrt())
+        .fold(0.0, f32::max))
+}
+
+/// Head dims 256, 320, 384 and 512, every kernel that takes them, against the CPU twin on the same
+/// stored inputs; the first case is the VAE's 480p frame (1 × 6,240 tokens × one head of 384).
+///
+/// Tolerances (u = 2⁻²⁴, f32 unit roundoff; inputs N(0,1)):
+/// - **Portable kernel** (f32 maths like the CPU, other summation order). A score s = scale·q·k is a
+///   D-term f32 dot product: |δs| ≤ D·u·scale·Σ|q_i k_i| ≤ D·u·scale·‖q‖·‖k‖ (Cauchy–Schwarz; the max
+///   row norms are measured). A score error δ changes each softmax weight by a factor e^{±2δ}, so out,
+///   a convex combination of v rows, moves by ≤ 2δ·max|v|; the P·V sum of S_k terms adds
+///   ≤ S_k·u·max|v|. Per element: atol = (2·δs_max + S_k·u)·max|v| (worst case, all errors aligned),
+///   rtol = one stored ulp (`rtol(dtype)`). LSE = m + ln l: atol = δs_max + S_k·u, rtol 1e-5.
+///   Those worst cases are loose at 6,240 keys (they allow ~1e-3 on outputs of ~2e-2), so a second
+///   check bounds the relative RMS error: f32 1e-4 (random-order errors are ~√n·u ≈ 1e-6 relative),
+///   bf16 1e-2 (the one bf16 rounding of out on each side, u_bf16 = 2⁻⁸, rarely differs).
+/// - **Tensor-core kernel** (bf16 only): as `flash_attention_matches_cpu`: P rounded to bf16 before
+///   P·V gives atol = 2⁻⁸·max|v| and relative RMS ≤ 1e-2; its LSE has the portable kernel's bound.
+///   Each output slice's block recomputes the same scores, so the slices must agree as one head does:
+///   a slice mapped to the wrong columns or head fails the RMS check by O(1).
+#[test]
+fn wide_head_attention_matches_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    let u = 2f32.powi(-24);
+    // (B, S_q, S_k, H, D, kv_len)
+    let cases = [
+        (1, 6240, 6240, 1, 384, None),
+        (2, 130, 300, 2, 384, Some(77)),
+        (1, 64, 128, 1, 384, Some(0)),
+        (1, 200, 257, 3, 256, Some(129)),
+        (1, 129, 1000, 1, 512, None),
+        (1, 70, 90, 1, 320, None),
+    ];
+    for (ci, &(batch, seq_q, seq_k, heads, head_dim, kv_len)) in cases.iter().enumerate() {
+        for dtype in [DType::F32, DType::BF16] {
+            let seed = 200 + 3 * ci as u64;
+            let q = randn(&[batch, seq_q, heads, head_dim], dtype, seed);
+            let kk = randn(&[batch, seq_k, heads, head_dim], dtype, seed + 1);
+            let v = randn(&[batch, seq_k, heads, head_dim], dtype, seed + 2);
+            let opts = AttentionOptions {
+                scale: None,
+                kv_len,
+            };
+            let scale = 1.0 / (head_dim as f32).sqrt();
+            let (out, lse) = k::attention(&q, &kk, &v, opts)?;
+            let max_v = v.to_vec_f32()?.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+            let ds = head_dim as f32 * u * scale * max_token_norm(&q)? * max_token_norm(&kk)?;
+            let lse_atol = ds + seq_k as f32 * u;
+            let (gq, gk, gv) = (q.to_device(dev)?, kk.to_device(dev)?, v.to_device(dev)?);
+            let shape = format!("{:?}", out.shape());
+
+            let mut choices = vec![(AttentionKernel::Portable, "portable".to_string())];
+            if dtype == DType::BF16 {
+                choices.extend(
+                    FLASH_VARIANTS
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, var)| var.head_dim == head_dim)
+                        .map(|(i, var)| (AttentionKernel::Flash(i), var.name.to_string())),
+                );
+                choices.push((AttentionKernel::Auto, "auto".to_string()));
+            }
+            for (choice, label) in choices {
+                let portable = choice == AttentionKernel::Portable
+                    || (choice == AttentionKernel::Auto && ![256, 384, 512].contains(&head_dim));
+                let (atol, rms_bound) = if portable {
+                    let rms = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
+                    ((2.0 * ds + seq_k as f32 * u) * max_v, rms)
+                } else {
+                    (max_v / 256.0, 1e-2)
+                };
+                let (gout, glse) =
+                    with_attention_kernel(choice, || k::attention(&gq, &gk, &gv, opts))?;
+                check(
+                    &format!("wide_attention_out {label}"),
+                    &gout,
+                    &out,
+                    atol,
+                    rtol(dtype),
+                );
+                let rel = attention_rel_rms(&gout.to_device(Device::Cpu)?, &out)?;
+                println!(
+                    "PARITY\twide_attention_rel_rms {label}\t{}\t{shape}\t{rel:.3e}\tbound {rms_bound:.0e}",
+                    name(dtype)
+                );
+                assert!(
+                    rel <= rms_bound,
+                    "{label} {shape} {dtype:?}: relative RMS error {rel:.3e} > {rms_bound:.0e}"
+                );
+                check(
+                    &format!("wide_attention_lse {label}"),
+                    &glse,
+                    &lse,
+                    lse_atol,
+                    1e-5,
+                );
+            }
+        }
+    }
+    Ok(())
+}

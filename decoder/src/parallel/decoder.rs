@@ -10,7 +10,7 @@
 //!
 //! **Failure inside a step that communicates** (a peer died, timed out, a kernel failed half-way):
 //! the rank drops its communicator, which fails the same step on every peer at once (the
-//! [`Communicator`] contract), and the decoder is unusable afterwards ([`ParallelVaeError::Broken`]).
+//! [`Communicator`](ditstream_common::collectives::Communicator) contract), and the decoder is unusable afterwards ([`ParallelVaeError::Broken`]).
 //! Never a hang: the worst case is the communicator's timeout.
 //!
 //! **Gather to rank 0 only.** Each other rank sends its band with one point-to-point `send_recv`
@@ -21,13 +21,13 @@
 use std::borrow::{Borrow, BorrowMut};
 use std::sync::{Arc, Mutex};
 
-use ditstream_common::collectives::{Communicator, Pending};
 use ditstream_common::config::VaeSplitDim;
 use ditstream_kernels::Tensor;
 
 use super::error::{ParallelVaeError, Result};
 use super::halo::HaloOps;
 use super::shard::Shard;
+use super::wire::{self, TensorWire};
 use crate::vae::{DecodeStream, VaeError, WanVaeDecoder};
 
 /// One rank of a parallel-VAE instance of `comm.size()` ranks (`parallel_vae_size`): the shared
@@ -80,7 +80,7 @@ impl ParallelDecodeStream {
     }
 }
 
-impl<C: Communicator + Send> ParallelVaeDecoder<C> {
+impl<C: TensorWire + Send> ParallelVaeDecoder<C> {
     /// The rank `comm.rank()` of an instance of `comm.size()` ranks, splitting latents along
     /// `split_dim`. The decoder is shared (weights are read-only while decoding).
     pub fn new(decoder: Arc<WanVaeDecoder>, comm: C, split_dim: VaeSplitDim) -> Self {
@@ -110,7 +110,7 @@ impl<C: Communicator + Send> ParallelVaeDecoder<C> {
     }
 
     /// Hands the communicator back, or `None` if a failure dropped it. Dropping a communicator
-    /// fails whatever its group still has in flight (the [`Communicator`] contract; the thread
+    /// fails whatever its group still has in flight (the [`Communicator`](ditstream_common::collectives::Communicator) contract; the thread
     /// backend treats it as this rank leaving), so a rank that finishes early must not drop it while
     /// a peer may still be gathering: end with a barrier on it, or keep it.
     pub fn into_communicator(self) -> Option<C> {
@@ -206,23 +206,22 @@ impl<C: Communicator + Send> ParallelVaeDecoder<C> {
         let rank = self.rank;
         self.communicate(|comm| {
             let comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+            // One-way transfers in the frames' dtype, device to device under NCCL (`wire`).
             if rank != 0 {
-                let send = comm.upload(&frames.to_vec_f32()?)?;
-                let mut nothing = comm.alloc::<f32>(0)?;
-                comm.send_recv(send.borrow(), 0, nothing.borrow_mut(), 0)?
-                    .wait()?;
+                wire::send(&*comm, frames, 0)?;
                 return Ok(None);
             }
-            let empty = comm.alloc::<f32>(0)?;
             let mut bands = vec![frames.clone()];
             for peer in 1..shard.size() {
                 let mut band_shape = shape.to_vec();
                 band_shape[axis] = shard.band_len(peer, scale);
-                let mut recv = comm.alloc::<f32>(band_shape.iter().product())?;
-                comm.send_recv(empty.borrow(), peer, recv.borrow_mut(), peer)?
-                    .wait()?;
-                let band = Tensor::from_vec(comm.download(recv.borrow())?, &band_shape)?;
-                bands.push(band.to_dtype(frames.dtype())?);
+                bands.push(wire::recv(
+                    &*comm,
+                    &band_shape,
+                    frames.dtype(),
+                    frames.device(),
+                    peer,
+                )?);
             }
             Ok(Some(Tensor::concat(
                 &bands.iter().collect::<Vec<_>>(),

@@ -25,17 +25,19 @@
 //! attends its local queries over all keys. Every rank needs every key, so this is an all-gather,
 //! not a halo; at 720p it moves 2 · 14,400 tokens × C per frame, small next to the convolutions.
 //!
-//! Buffers go through the communicator's `upload`/`download`, so a device backend works unchanged
-//! (staging through the host until the decoder's tensors live on the GPU).
+//! **Transfers** go through [`TensorWire`](super::wire::TensorWire) in the tensors' own dtype: with
+//! NCCL and the decoder on the rank's GPU, halo rows and keys/values move device to device (NCCL reads
+//! the edge rows' storage and writes a fresh device tensor; no host copy, no host sync beyond the
+//! collective's own completion); with the thread backend they are host copies.
 
-use std::borrow::{Borrow, BorrowMut};
 use std::sync::{Mutex, MutexGuard};
 
-use ditstream_common::collectives::{CollectiveError, Communicator, Pending};
+use ditstream_common::collectives::CollectiveError;
 use ditstream_common::config::VaeSplitDim;
-use ditstream_kernels::{AttentionOptions, Tensor, attention, conv3d};
+use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, conv3d};
 
 use super::shard::Shard;
+use super::wire::{self, TensorWire};
 use crate::vae::{Result, SpatialOps, Unsharded, VaeError};
 
 /// The neighbourhood operations of one rank of a parallel-VAE instance, for one request's
@@ -46,7 +48,7 @@ pub struct HaloOps<'a, C> {
     shard: Shard,
 }
 
-impl<'a, C: Communicator> HaloOps<'a, C> {
+impl<'a, C: TensorWire> HaloOps<'a, C> {
     /// The ops of `shard`'s rank; `comm` is the instance's communicator (group rank = shard rank).
     pub fn new(comm: &'a Mutex<C>, shard: Shard) -> Self {
         HaloOps { comm, shard }
@@ -61,7 +63,7 @@ impl<'a, C: Communicator> HaloOps<'a, C> {
     }
 }
 
-impl<C: Communicator + Send> SpatialOps for HaloOps<'_, C> {
+impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
     /// See the trait; x and cache hold this rank's band, and so does the output.
     fn causal_conv3d(
         &self,
@@ -95,7 +97,7 @@ impl<C: Communicator + Send> SpatialOps for HaloOps<'_, C> {
         let input = if front > 0 {
             let mut shape = haloed.shape().to_vec();
             shape[2] = front;
-            let zeros = Tensor::zeros(&shape, haloed.dtype(), haloed.device())?;
+            let zeros = zeros(&shape, haloed.dtype(), haloed.device())?;
             Tensor::concat(&[&zeros, &haloed], 2)?
         } else {
             haloed
@@ -121,7 +123,7 @@ impl<C: Communicator + Send> SpatialOps for HaloOps<'_, C> {
 
 /// x [B, C, T, H, W] (this rank's band along the shard's axis) → x with `halo` rows of each
 /// neighbour's band before and after it along that axis (zeros where there is no neighbour).
-fn exchange_halo<C: Communicator>(
+fn exchange_halo<C: TensorWire>(
     comm: &C,
     shard: &Shard,
     x: &Tensor,
@@ -151,25 +153,62 @@ fn exchange_halo<C: Communicator>(
             from_next = Some(rows);
         }
     }
-    let zeros = || Tensor::zeros(&edge_shape, x.dtype(), x.device());
-    let from_prev = from_prev.map_or_else(zeros, Ok)?;
-    let from_next = from_next.map_or_else(zeros, Ok)?;
+    let border = || zeros(&edge_shape, x.dtype(), x.device());
+    let from_prev = from_prev.map_or_else(border, Ok)?;
+    let from_next = from_next.map_or_else(border, Ok)?;
     Ok(Tensor::concat(&[&from_prev, x, &from_next], axis)?)
 }
 
-/// Sends `edge` to group rank `peer` and returns the same-shaped rows `peer` sends back.
-fn swap<C: Communicator>(comm: &C, peer: usize, edge: &Tensor) -> Result<Tensor> {
-    let send = comm.upload(&edge.to_vec_f32()?)?;
-    let mut recv = comm.alloc::<f32>(edge.numel())?;
-    comm.send_recv(send.borrow(), peer, recv.borrow_mut(), peer)?
-        .wait()?;
-    let rows = Tensor::from_vec(comm.download(recv.borrow())?, edge.shape())?;
-    Ok(rows.to_dtype(edge.dtype())?)
+/// Zeros of `shape` on `device`, filled there. `Tensor::zeros` builds them on the host and uploads them
+/// (a pageable copy per call); a border rank needs a zero halo at every conv of every chunk, where
+/// that upload would cost more than the neighbour's halo does.
+fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => device_zeros(shape, dtype, ordinal),
+        _ => Ok(Tensor::zeros(shape, dtype, device)?),
+    }
+}
+
+/// A fresh device tensor cleared by a stream-ordered memset on the kernels' stream (the stream its
+/// allocation and every later reader are on).
+#[cfg(feature = "cuda")]
+fn device_zeros(shape: &[usize], dtype: DType, ordinal: usize) -> Result<Tensor> {
+    use ditstream_kernels::KernelError;
+    use ditstream_kernels::cuda::{cuda_stream, tensor_device_ptr, uninit_tensor};
+    let t = uninit_tensor(shape, dtype, ordinal)?;
+    let bytes = t.numel() * dtype.size_in_bytes();
+    if bytes == 0 {
+        return Ok(t);
+    }
+    let stream = cuda_stream(ordinal)?;
+    let ptr = tensor_device_ptr(&t)?;
+    // SAFETY: `ptr` is the start of `t`'s fresh storage (uninit_tensor: allocated, not yet read or
+    // written) of at least `bytes` bytes on this GPU, and `t` outlives the view. Writing into such a
+    // tensor before anything reads it is what `uninit_tensor` is for. The view is leaked, never freed
+    // (the tensor owns the storage); the backend's context has event tracking off, so the view records
+    // no events.
+    let mut view = unsafe { stream.upgrade_device_ptr::<u8>(ptr, bytes) };
+    let cleared = stream.memset_zeros(&mut view);
+    let _ = view.leak();
+    cleared.map_err(|e| KernelError::Cuda {
+        op: "parallel VAE halo",
+        call: "cuMemsetD8Async",
+        device: Device::Cuda(ordinal),
+        detail: format!("{e:?}"),
+    })?;
+    Ok(t)
+}
+
+/// Sends `edge` to group rank `peer` and returns the same-shaped rows `peer` sends back (edge's
+/// dtype, on edge's device).
+fn swap<C: TensorWire>(comm: &C, peer: usize, edge: &Tensor) -> Result<Tensor> {
+    wire::send_recv(comm, edge, peer, edge.shape(), peer)
 }
 
 /// kv [N, S_r, H, C] (this rank's tokens of N frames: its band, row-major) → [N, S, H, C] with every
 /// rank's tokens in the whole frame's row-major order.
-fn gather_frame_tokens<C: Communicator>(comm: &C, shard: &Shard, kv: &Tensor) -> Result<Tensor> {
+fn gather_frame_tokens<C: TensorWire>(comm: &C, shard: &Shard, kv: &Tensor) -> Result<Tensor> {
     let (n, local_tokens, channels) = (kv.shape()[0], kv.shape()[1], kv.shape()[2] * kv.shape()[3]);
     // This layer's spatial scale f: local tokens = (band · f) · (other extent · f).
     let other = shard.latent_other_extent();
@@ -199,10 +238,7 @@ fn gather_frame_tokens<C: Communicator>(comm: &C, shard: &Shard, kv: &Tensor) ->
         .map(|r| grid(r).iter().product())
         .collect();
     let total: usize = counts.iter().sum();
-    let send = comm.upload(&kv.to_vec_f32()?)?;
-    let mut recv = comm.alloc::<f32>(total)?;
-    comm.all_gather_v(send.borrow(), recv.borrow_mut(), &counts)?;
-    let all = Tensor::from_vec(comm.download(recv.borrow())?, &[total])?;
+    let all = wire::all_gather_v(comm, kv, &counts)?;
     let mut offset = 0;
     let mut parts = Vec::with_capacity(counts.len());
     for (r, &count) in counts.iter().enumerate() {
@@ -210,12 +246,10 @@ fn gather_frame_tokens<C: Communicator>(comm: &C, shard: &Shard, kv: &Tensor) ->
         offset += count;
     }
     let frame = Tensor::concat(&parts.iter().collect::<Vec<_>>(), split_axis)?;
-    Ok(frame
-        .reshape(&[
-            n,
-            total / (n * channels).max(1),
-            kv.shape()[2],
-            kv.shape()[3],
-        ])?
-        .to_dtype(kv.dtype())?)
+    Ok(frame.reshape(&[
+        n,
+        total / (n * channels).max(1),
+        kv.shape()[2],
+        kv.shape()[3],
+    ])?)
 }

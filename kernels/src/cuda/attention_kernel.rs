@@ -1,7 +1,7 @@
 //! Which kernel CUDA [`attention`](crate::attention) runs: by default chosen automatically (the
-//! tensor-core FlashAttention-2-class kernel of `ops/attention/flash.cu` for bf16 at head dim 64 or 128
-//! with scale > 0 on sm_80+, the portable f32 CUDA-core kernel otherwise); tests and benchmarks can force
-//! one for the calls made inside [`with_attention_kernel`].
+//! tensor-core FlashAttention-2-class kernel of `ops/attention/flash.cu` for bf16 at head dim 64, 128,
+//! 256, 384 or 512 with scale > 0 on sm_80+, the portable f32 CUDA-core kernel otherwise); tests and
+//! benchmarks can force one for the calls made inside [`with_attention_kernel`].
 
 use std::cell::Cell;
 
@@ -11,20 +11,24 @@ pub enum AttentionKernel {
     /// The fastest applicable kernel (the default).
     #[default]
     Auto,
-    /// The portable kernel (any dtype and head dim ≤ 256; f32 CUDA-core maths).
+    /// The portable kernel (any dtype and head dim ≤ 512; f32 CUDA-core maths).
     Portable,
     /// The tensor-core kernel, variant `FLASH_VARIANTS[i]` (an error if it does not apply to the call).
     Flash(usize),
 }
 
 /// One compiled tile configuration of the tensor-core kernel
-/// (`flash_fwd_d{D}_w{W}_m{MT}_bc{BC}_q{QREG}_mb{MIN_BLOCKS}`).
+/// (`flash_fwd_d{D}_w{W}_m{MT}_bc{BC}_q{QREG}_mb{MIN_BLOCKS}`, or `flash_fwd_d{D}_v{DV}_w…` when a block
+/// computes only DV of the D output columns).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FlashVariant {
     /// Kernel name in flash.cu.
     pub name: &'static str,
     /// Head dim it is built for.
     pub head_dim: usize,
+    /// Output columns per block (DV): `head_dim`, or a slice of it for wide heads, whose D/DV blocks
+    /// per head each recompute Q·Kᵀ (flash.cu's header says why).
+    pub value_cols: usize,
     /// Warps per block.
     pub warps: u32,
     /// m16 tiles per warp: each warp owns 16·m_tiles query rows.
@@ -39,9 +43,15 @@ impl FlashVariant {
         16 * self.m_tiles * self.warps as usize
     }
 
-    /// Dynamic shared memory: Q [BR × D] plus two stages of K and V [BC × D], bf16.
+    /// Blocks per (batch, head) along the head dim: D / DV.
+    pub fn slices(&self) -> usize {
+        self.head_dim / self.value_cols
+    }
+
+    /// Dynamic shared memory: Q [BR × D], two stages of K [BC × D] and of V's slice [BC × DV], bf16.
     pub fn shared_bytes(&self) -> usize {
-        (self.block_q() + 4 * self.block_k) * self.head_dim * 2
+        (self.block_q() + 2 * self.block_k) * self.head_dim * 2
+            + 2 * self.block_k * self.value_cols * 2
     }
 }
 
@@ -52,9 +62,21 @@ const fn variant(
     m_tiles: usize,
     block_k: usize,
 ) -> FlashVariant {
+    sliced(name, head_dim, head_dim, warps, m_tiles, block_k)
+}
+
+const fn sliced(
+    name: &'static str,
+    head_dim: usize,
+    value_cols: usize,
+    warps: u32,
+    m_tiles: usize,
+    block_k: usize,
+) -> FlashVariant {
     FlashVariant {
         name,
         head_dim,
+        value_cols,
         warps,
         m_tiles,
         block_k,
@@ -73,16 +95,27 @@ pub const FLASH_VARIANTS: &[FlashVariant] = &[
     variant("flash_fwd_d64_w4_m2_bc64_q1_mb2", 64, 4, 2, 64),
     variant("flash_fwd_d64_w8_m2_bc64_q1_mb1", 64, 8, 2, 64),
     variant("flash_fwd_d64_w4_m1_bc64_q1_mb2", 64, 4, 1, 64),
+    sliced("flash_fwd_d256_v128_w4_m2_bc32_q0_mb1", 256, 128, 4, 2, 32),
+    sliced("flash_fwd_d384_v128_w4_m2_bc32_q0_mb1", 384, 128, 4, 2, 32),
+    sliced("flash_fwd_d384_v128_w8_m1_bc64_q0_mb1", 384, 128, 8, 1, 64),
+    sliced("flash_fwd_d512_v128_w8_m1_bc32_q0_mb1", 512, 128, 8, 1, 32),
 ];
 
 /// The variant `Auto` runs at `head_dim`, if any: the fastest measured on the H200 (bench/RESULTS.md,
 /// 2026-11-30): at D = 128, 8 warps × 32 rows (Br 256), Bc 64, Q reloaded from shared memory
 /// (361–376 TFLOP/s at the DiT shapes, vs 281–352 for the others); at D = 64, 4 warps × 32 rows, Bc 64,
-/// Q in registers.
+/// Q in registers. At D = 256, 384, 512 (the Wan VAE's mid-block head is 384; not timed on the device
+/// yet) output-sliced variants, 128 output columns per block, Q reloaded from shared memory, chosen
+/// for no register spills (ptxas) and the fewest shared-memory loads per MMA: 4 warps × 32 rows with
+/// Bc 32 at 256 and 384 (each K fragment feeds both m-tiles); at 512 only 8 warps × 16 rows, Bc 32,
+/// compiles without spills.
 pub fn default_flash_variant(head_dim: usize) -> Option<usize> {
     let name = match head_dim {
         128 => "flash_fwd_d128_w8_m2_bc64_q0_mb1",
         64 => "flash_fwd_d64_w4_m2_bc64_q1_mb2",
+        256 => "flash_fwd_d256_v128_w4_m2_bc32_q0_mb1",
+        384 => "flash_fwd_d384_v128_w4_m2_bc32_q0_mb1",
+        512 => "flash_fwd_d512_v128_w8_m1_bc32_q0_mb1",
         _ => return None,
     };
     FLASH_VARIANTS.iter().position(|v| v.name == name)
@@ -117,15 +150,23 @@ mod tests {
     #[test]
     fn variants_are_consistent() {
         for v in FLASH_VARIANTS {
+            let slice = if v.value_cols == v.head_dim {
+                String::new()
+            } else {
+                format!("_v{}", v.value_cols)
+            };
             let expect = format!(
-                "_d{}_w{}_m{}_bc{}_",
+                "_d{}{slice}_w{}_m{}_bc{}_",
                 v.head_dim, v.warps, v.m_tiles, v.block_k
             );
             assert!(v.name.contains(&expect), "{}", v.name);
-            assert!(v.shared_bytes() <= 227 * 1024);
+            assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);
+            assert_eq!(v.slices() * v.value_cols, v.head_dim, "{}", v.name);
         }
-        assert!(default_flash_variant(128).is_some());
-        assert!(default_flash_variant(64).is_some());
+        for d in [64, 128, 256, 384, 512] {
+            let v = default_flash_variant(d).map(|i| FLASH_VARIANTS[i].head_dim);
+            assert_eq!(v, Some(d));
+        }
         assert!(default_flash_variant(96).is_none());
     }
 

@@ -1,4 +1,4 @@
-// Attention forward with LSE (portable, f32 CUDA cores; the fast Hopper kernel is separate work), and the
+// Attention forward with LSE (portable, f32 CUDA cores; the tensor-core kernel is flash.cu), and the
 // partial-attention merges.
 //
 // attention_fwd: block = 4 warps, each owning 4 query rows (16 rows per block) of one (batch, head).
@@ -7,13 +7,16 @@
 // output accumulator (lanes split the head dim) with the online-softmax rescale exp(m_old - m_new).
 // Keys at index >= kv_len are never read. At the end out = acc / l, lse = m + ln l (or 0 and -inf when
 // there is no valid key).
+//
+// The head-dim bound MAXD sizes the per-lane accumulators (ATT_RPW x MAXD/32 registers). Two builds:
+// MAXD 256 (attention_fwd_*), and MAXD 512 (attention_fwd_wide_*, e.g. the Wan VAE's single head of
+// 384), kept apart so small head dims do not carry 16 accumulator columns per row.
 
 #define ATT_BN 32      // keys per tile (= lanes)
 #define ATT_WARPS 4
 #define ATT_RPW 4      // query rows per warp
-#define ATT_MAXD 256   // head dim bound (registers: ATT_RPW x ATT_MAXD/32 accumulators per lane)
 
-template <typename T>
+template <typename T, int MAXD>
 __device__ void attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse, int seq_q,
                               int seq_k, int heads, int d, int kv_len, float scale) {
     extern __shared__ float smem[];
@@ -33,13 +36,13 @@ __device__ void attention_fwd(const T* q, const T* k, const T* v, T* out, float*
         qs[idx] = qi < seq_q ? ld(qb + (i64)qi * tok + c) * scale : 0.0f;
     }
 
-    float m[ATT_RPW], l[ATT_RPW], acc[ATT_RPW][ATT_MAXD / 32];
+    float m[ATT_RPW], l[ATT_RPW], acc[ATT_RPW][MAXD / 32];
 #pragma unroll
     for (int r = 0; r < ATT_RPW; ++r) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < ATT_MAXD / 32; ++i) acc[r][i] = 0.0f;
+        for (int i = 0; i < MAXD / 32; ++i) acc[r][i] = 0.0f;
     }
 
     for (int kt = 0; kt < kv_len; kt += ATT_BN) {
@@ -74,11 +77,11 @@ __device__ void attention_fwd(const T* q, const T* k, const T* v, T* out, float*
             l[r] = l[r] * correction + p_sum;
             m[r] = m_new;
 #pragma unroll
-            for (int i = 0; i < ATT_MAXD / 32; ++i) acc[r][i] *= correction;
+            for (int i = 0; i < MAXD / 32; ++i) acc[r][i] *= correction;
             for (int j = 0; j < ATT_BN; ++j) {
                 float pj = __shfl_sync(0xffffffffu, p, j);
 #pragma unroll
-                for (int i = 0; i < ATT_MAXD / 32; ++i) {
+                for (int i = 0; i < MAXD / 32; ++i) {
                     int c = lane + 32 * i;
                     if (c < d) acc[r][i] += pj * vs[j * d + c];
                 }
@@ -93,7 +96,7 @@ __device__ void attention_fwd(const T* q, const T* k, const T* v, T* out, float*
         float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         T* orow = out + (i64)b * seq_q * tok + (i64)qi * tok + (i64)h * d;
 #pragma unroll
-        for (int i = 0; i < ATT_MAXD / 32; ++i) {
+        for (int i = 0; i < MAXD / 32; ++i) {
             int c = lane + 32 * i;
             if (c < d) st(orow + c, acc[r][i] * inv);
         }
@@ -101,14 +104,16 @@ __device__ void attention_fwd(const T* q, const T* k, const T* v, T* out, float*
     }
 }
 
-#define ATTENTION(TN, T) \
-    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention_fwd_##TN( \
+#define ATTENTION(NAME, TN, T, MAXD) \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) NAME##_##TN( \
         const T* q, const T* k, const T* v, T* out, float* lse, int seq_q, int seq_k, int heads, int d, \
         int kv_len, float scale) { \
-        attention_fwd(q, k, v, out, lse, seq_q, seq_k, heads, d, kv_len, scale); \
+        attention_fwd<T, MAXD>(q, k, v, out, lse, seq_q, seq_k, heads, d, kv_len, scale); \
     }
-ATTENTION(f32, float)
-ATTENTION(bf16, bf16)
+ATTENTION(attention_fwd, f32, float, 256)
+ATTENTION(attention_fwd, bf16, bf16, 256)
+ATTENTION(attention_fwd_wide, f32, float, 512)
+ATTENTION(attention_fwd_wide, bf16, bf16, 512)
 
 // ---- Merges of partial attentions. Rows r enumerate (b, s, h) in out's [B, S, H, D] order; lse is
 // [B, H, S]. One thread per row (these are small next to the attention that produced the partials).

@@ -1,9 +1,15 @@
 //! CUDA twins of `attention`, `lse_combine` and `lse_merge_pair` (`attention.cu`).
 //!
-//! Two attention kernels: the tensor-core one of `flash.cu` (bf16, head dim 64/128, sm_80+; see
-//! `flash.rs`), picked automatically where it applies, and the portable one (f32 CUDA-core maths with
-//! online softmax over 32-key tiles staged in shared memory; any dtype, head dim ≤ 256, not fast), the
-//! fallback. `crate::cuda::with_attention_kernel` forces one (tests, benchmarks).
+//! Two attention kernels: the tensor-core one of `flash.cu` (bf16, head dim 64/128/256/384/512, sm_80+;
+//! see `flash.rs`), picked automatically where it applies, and the portable one (f32 CUDA-core maths
+//! with online softmax over 32-key tiles staged in shared memory; any dtype, head dim ≤ 512, not fast),
+//! the fallback. `crate::cuda::with_attention_kernel` forces one (tests, benchmarks).
+//!
+//! The portable kernel has two builds: accumulators for head dims ≤ 256 (`attention_fwd_*`), and for
+//! ≤ 512 (`attention_fwd_wide_*`: the Wan VAE's single head of 384 in f32). Its shared memory,
+//! 4·(32·(2D + 1) + 16·D) bytes (K, V tiles and the block's Q rows in f32), is 160 KiB at D = 512:
+//! above the 48 KiB default, so the launch opts in through the function attribute (H100/H200 allow
+//! 227 KiB per block).
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -17,11 +23,13 @@ pub(crate) const SOURCE: KernelSource = KernelSource {
     text: concat!(include_str!("attention.cu"), include_str!("flash.cu")),
 };
 
-/// `ATT_*` of attention.cu: query rows per block, keys per tile, threads per block, head-dim bound.
+/// `ATT_*` of attention.cu: query rows per block, keys per tile, threads per block; the head-dim
+/// bounds of its two builds (`MAXD`).
 const ROWS_PER_BLOCK: usize = 16;
 const KEYS_PER_TILE: usize = 32;
 const THREADS: u32 = 128;
-const MAX_HEAD_DIM: usize = 256;
+const NARROW_HEAD_DIM: usize = 256;
+const MAX_HEAD_DIM: usize = 512;
 /// `MAX_PARTS` of attention.cu: partials one `lse_combine` launch merges.
 const MAX_PARTS: usize = 16;
 
@@ -67,7 +75,12 @@ pub(super) fn attention(
     let out = backend.alloc(q.dtype(), q.numel())?;
     let lse = backend.alloc(DType::F32, batch * heads * seq_q)?;
     if batch * heads * seq_q > 0 {
-        let f = backend.function(&SOURCE, &format!("attention_fwd_{}", suffix(q.dtype())))?;
+        let build = if head_dim <= NARROW_HEAD_DIM {
+            "attention_fwd"
+        } else {
+            "attention_fwd_wide"
+        };
+        let f = backend.function(&SOURCE, &format!("{build}_{}", suffix(q.dtype())))?;
         let smem = 4 * (KEYS_PER_TILE * (2 * head_dim + 1) + ROWS_PER_BLOCK * head_dim);
         if smem > 48 * 1024 {
             f.set_attribute(

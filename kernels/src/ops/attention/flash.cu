@@ -1,6 +1,7 @@
 
 // ---- Tensor-core attention forward (FlashAttention-2 algorithm), bf16 in, f32 accumulation, bf16 out
-// plus f32 LSE; head dim 64 or 128; sm_80 and later (mma.sync m16n8k16, ldmatrix, cp.async).
+// plus f32 LSE; head dim 64 or 128, and 256/384/512 with the output split over blocks (below); sm_80 and
+// later (mma.sync m16n8k16, ldmatrix, cp.async).
 //
 // Block = WARPS warps, each owning MT m16 tiles = 16·MT query rows (BR = 16·MT·WARPS rows) of one
 // (batch, head); K/V blocks of BC keys. Shared memory: Q [BR × D], then 2 stages of K [BC × D] and
@@ -15,6 +16,15 @@
 //   to bf16 (the S accumulator layout is the A-fragment layout of P).
 // End: quad-sum l, out = O / l (0 when l = 0), lse = m·scale + ln l (−∞ when l = 0).
 // Requires scale > 0 (the max is taken on raw scores) and 16-byte aligned rows (D·H·2 % 16 == 0).
+//
+// Wide heads (D > 128, e.g. the Wan VAE's one head of 384): the O accumulator of all D columns would need
+// MT·D/2 registers per thread (192 at D = 384, MT = 1) on top of S, so a block computes only DV = 128 of
+// the output columns: blockIdx.y = head·(D/DV) + slice, the block streams V's columns
+// [slice·DV, slice·DV + DV) only, and S = Q·Kᵀ over the full D is recomputed by each of the D/DV slices.
+// That costs (D/DV − 1) extra Q·Kᵀ products (1.5× the FLOPs of a fused kernel at D = 384), but keeps the
+// register footprint near the D = 128 variants' (ptxas: 212–255 registers, no spills, for the four
+// wide variants below); the VAE runs this once per frame, a few ms per video.
+// Every slice computes the same m and l; slice 0 writes the LSE. DV = D is the ordinary kernel.
 
 #if __CUDA_ARCH__ >= 800
 
@@ -92,26 +102,30 @@ __device__ __forceinline__ void load_tile(unsigned dst, const bf16* base, int ro
     }
 }
 
-template <int D, int WARPS, int MT, int BC, bool QREG>
+template <int D, int DV, int WARPS, int MT, int BC, bool QREG>
 __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                     const bf16* __restrict__ v, bf16* __restrict__ out, float* __restrict__ lse,
                                     int seq_q, int seq_k, int heads, int kv_len, float scale) {
+    static_assert(D % DV == 0 && DV % 16 == 0, "the output slices must tile the head dim");
     constexpr int WR = 16 * MT;  // query rows per warp (MT m16 tiles)
     constexpr int BR = WR * WARPS, THREADS = 32 * WARPS, ROWB = D * 2;
+    constexpr int VROWB = DV * 2;  // bytes of one key's V slice
     constexpr int KT = D / 16;   // k-steps of Q·Kᵀ
     constexpr int NT = BC / 8;   // 8-key column tiles of S
-    constexpr int DT = D / 8;    // 8-wide column tiles of O
+    constexpr int DT = DV / 8;   // 8-wide column tiles of this block's O slice
+    constexpr int SLICES = D / DV;
     extern __shared__ __align__(128) unsigned char smem[];
     const unsigned sq = smem_addr(smem);
     const unsigned sk = sq + BR * ROWB;      // 2 stages of K
-    const unsigned sv = sk + 2 * BC * ROWB;  // 2 stages of V
+    const unsigned sv = sk + 2 * BC * ROWB;  // 2 stages of V's slice
 
-    const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * BR;
+    const int b = blockIdx.z, h = blockIdx.y / SLICES, q0 = blockIdx.x * BR;
+    const int col0 = (blockIdx.y % SLICES) * DV;  // first output column of this block
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const i64 tok = (i64)heads * D;
     const bf16* qb = q + (i64)b * seq_q * tok + (i64)h * D;
     const bf16* kb = k + (i64)b * seq_k * tok + (i64)h * D;
-    const bf16* vb = v + (i64)b * seq_k * tok + (i64)h * D;
+    const bf16* vb = v + (i64)b * seq_k * tok + (i64)h * D + col0;
     const float c = scale * 1.4426950408889634f;  // scale·log2 e
     const int nblk = (kv_len + BC - 1) / BC;
 
@@ -119,7 +133,7 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
     cp_commit();
     if (nblk > 0) {
         load_tile<D, BC, THREADS>(sk, kb, 0, kv_len, tok);
-        load_tile<D, BC, THREADS>(sv, vb, 0, kv_len, tok);
+        load_tile<DV, BC, THREADS>(sv, vb, 0, kv_len, tok);
     }
     cp_commit();
 
@@ -156,12 +170,11 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
         cp_wait<0>();
         __syncthreads();  // block j is in; every warp is done with block j − 1 (the other stage)
         if (j + 1 < nblk) {
-            const unsigned off = (stage ^ 1) * BC * ROWB;
-            load_tile<D, BC, THREADS>(sk + off, kb, (j + 1) * BC, kv_len, tok);
-            load_tile<D, BC, THREADS>(sv + off, vb, (j + 1) * BC, kv_len, tok);
+            load_tile<D, BC, THREADS>(sk + (stage ^ 1) * BC * ROWB, kb, (j + 1) * BC, kv_len, tok);
+            load_tile<DV, BC, THREADS>(sv + (stage ^ 1) * BC * VROWB, vb, (j + 1) * BC, kv_len, tok);
         }
         cp_commit();
-        const unsigned kt = sk + stage * BC * ROWB, vt = sv + stage * BC * ROWB;
+        const unsigned kt = sk + stage * BC * ROWB, vt = sv + stage * BC * VROWB;
 
         float s[MT][NT][4];
 #pragma unroll
@@ -253,11 +266,11 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
                 a[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
 #pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
+            for (int dp = 0; dp < DV / 16; ++dp) {
                 const int key = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
                 const int ch = 2 * dp + (lane >> 4);
                 unsigned b0, b1, b2, b3;
-                ldsm_x4_t(vt + swz<ROWB>(key, ch), b0, b1, b2, b3);
+                ldsm_x4_t(vt + swz<VROWB>(key, ch), b0, b1, b2, b3);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma(o[mt][2 * dp], a[mt], b0, b1);
@@ -279,11 +292,11 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
             const int r = q0 + warp * WR + mt * 16 + hf * 8 + (lane >> 2);
             if (r < seq_q) {
-                bf16* orow = out + ((i64)b * seq_q + r) * tok + (i64)h * D + 2 * (lane & 3);
+                bf16* orow = out + ((i64)b * seq_q + r) * tok + (i64)h * D + col0 + 2 * (lane & 3);
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt)
                     *(unsigned*)(orow + dt * 8) = pack_bf16(o[mt][dt][2 * hf] * inv, o[mt][dt][2 * hf + 1] * inv);
-                if ((lane & 3) == 0)
+                if ((lane & 3) == 0 && col0 == 0)
                     lse[((i64)b * heads + h) * seq_q + r] = sum > 0.0f ? m[i] * scale + logf(sum) : -INFINITY;
             }
         }
@@ -292,21 +305,26 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
 
 }  // namespace flash
 
-#define FLASH_BODY(D, W, MT, BC, QR) \
-    flash::fwd<D, W, MT, BC, QR != 0>(q, k, v, out, lse, seq_q, seq_k, heads, kv_len, scale);
+#define FLASH_BODY(D, DV, W, MT, BC, QR) \
+    flash::fwd<D, DV, W, MT, BC, QR != 0>(q, k, v, out, lse, seq_q, seq_k, heads, kv_len, scale);
 #else
-#define FLASH_BODY(D, W, MT, BC, QR)
+#define FLASH_BODY(D, DV, W, MT, BC, QR)
 #endif
 
-// flash_fwd_d<D>_w<WARPS>_m<MT>_bc<BC>_q<QREG>_mb<MIN_BLOCKS>; the variants are listed in
-// kernels/src/cuda/attention_kernel.rs (FLASH_VARIANTS), which also gives the dynamic shared memory:
-// (16·MT·WARPS + 4·BC)·D·2 bytes.
-#define FLASH(D, W, MT, BC, QR, MB) \
-    extern "C" __global__ void __launch_bounds__(32 * W, MB) flash_fwd_d##D##_w##W##_m##MT##_bc##BC##_q##QR##_mb##MB( \
+// flash_fwd_d<D>_w<WARPS>_m<MT>_bc<BC>_q<QREG>_mb<MIN_BLOCKS> (whole head per block), and
+// flash_fwd_d<D>_v<DV>_w…: output sliced into D/DV blocks per head (grid.y = heads·D/DV). The variants
+// are listed in kernels/src/cuda/attention_kernel.rs (FLASH_VARIANTS), which also gives the dynamic
+// shared memory: (16·MT·WARPS + 2·BC)·D·2 + 2·BC·DV·2 bytes.
+#define FLASH_KERNEL(NAME, D, DV, W, MT, BC, QR, MB) \
+    extern "C" __global__ void __launch_bounds__(32 * W, MB) NAME( \
         const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int seq_q, int seq_k, int heads, \
         int kv_len, float scale) { \
-        FLASH_BODY(D, W, MT, BC, QR) \
+        FLASH_BODY(D, DV, W, MT, BC, QR) \
     }
+#define FLASH(D, W, MT, BC, QR, MB) \
+    FLASH_KERNEL(flash_fwd_d##D##_w##W##_m##MT##_bc##BC##_q##QR##_mb##MB, D, D, W, MT, BC, QR, MB)
+#define FLASH_SLICED(D, DV, W, MT, BC, QR, MB) \
+    FLASH_KERNEL(flash_fwd_d##D##_v##DV##_w##W##_m##MT##_bc##BC##_q##QR##_mb##MB, D, DV, W, MT, BC, QR, MB)
 FLASH(128, 8, 2, 64, 0, 1)
 FLASH(128, 4, 2, 64, 0, 2)
 FLASH(128, 8, 2, 32, 0, 1)
@@ -317,3 +335,7 @@ FLASH(128, 8, 1, 64, 1, 1)
 FLASH(64, 4, 2, 64, 1, 2)
 FLASH(64, 8, 2, 64, 1, 1)
 FLASH(64, 4, 1, 64, 1, 2)
+FLASH_SLICED(256, 128, 4, 2, 32, 0, 1)
+FLASH_SLICED(384, 128, 4, 2, 32, 0, 1)
+FLASH_SLICED(384, 128, 8, 1, 64, 0, 1)
+FLASH_SLICED(512, 128, 8, 1, 32, 0, 1)

@@ -41,7 +41,10 @@ fn unsupported(
     if !(scale > 0.0 && scale.is_finite()) {
         return Some(format!("it needs a finite scale > 0, not {scale}"));
     }
-    if seq_q.div_ceil(v.block_q()) > i32::MAX as usize || heads > 65_535 || batch > 65_535 {
+    if seq_q.div_ceil(v.block_q()) > i32::MAX as usize
+        || heads * v.slices() > 65_535
+        || batch > 65_535
+    {
         return Some("the grid would exceed the launch limits".into());
     }
     None
@@ -112,9 +115,10 @@ pub(super) fn attention(
             .map_err(|e| backend.err(op, "cuFuncSetAttribute", e))?;
         }
         let cfg = LaunchConfig {
+            // Wide-head variants run D/DV blocks per head, one per output slice (flash.cu).
             grid_dim: (
                 seq_q.div_ceil(variant.block_q()) as u32,
-                heads as u32,
+                (heads * variant.slices()) as u32,
                 batch as u32,
             ),
             block_dim: (32 * variant.warps, 1, 1),
@@ -140,8 +144,9 @@ pub(super) fn attention(
         }
         launch.arg(&scale);
         // SAFETY: bf16 buffers of the shapes checked by the caller (contiguous [B, S, H, D], allocations
-        // 256-byte aligned, rows of D·2 = 128 or 256 bytes, so every 16-byte cp.async is aligned);
-        // kv_len ≤ S_k; smem is the variant's carve-up (Q, 2 × K, 2 × V).
+        // 256-byte aligned, rows of D·2 bytes with D a multiple of 64 and output slices starting at
+        // multiples of 128 columns, so every 16-byte cp.async is aligned); kv_len ≤ S_k; smem is the
+        // variant's carve-up (Q, 2 × K, 2 × V slice); the grid's y extent is heads·D/DV as it expects.
         unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok((

@@ -1,7 +1,7 @@
 //! The parallel VAE on two GPUs over NCCL (feature `cuda`) against the one-GPU decode of the same
 //! weights: halos, gathered keys/values and the decoded bands cross NCCL device to device
-//! (`parallel/wire.rs`), one thread per GPU in one process, one latent frame per chunk as the
-//! streaming service feeds it, the video gathered to rank 0 on cuda:0.
+//! (`common/src/collectives/wire.rs`), one thread per GPU in one process, one latent frame per chunk
+//! as the streaming service feeds it, the video gathered to rank 0 on cuda:0.
 //!
 //! Cases, each in f32 and bf16, each split along the height and along the width:
 //! - base16 (the diffusers fixture's topology: base 16, channels up to 64) on the fixture's latent

@@ -3,7 +3,8 @@
 //! and 2×1), the full model output (batch 2; 105 tokens, which 2 does not divide, so every
 //! sequence-parallel mesh pads, and 48 tokens, which it does) and a 2-step CFG denoise (UniPC,
 //! guidance 5, 105 tokens), for the head-dim-128 mini fixture (2 heads) and a 4-head random model
-//! (4 heads × 128, 2 layers). Device tensors cross NCCL in place (`parallel/wire.rs`).
+//! (4 heads × 128, 2 layers). Device tensors cross NCCL in place
+//! (`common/src/collectives/wire.rs`).
 //!
 //! Skips (with a message) with fewer than 2 GPUs or without libcuda/libnccl, but fails when the
 //! environment sets `DITSTREAM_REQUIRE_GPUS` ≥ 2, as `scripts/gpu-parallel.sh` does. Each

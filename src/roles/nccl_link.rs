@@ -36,11 +36,11 @@ use std::sync::Arc;
 
 use ditstream_common::collectives::CommWorld;
 use ditstream_common::collectives::nccl::{NcclComm, NcclId, NcclWorld};
+use ditstream_common::collectives::wire::TensorWire;
 use ditstream_common::link::quic::{self, Identity};
 use ditstream_common::link::{
     ChunkHeader, LinkDType, LinkError, read_frame_head, write_frame_head,
 };
-use ditstream_denoiser::parallel::TensorWire;
 use ditstream_kernels::{DType, Device, Tensor};
 use tokio::sync::{Mutex, oneshot};
 

@@ -12,7 +12,8 @@
 //! - `nccl` (feature `cuda`): NCCL through cudarc, one thread per GPU.
 //!
 //! The Ulysses sequence ↔ heads layouts built on top of the plain operations live in
-//! [`ulysses`]. Every operation returns only when its result is in the output buffer, and a
+//! [`ulysses`]; kernels tensors cross a communicator through [`wire`] (host copies on CPU, device
+//! storage handed to NCCL in place, and the stream ordering that makes that safe). Every operation returns only when its result is in the output buffer, and a
 //! failing, vanished or panicking rank makes every other rank of its group return an error:
 //! never a hang.
 
@@ -20,6 +21,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod ulysses;
+pub mod wire;
 
 use std::borrow::BorrowMut;
 use std::time::Duration;

@@ -21,13 +21,13 @@
 use std::borrow::{Borrow, BorrowMut};
 use std::sync::{Arc, Mutex};
 
+use ditstream_common::collectives::wire::{self, TensorWire};
 use ditstream_common::config::VaeSplitDim;
 use ditstream_kernels::Tensor;
 
 use super::error::{ParallelVaeError, Result};
 use super::halo::HaloOps;
 use super::shard::Shard;
-use super::wire::{self, TensorWire};
 use crate::vae::{DecodeStream, VaeError, WanVaeDecoder};
 
 /// One rank of a parallel-VAE instance of `comm.size()` ranks (`parallel_vae_size`): the shared

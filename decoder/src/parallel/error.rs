@@ -1,6 +1,7 @@
 //! `ParallelVaeError`: every way a parallel-VAE rank can fail, carrying the offending values.
 
 use ditstream_common::collectives::CollectiveError;
+use ditstream_common::collectives::wire::WireError;
 use ditstream_common::config::VaeSplitDim;
 
 use crate::vae::VaeError;
@@ -154,6 +155,13 @@ impl From<VaeError> for ParallelVaeError {
             VaeError::Collective(err) => ParallelVaeError::Collective(err),
             err => ParallelVaeError::Vae(err),
         }
+    }
+}
+
+impl From<WireError> for ParallelVaeError {
+    /// Through [`VaeError`]: a transfer's collective failure is [`ParallelVaeError::Collective`].
+    fn from(err: WireError) -> Self {
+        VaeError::from(err).into()
     }
 }
 

@@ -25,7 +25,7 @@
 //! attends its local queries over all keys. Every rank needs every key, so this is an all-gather,
 //! not a halo; at 720p it moves 2 · 14,400 tokens × C per frame, small next to the convolutions.
 //!
-//! **Transfers** go through [`TensorWire`](super::wire::TensorWire) in the tensors' own dtype: with
+//! **Transfers** go through common's [`TensorWire`] in the tensors' own dtype: with
 //! NCCL and the decoder on the rank's GPU, halo rows and keys/values move device to device (NCCL reads
 //! the edge rows' storage and writes a fresh device tensor; no host copy, no host sync beyond the
 //! collective's own completion); with the thread backend they are host copies.
@@ -33,11 +33,11 @@
 use std::sync::{Mutex, MutexGuard};
 
 use ditstream_common::collectives::CollectiveError;
+use ditstream_common::collectives::wire::{self, TensorWire};
 use ditstream_common::config::VaeSplitDim;
 use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, conv3d};
 
 use super::shard::Shard;
-use super::wire::{self, TensorWire};
 use crate::vae::{Result, SpatialOps, Unsharded, VaeError};
 
 /// The neighbourhood operations of one rank of a parallel-VAE instance, for one request's
@@ -203,7 +203,7 @@ fn device_zeros(shape: &[usize], dtype: DType, ordinal: usize) -> Result<Tensor>
 /// Sends `edge` to group rank `peer` and returns the same-shaped rows `peer` sends back (edge's
 /// dtype, on edge's device).
 fn swap<C: TensorWire>(comm: &C, peer: usize, edge: &Tensor) -> Result<Tensor> {
-    wire::send_recv(comm, edge, peer, edge.shape(), peer)
+    Ok(wire::send_recv(comm, edge, peer, edge.shape(), peer)?)
 }
 
 /// kv [N, S_r, H, C] (this rank's tokens of N frames: its band, row-major) → [N, S, H, C] with every

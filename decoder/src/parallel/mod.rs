@@ -38,7 +38,8 @@
 //! Files:
 //! - [`shard`]: the band geometry (which rows a rank owns at each resolution) and nothing else.
 //! - `halo`: [`HaloOps`], the communicating [`SpatialOps`](crate::vae::SpatialOps).
-//! - [`wire`]: tensors through the communicator in their own dtype (device to device under NCCL).
+//! - Transfers: tensors cross the communicator in their own dtype (device to device under NCCL)
+//!   through common's [`wire`](ditstream_common::collectives::wire), shared with the denoiser.
 //! - `decoder`: [`ParallelVaeDecoder`] and its per-request [`ParallelDecodeStream`]: the agreement
 //!   step before each chunk, the decode, the gather to rank 0, and failure handling.
 //! - [`ParallelVaeError`]: every failure, with the offending values.
@@ -47,10 +48,8 @@ mod decoder;
 mod error;
 mod halo;
 pub mod shard;
-pub mod wire;
 
 pub use decoder::{ParallelDecodeStream, ParallelVaeDecoder};
 pub use error::{ParallelVaeError, Result};
 pub use halo::HaloOps;
 pub use shard::Shard;
-pub use wire::TensorWire;

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use ditstream_common::collectives::wire::WireError;
 use ditstream_kernels::KernelError;
 use ditstream_kernels::weights::WeightsError;
 
@@ -109,6 +110,24 @@ pub enum VaeError {
     /// implementations that communicate) failed: a peer rank failed, left or timed out.
     #[error(transparent)]
     Collective(#[from] ditstream_common::collectives::CollectiveError),
+    /// A tensor could not cross the parallel VAE's communicator for a reason of its own (dtype,
+    /// device); a transfer's collective and tensor failures are [`Self::Collective`] and
+    /// [`Self::Kernel`].
+    #[error(transparent)]
+    Wire(WireError),
+}
+
+impl From<WireError> for VaeError {
+    /// A transfer's collective failure stays a collective failure, so the parallel VAE reports a
+    /// failed peer the same way wherever it surfaced
+    /// ([`ParallelVaeError`](crate::parallel::ParallelVaeError)).
+    fn from(err: WireError) -> Self {
+        match err {
+            WireError::Collective(err) => VaeError::Collective(err),
+            WireError::Kernel(err) => VaeError::Kernel(err),
+            err => VaeError::Wire(err),
+        }
+    }
 }
 
 /// Result alias for the VAE module.

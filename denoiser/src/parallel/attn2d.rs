@@ -17,11 +17,11 @@
 //! their RoPE already, and attention does not care about key order). A column with no real key
 //! contributes a partial with LSE −∞, which the combine ignores.
 
+use ditstream_common::collectives::wire::{self, TensorWire};
 use ditstream_kernels::{AttentionOptions, DType, Tensor, attention, lse_combine};
 
 use super::attention::ChunkAttention;
-use super::wire::TensorWire;
-use super::{ParallelError, Result, valid_in_chunk, wire};
+use super::{ParallelError, Result, valid_in_chunk};
 
 /// Attention2D over `row` (fixed row; group rank = col) and `col` (fixed col; group rank = row).
 /// A group of one rank is `None`.

@@ -13,9 +13,9 @@
 use std::borrow::{Borrow, BorrowMut};
 
 use ditstream_common::collectives::ReduceOp;
+use ditstream_common::collectives::wire::{self, TensorWire};
 use ditstream_kernels::{DType, Tensor};
 
-use super::wire::{self, TensorWire};
 use super::{MeshComms, ParallelError, Result, check_mesh, forward};
 use crate::denoise::{Control, DenoiseError, DenoiseParams, Experts, StepProgress, make_sampler};
 use crate::model::ModelError;

@@ -5,14 +5,13 @@
 //! and runs the head. The text for cross-attention is replicated, so cross-attention needs no
 //! collective.
 
+use ditstream_common::collectives::wire::{self, TensorWire};
 use ditstream_common::mesh::{CpLayout, SeqShard};
 use ditstream_kernels::Tensor;
 
 use super::attention::{ChunkAttention, LocalChunk, ModelAttention};
-use super::wire::TensorWire;
 use super::{
     Attention2d, MeshComms, ParallelError, Result, RingAttention, UlyssesAttention, padded_rows,
-    wire,
 };
 use crate::model::WanTransformer;
 

@@ -6,10 +6,9 @@
 //! Where things live:
 //! - [`MeshComms`] (this file): one rank's communicators, one per mesh group it needs, and the
 //!   check that a mesh fits the model ([`check_mesh`]).
-//! - `wire`: tensors in and out of the communicator's buffers ([`TensorWire`], the one place that
-//!   knows how a [`Tensor`] becomes a `Communicator::Buf`): host copies on the CPU backend; on NCCL
-//!   (feature `cuda`) device tensors are handed to NCCL in place, ordered against the kernels'
-//!   stream with events.
+//! - Tensors cross the communicators through common's [`wire`] ([`TensorWire`]: host copies on the
+//!   CPU backend; on NCCL, feature `cuda`, device tensors handed to NCCL in place, ordered against
+//!   the kernels' stream with events), shared with the parallel VAE and the NCCL latent link.
 //! - [`attention`]: the [`ChunkAttention`] trait the wrappers share, the local (innermost)
 //!   attention, and the adapter that hands a wrapper to the model as its `SelfAttention`.
 //! - [`ulysses`], [`ring`], [`attn2d`]: the three wrappers. Ulysses wraps any inner wrapper
@@ -22,6 +21,9 @@
 //! so the valid keys of any contiguous chunk are a prefix of it, and every wrapper masks the
 //! padded keys (`kv_len`), knowing L. Padded queries compute finite garbage that the final
 //! gather drops. The output equals the unpadded single-rank run.
+//!
+//! [`wire`]: ditstream_common::collectives::wire
+//! [`TensorWire`]: ditstream_common::collectives::wire::TensorWire
 
 pub mod attention;
 pub mod attn2d;
@@ -29,8 +31,8 @@ pub mod cfg;
 pub mod forward;
 pub mod ring;
 pub mod ulysses;
-mod wire;
 
+use ditstream_common::collectives::wire::WireError;
 use ditstream_common::collectives::{CollectiveError, CommWorld, Communicator};
 use ditstream_common::mesh::{CpLayout, GroupKind, Mesh, SeqShard};
 use ditstream_kernels::{KernelError, Tensor};
@@ -44,7 +46,6 @@ pub use cfg::denoise;
 pub use forward::{forward, forward_with, seq_attention};
 pub use ring::RingAttention;
 pub use ulysses::UlyssesAttention;
-pub use wire::TensorWire;
 
 /// Why a parallel forward or denoise failed.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +76,10 @@ pub enum ParallelError {
     /// timed out (`Poisoned`, `Timeout`).
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    /// A tensor could not cross a communicator for a reason of its own (dtype, device); the
+    /// collective and tensor failures of a transfer are [`Self::Collective`] and [`Self::Model`].
+    #[error(transparent)]
+    Wire(WireError),
     /// The model (or an op) failed on this rank.
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -86,6 +91,18 @@ pub enum ParallelError {
 impl From<KernelError> for ParallelError {
     fn from(e: KernelError) -> Self {
         ParallelError::Model(ModelError::Kernel(e))
+    }
+}
+
+impl From<WireError> for ParallelError {
+    /// A transfer's collective failure stays a collective failure (peers failing is one variant,
+    /// wherever it surfaced), its tensor failure a model failure.
+    fn from(e: WireError) -> Self {
+        match e {
+            WireError::Collective(e) => ParallelError::Collective(e),
+            WireError::Kernel(e) => e.into(),
+            e => ParallelError::Wire(e),
+        }
     }
 }
 

@@ -8,11 +8,14 @@
 //! chunk (padding sits at the end of the sequence), masked with `kv_len`, and a chunk with no
 //! real key is skipped (it still travels on).
 
+use std::borrow::{Borrow, BorrowMut};
+
+use ditstream_common::by_dtype;
 use ditstream_common::collectives::Pending;
+use ditstream_common::collectives::wire::{TensorWire, WireElement};
 use ditstream_kernels::{AttentionOptions, DType, Tensor, attention, lse_merge_pair};
 
 use super::attention::ChunkAttention;
-use super::wire::{self, TensorWire, WireElement, by_dtype};
 use super::{Result, valid_in_chunk};
 
 /// Ring attention over `comm` (the cp group, group rank = chunk index).
@@ -35,7 +38,7 @@ impl<C: TensorWire> ChunkAttention for RingAttention<'_, C> {
             &[&k.reshape(&one(k.shape()))?, &v.reshape(&one(v.shape()))?],
             0,
         )?;
-        by_dtype!(kv, ring_as::<C>(self.comm, self.tokens, q, &kv))
+        by_dtype!(kv.dtype(), ring_as::<C>(self.comm, self.tokens, q, &kv))
     }
 }
 
@@ -71,9 +74,9 @@ fn ring_as<C: TensorWire, T: WireElement>(
             let pending = match incoming.as_mut() {
                 None => None,
                 Some(incoming) => Some(comm.send_recv(
-                    wire::view::<C, T>(&current),
+                    current.borrow(),
                     next_rank,
-                    wire::view_mut::<C, T>(incoming),
+                    incoming.borrow_mut(),
                     prev_rank,
                 )?),
             };

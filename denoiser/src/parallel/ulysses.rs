@@ -15,10 +15,14 @@
 //! [`UlyssesAttention::gather_out`] are the two exchanges; an async variant pushes V, Q and K
 //! separately as the projections produce them and joins before the inner attention.
 
+use std::borrow::{Borrow, BorrowMut};
+
+use ditstream_common::by_dtype;
+use ditstream_common::collectives::wire::{TensorWire, WireElement};
+use ditstream_common::collectives::{UlyssesExt, UlyssesShape};
 use ditstream_kernels::Tensor;
 
 use super::attention::ChunkAttention;
-use super::wire::{self, TensorWire, UlyssesWay};
 use super::{ParallelError, Result};
 
 /// Ulysses over `comm` (the Ulysses group) around `inner`.
@@ -55,7 +59,7 @@ impl<'c, C: TensorWire, I: ChunkAttention> UlyssesAttention<'c, C, I> {
         }
         let stack = |t: &Tensor| t.reshape(&[b, s, 1, h, d]);
         let qkv = Tensor::concat(&[&stack(q)?, &stack(k)?, &stack(v)?], 2)?;
-        let by_heads = wire::ulysses(self.comm, UlyssesWay::SeqToHeads, &qkv)?;
+        let by_heads = exchange(self.comm, UlyssesWay::SeqToHeads, &qkv)?;
         let part =
             |i| -> Result<Tensor> { Ok(by_heads.narrow(2, i, 1)?.reshape(&[b, s * p, h / p, d])?) };
         Ok((part(0)?, part(1)?, part(2)?))
@@ -67,7 +71,7 @@ impl<'c, C: TensorWire, I: ChunkAttention> UlyssesAttention<'c, C, I> {
             return Err(shape_error(out));
         };
         let p = self.comm.size();
-        let back = wire::ulysses(
+        let back = exchange(
             self.comm,
             UlyssesWay::HeadsToSeq,
             &out.reshape(&[b, s, 1, h, d])?,
@@ -90,4 +94,76 @@ impl<C: TensorWire, I: ChunkAttention> ChunkAttention for UlyssesAttention<'_, C
         let out = self.inner.attend_chunk(&q, &k, &v)?;
         self.gather_out(&out)
     }
+}
+
+/// Which way a Ulysses exchange goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum UlyssesWay {
+    /// [B, S/P, G, H, D] → [B, S, G, H/P, D].
+    SeqToHeads,
+    /// [B, S, G, H/P, D] → [B, S/P, G, H, D].
+    HeadsToSeq,
+}
+
+/// One Ulysses exchange of a 5-D tensor (see [`UlyssesExt`]) in its own dtype; `t` is in the input
+/// layout of `way`. The tensor crosses the communicator as every other does ([`TensorWire`]: on
+/// NCCL its device storage, in place).
+fn exchange<C: TensorWire>(comm: &C, way: UlyssesWay, t: &Tensor) -> Result<Tensor> {
+    by_dtype!(t.dtype(), exchange_as::<C>(comm, way, t))
+}
+
+fn exchange_as<C: TensorWire, T: WireElement>(
+    comm: &C,
+    way: UlyssesWay,
+    t: &Tensor,
+) -> Result<Tensor> {
+    let p = comm.size();
+    let &[b, s, g, h, d] = t.shape() else {
+        return Err(ParallelError::Shape {
+            what: "ulysses exchange",
+            shape: t.shape().to_vec(),
+            rule: "must be [B, S, G, H, D]",
+        });
+    };
+    // UlyssesShape speaks in the sequence-sharded layout: s_local = S/P and all H heads.
+    let (shape, out_shape) = match way {
+        UlyssesWay::SeqToHeads => (
+            UlyssesShape {
+                b,
+                s_local: s,
+                stack: g,
+                h,
+                d,
+            },
+            [b, s * p, g, h / p.max(1), d],
+        ),
+        UlyssesWay::HeadsToSeq => (
+            UlyssesShape {
+                b,
+                s_local: s / p.max(1),
+                stack: g,
+                h: h * p,
+                d,
+            },
+            [b, s / p.max(1), g, h * p, d],
+        ),
+    };
+    let input = comm.stage::<T>(t)?;
+    let mut output = comm.receive::<T>(t.numel(), t.device())?;
+    let mut scratch = comm.alloc::<T>(t.numel())?;
+    match way {
+        UlyssesWay::SeqToHeads => comm.seq_to_heads(
+            input.borrow(),
+            output.borrow_mut(),
+            scratch.borrow_mut(),
+            shape,
+        )?,
+        UlyssesWay::HeadsToSeq => comm.heads_to_seq(
+            input.borrow(),
+            output.borrow_mut(),
+            scratch.borrow_mut(),
+            shape,
+        )?,
+    }
+    Ok(comm.tensor::<T>(&output, &out_shape, t.device())?)
 }

@@ -92,15 +92,14 @@ cat "$LOGS/text_encode.log" "$LOGS/text_encode_torch.log" 2>/dev/null | grep -h 
   END {
     printf "  %-10s %10s %14s %8s   %s\n", "batch", "ours", "transformers", "ratio", "TFLOP/s (ours | transformers)"
     for (i = 0; i < n; i++) { k = order[i]; base = k; sub(/_.*$/, "", base)
-      # A row only one side has (b1_pool, b1_eager) is set against the base row of the other side.
+      # A row only transformers has (b1_eager) is set against our base row.
       ko = ("ours " k) in v ? "ours " k : "ours " base
       kt = ("transformers " k) in v ? "transformers " k : "transformers " base
       o = v[ko]; t = v[kt]
       r = (o != "" && t != "" && t + 0 > 0) ? sprintf("%.2fx", o / t) : "-"
       printf "  %-10s %10s %14s %8s   %s | %s\n", k, o, t, r, x[ko], x[kt] }
   }'
-echo "  (b1: one prompt; b2: prompt + negative prompt in one batch; *_pool: ours with the CUDA memory pool"
-echo "   kept across calls, as PyTorch's caching allocator keeps its memory; *_eager: transformers with eager attention)"
+echo "  (b1: one prompt; b2: prompt + negative prompt in one batch; *_eager: transformers with eager attention)"
 echo
 [ "$status" -eq 0 ] && echo "gpu-text: all steps passed" || echo "gpu-text: SOME STEPS FAILED"
 exit "$status"

@@ -11,12 +11,6 @@
 //! FLOPs of one forward: per layer 2·T·d·inner·4 (q, k, v, o) + 2·T·d·d_ff·3 (wi_0, wi_1, wo)
 //! + 4·B·S²·inner (QKᵀ and PV), T = B·S tokens.
 //!
-//! Memory: every op allocates its output with `cuMemAllocAsync` from the device's default pool, whose
-//! release threshold is 0 unless set: at each synchronisation (the end of every timed call) the pool
-//! hands its free memory back, and the next forward maps it again. PyTorch's caching allocator keeps
-//! what it has. So each batch is timed twice: as the backend is (`b1`, `b2`), then with the pool's
-//! release threshold raised to keep its memory (`b1_pool`, `b2_pool`), which shows what that costs.
-//!
 //! `bench/text_encode_torch.py` times transformers' `UMT5EncoderModel` the same way;
 //! `scripts/gpu-text.sh` runs both and compares the `RESULT` lines. `--device cpu --preset tiny` runs
 //! the same code on the CPU backend (wall clock) as a smoke test of the driver.
@@ -80,40 +74,6 @@ fn sync(device: Device) -> Result<()> {
         ditstream_kernels::cuda::synchronize(ordinal)?;
     }
     Ok(())
-}
-
-/// Raises the release threshold of GPU `ordinal`'s default memory pool to the maximum, so memory freed
-/// by stream-ordered frees stays in the pool across synchronisations (as PyTorch's caching allocator
-/// keeps it) instead of going back to the driver.
-fn keep_pool_memory(ordinal: usize) -> Result<()> {
-    use cudarc::driver::sys as cu;
-    // The backend (and so the context) exists: the model was built on this GPU.
-    let check = |call: &str, code: cu::CUresult| -> Result<()> {
-        if code == cu::CUresult::CUDA_SUCCESS {
-            Ok(())
-        } else {
-            bail!("{call}: {code:?}")
-        }
-    };
-    let mut device: cu::CUdevice = 0;
-    // SAFETY: plain out-parameter; the driver is loaded (the backend made a context).
-    check("cuDeviceGet", unsafe {
-        cu::cuDeviceGet(&mut device, ordinal as i32)
-    })?;
-    let mut pool: cu::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: valid out-pointer and device handle.
-    check("cuDeviceGetDefaultMemPool", unsafe {
-        cu::cuDeviceGetDefaultMemPool(&mut pool, device)
-    })?;
-    let mut threshold = u64::MAX;
-    // SAFETY: the attribute's value is a cuuint64_t, passed by pointer as the driver API expects.
-    check("cuMemPoolSetAttribute", unsafe {
-        cu::cuMemPoolSetAttribute(
-            pool,
-            cu::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            (&mut threshold as *mut u64).cast(),
-        )
-    })
 }
 
 /// Seeded token ids in [1, vocab) (a SplitMix64 stream; any id costs the same).
@@ -188,19 +148,7 @@ fn main() -> Result<()> {
     );
 
     let s = args.seq;
-    let runs = [
-        ("b1", vec![s], false),
-        ("b2", vec![s, args.negative_len], false),
-        ("b1_pool", vec![s], true),
-        ("b2_pool", vec![s, args.negative_len], true),
-    ];
-    for (label, lens, keep_pool) in runs {
-        if keep_pool {
-            let Device::Cuda(ordinal) = device else {
-                continue; // no pool on the CPU
-            };
-            keep_pool_memory(ordinal)?;
-        }
+    for (label, lens) in [("b1", vec![s]), ("b2", vec![s, args.negative_len])] {
         let batch = lens.len();
         let ids = token_ids(batch * s, config.vocab_size, 7);
         let mut forward = || Ok(encoder.forward(&ids, [batch, s], &lens)?);

@@ -20,8 +20,8 @@ use std::path::{Path, PathBuf};
 use ditstream_denoiser::text::{
     PromptTokenizer, T5Encoder, TextEncoder, TextError, relative_position_bucket,
 };
-use ditstream_kernels::Tensor;
 use ditstream_kernels::testing::{assert_close, max_abs_diff};
+use ditstream_kernels::{DType, Device, Tensor};
 use safetensors::{Dtype, SafeTensors};
 
 const ATOL: f32 = 1e-5;
@@ -122,7 +122,8 @@ fn buckets_match_transformers() {
 /// The raw `last_hidden_state` of a padded batch with its attention mask, padded rows included.
 fn check_raw_states(kind: &str, encoder_dir: &str) {
     let io = Io::load();
-    let encoder = T5Encoder::from_dir(&fixture_dir().join(encoder_dir)).unwrap();
+    let encoder =
+        T5Encoder::from_dir(&fixture_dir().join(encoder_dir), DType::F32, Device::Cpu).unwrap();
     for max_len in [16, 64] {
         let case = format!("{kind}.max{max_len}");
         let (ids, shape) = io.i64(&format!("{case}.input_ids"));
@@ -155,7 +156,8 @@ fn t5_states_match_transformers() {
 
 fn text_encoder(encoder_dir: &str, max_len: usize) -> TextEncoder {
     let tokenizer = PromptTokenizer::from_file(&tokenizer_json(), max_len).unwrap();
-    let encoder = T5Encoder::from_dir(&fixture_dir().join(encoder_dir)).unwrap();
+    let encoder =
+        T5Encoder::from_dir(&fixture_dir().join(encoder_dir), DType::F32, Device::Cpu).unwrap();
     TextEncoder::new(tokenizer, encoder).unwrap()
 }
 
@@ -298,8 +300,9 @@ fn sharded_checkpoint_loads_like_the_single_file() {
     let index_path = scratch.0.join("model.safetensors.index.json");
     std::fs::write(&index_path, index.to_string()).unwrap();
 
-    let sharded = T5Encoder::from_dir(&scratch.0).unwrap();
-    let single = T5Encoder::from_dir(&fixture_dir().join("text_encoder")).unwrap();
+    let sharded = T5Encoder::from_dir(&scratch.0, DType::F32, Device::Cpu).unwrap();
+    let single =
+        T5Encoder::from_dir(&fixture_dir().join("text_encoder"), DType::F32, Device::Cpu).unwrap();
     let ids = [24u32, 37, 9, 1];
     assert_eq!(
         sharded
@@ -316,16 +319,22 @@ fn sharded_checkpoint_loads_like_the_single_file() {
 
     // An index naming a shard that is not there: the error names the shard.
     std::fs::remove_file(scratch.0.join(shards[1].0)).unwrap();
-    let e = T5Encoder::from_dir(&scratch.0).err().unwrap().to_string();
+    let e = T5Encoder::from_dir(&scratch.0, DType::F32, Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains(shards[1].0), "{e}");
     // A malformed index names the index.
     std::fs::write(&index_path, "{\"weight_map\": 3}").unwrap();
-    let e = T5Encoder::from_dir(&scratch.0).err().unwrap().to_string();
+    let e = T5Encoder::from_dir(&scratch.0, DType::F32, Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("model.safetensors.index.json"), "{e}");
 }
 
 fn encoder_error(dir: &Path) -> String {
-    match T5Encoder::from_dir(dir) {
+    match T5Encoder::from_dir(dir, DType::F32, Device::Cpu) {
         Ok(_) => panic!("{} loaded", dir.display()),
         Err(e) => e.to_string(),
     }
@@ -418,7 +427,7 @@ fn tokenizer_larger_than_the_embedding_is_refused() {
     // tiny config instead: the fixture's tokenizer against a 100-row random encoder.
     let mut config = ditstream_denoiser::text::T5Config::tiny();
     config.vocab_size = 100;
-    let encoder = T5Encoder::random(&config, 0, ditstream_kernels::DType::F32).unwrap();
+    let encoder = T5Encoder::random(&config, 0, DType::F32, Device::Cpu).unwrap();
     let tokenizer = PromptTokenizer::from_file(&tokenizer_json(), 16).unwrap();
     let e = TextEncoder::new(tokenizer, encoder).err().unwrap();
     assert!(

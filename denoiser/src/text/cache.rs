@@ -10,7 +10,7 @@ use ditstream_kernels::Tensor;
 /// batch is assembled).
 #[derive(Debug, Clone)]
 pub(crate) struct CachedPrompt {
-    /// [len, d_model] f32.
+    /// [len, d_model] in the encoder's dtype, on its device.
     pub(crate) states: Tensor,
     /// Real tokens (rows of `states`).
     pub(crate) len: usize,

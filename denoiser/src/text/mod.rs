@@ -12,6 +12,10 @@
 //! much padding follows; [`TextEncoder`] therefore encodes each prompt at its real length (no padded
 //! positions at all) and caches the result by prompt text ([`CacheStats`]), so the default negative
 //! prompt is encoded once per process.
+//!
+//! Devices: the encoder runs where its weights live (CPU or one GPU, f32 or bf16) and the states stay
+//! there — the denoiser consumes them on its device. The host only tokenises and decides the layout
+//! (which rows are real, which are zeros); the zero rows come from a device-resident block made once.
 
 mod cache;
 pub mod config;
@@ -25,7 +29,7 @@ use ditstream_kernels::{DType, Device, KernelError, Tensor};
 
 pub use cache::CacheStats;
 pub use config::{T5Activation, T5Config, T5Variant};
-pub use t5::{T5Encoder, relative_position_bucket};
+pub use t5::{T5Encoder, relative_buckets, relative_position_bucket};
 pub use tokenizer::{PromptTokenizer, TokenizedPrompt, prompt_clean};
 
 use cache::{CachedPrompt, PromptCache};
@@ -103,7 +107,8 @@ pub enum TextError {
 /// Encoded prompts in the pipeline's layout.
 #[derive(Debug, Clone)]
 pub struct PromptEmbeds {
-    /// [B, max_len, d_model] f32: each prompt's real-token states, then zero rows.
+    /// [B, max_len, d_model] in the encoder's dtype on its device: each prompt's real-token states,
+    /// then zero rows.
     pub states: Tensor,
     /// `[B]` real tokens per prompt (`</s>` included; ≤ max_len).
     pub lengths: Vec<usize>,
@@ -114,6 +119,9 @@ pub struct TextEncoder {
     tokenizer: PromptTokenizer,
     encoder: T5Encoder,
     cache: Mutex<PromptCache>,
+    /// [max_len, d_model] zeros on the encoder's device, in its dtype: the padding rows are cut from
+    /// it, so assembling a batch never uploads zeros from the host.
+    zeros: Tensor,
 }
 
 impl TextEncoder {
@@ -129,19 +137,36 @@ impl TextEncoder {
                 encoder: rows,
             });
         }
+        let zeros = Tensor::zeros(
+            &[tokenizer.max_len(), encoder.config().d_model],
+            encoder.dtype(),
+            encoder.device(),
+        )?;
         Ok(TextEncoder {
             tokenizer,
             encoder,
             cache: Mutex::new(PromptCache::new(Self::DEFAULT_CACHE_CAPACITY)),
+            zeros,
         })
     }
 
     /// From a diffusers checkpoint folder as the Wan repositories ship it: `tokenizer/tokenizer.json`
-    /// and `text_encoder/` (`config.json`, `model.safetensors` or a sharded index).
+    /// and `text_encoder/` (`config.json`, `model.safetensors` or a sharded index), on the CPU in f32.
     pub fn from_pretrained(root: &Path, max_len: usize) -> Result<Self, TextError> {
+        Self::from_pretrained_on(root, max_len, DType::F32, Device::Cpu)
+    }
+
+    /// [`from_pretrained`](Self::from_pretrained) with the encoder's weights (and so its states) stored
+    /// as `dtype` on `device`.
+    pub fn from_pretrained_on(
+        root: &Path,
+        max_len: usize,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Self, TextError> {
         let tokenizer =
             PromptTokenizer::from_file(&root.join("tokenizer").join("tokenizer.json"), max_len)?;
-        let encoder = T5Encoder::from_dir(&root.join("text_encoder"))?;
+        let encoder = T5Encoder::from_dir(&root.join("text_encoder"), dtype, device)?;
         Self::new(tokenizer, encoder)
     }
 
@@ -155,7 +180,7 @@ impl TextEncoder {
             WAN_MAX_LEN,
             "<built-in tiny tokenizer>",
         )?;
-        let encoder = T5Encoder::random(&T5Config::tiny(), seed, DType::F32)?;
+        let encoder = T5Encoder::random(&T5Config::tiny(), seed, DType::F32, Device::Cpu)?;
         Self::new(tokenizer, encoder)
     }
 
@@ -194,11 +219,12 @@ impl TextEncoder {
     }
 
     /// The pipeline's `_get_t5_prompt_embeds` for these prompts:
-    /// prompts `[B]` → states [B, max_len, d_model] f32 (real-token states, then zeros) and the real
-    /// lengths. Prompts seen recently come from the cache.
+    /// prompts `[B]` → states [B, max_len, d_model] in the encoder's dtype on its device (real-token
+    /// states, then zeros) and the real lengths. Prompts seen recently come from the cache.
     pub fn encode(&self, prompts: &[&str]) -> Result<PromptEmbeds, TextError> {
         let max_len = self.tokenizer.max_len();
         let d = self.d_model();
+        let (dtype, device) = (self.encoder.dtype(), self.encoder.device());
         let mut pieces = Vec::with_capacity(2 * prompts.len());
         let mut lengths = Vec::with_capacity(prompts.len());
         for prompt in prompts {
@@ -215,16 +241,12 @@ impl TextEncoder {
                 pieces.push(encoded.states.clone());
             }
             if encoded.len < max_len {
-                pieces.push(Tensor::zeros(
-                    &[max_len - encoded.len, d],
-                    DType::F32,
-                    Device::Cpu,
-                )?);
+                pieces.push(self.zeros.narrow(0, 0, max_len - encoded.len)?);
             }
             lengths.push(encoded.len);
         }
         let states = if pieces.is_empty() {
-            Tensor::zeros(&[0, max_len, d], DType::F32, Device::Cpu)?
+            Tensor::zeros(&[0, max_len, d], dtype, device)?
         } else {
             Tensor::concat(&pieces.iter().collect::<Vec<_>>(), 0)?.reshape(&[
                 prompts.len(),
@@ -240,7 +262,7 @@ impl TextEncoder {
         let tokens = self.tokenizer.tokenize(prompt)?;
         let len = tokens.len;
         let states = if len == 0 {
-            Tensor::zeros(&[0, self.d_model()], DType::F32, Device::Cpu)?
+            self.zeros.narrow(0, 0, 0)?
         } else {
             self.encoder
                 .forward(tokens.real_ids(), [1, len], &[len])?

@@ -4,21 +4,33 @@
 //!
 //! Three T5 particulars, each checked against transformers in `tests/text_encoder.rs`:
 //! - Attention logits are **not** scaled by 1/√d (T5 folds the scale into the q initialisation) and get
-//!   an additive bias `bias[h, bucket(key − query)]`. The kernels' [`attention`](ditstream_kernels::attention)
-//!   has neither a bias input nor scale 1 with bias, so attention is written here with `matmul`, `add`
-//!   and a local softmax over the last axis.
+//!   an additive bias `bias[h, bucket(key − query)]`. The kernels' fused
+//!   [`attention`](ditstream_kernels::attention) has neither a bias input nor a mask on top of one, so
+//!   attention is `matmul` (QKᵀ, batched over B·H) → [`position_bias_softmax`] (bias, padding mask and
+//!   softmax in one pass) → `matmul` (PV).
 //! - The norms are T5LayerNorm: RMS without mean subtraction or bias, in f32 — the kernels' `rms_norm`.
 //! - umT5 has a bias table in every layer; T5 in layer 0 only, reused by the later layers.
+//!
+//! Devices and precision: the weights are put on the encoder's device in its dtype once, at
+//! construction, and every op of the forward runs there; only the token ids, the relative-position
+//! buckets (a function of the length alone, see [`relative_position_bucket`]) and the valid lengths are
+//! made on the host and copied over, once per forward. Activations are stored in the weights' dtype, as
+//! transformers' bf16 model keeps its hidden states in bf16; every op computes in f32 (the QKᵀ logits
+//! are stored in that dtype too, then the softmax reads them in f32, as transformers'
+//! `softmax(scores.float())`).
 //!
 //! Padding: keys at or past a row's valid length get `f32::MIN` added to their logits (transformers'
 //! `create_bidirectional_mask` value), so their softmax weight is exactly 0 and the valid rows equal
 //! those of an unpadded run.
 
-use ditstream_kernels::{DType, Device, Tensor};
+use ditstream_kernels::weights::{Checkpoint, WeightSource};
+use ditstream_kernels::{
+    DType, Device, Indices, Tensor, add, embedding, linear, matmul, position_bias_softmax,
+    random_normal, rms_norm,
+};
 
 use super::TextError;
 use super::config::{T5Activation, T5Config, T5Variant};
-use ditstream_kernels::weights::{Checkpoint, WeightSource};
 
 /// transformers' `_relative_position_bucket` for a bidirectional encoder: the bucket of
 /// `relative_position = key − query`.
@@ -46,29 +58,6 @@ pub fn relative_position_bucket(
     direction + large.min(half - 1)
 }
 
-/// Row-wise softmax over the last axis (max-subtracted, f32), x [.., N] → same shape and dtype.
-///
-/// Lives here because the kernels crate has no standalone softmax (its attention fuses it); on a
-/// non-CPU tensor it answers the device error of the host copy.
-pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor, TextError> {
-    let n = *x.shape().last().unwrap_or(&1);
-    let mut values = x.to_vec_f32()?;
-    if n > 0 {
-        for row in values.chunks_exact_mut(n) {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
-            for v in row.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v;
-            }
-            for v in row.iter_mut() {
-                *v /= sum;
-            }
-        }
-    }
-    Ok(Tensor::from_vec(values, x.shape())?.to_dtype(x.dtype())?)
-}
-
 /// Self-attention of one block (`layer.0.SelfAttention`).
 struct SelfAttention {
     /// q, k, v: [inner, d_model]; o: [d_model, inner].
@@ -76,8 +65,8 @@ struct SelfAttention {
     k: Tensor,
     v: Tensor,
     o: Tensor,
-    /// `relative_attention_bias.weight` [num_buckets, heads] on the host, if this layer owns one.
-    relative_bias: Option<Vec<f32>>,
+    /// `relative_attention_bias.weight` [num_buckets, heads], if this layer owns one.
+    relative_bias: Option<Tensor>,
 }
 
 /// The feed-forward of one block (`layer.1.DenseReluDense`).
@@ -97,34 +86,51 @@ struct Block {
     ffn: FeedForward,
 }
 
-/// A T5/umT5 encoder: weights and config. CPU today (the softmax and the embedding gather go through
-/// host memory).
+/// A T5/umT5 encoder: weights (on one device, in one dtype) and config.
 pub struct T5Encoder {
     config: T5Config,
+    dtype: DType,
+    device: Device,
     /// `shared.weight` [vocab, d_model].
     embedding: Tensor,
     blocks: Vec<Block>,
     final_norm: Tensor,
 }
 
-/// Tensor `name` of `shape` in f32 (the CPU compute dtype; bf16 and f16 checkpoints widen).
-fn get(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Tensor, TextError> {
-    Ok(ckpt.tensor(name, shape, DType::F32)?)
+/// The per-forward index lists the attention needs, on the encoder's device.
+struct AttentionIndices {
+    /// Bucket of relative position k − q at index k − q + S − 1, [2S − 1].
+    buckets: Indices,
+    /// Valid keys per batch row, [B].
+    valid_lens: Indices,
 }
 
 impl T5Encoder {
     /// Loads the encoder of a transformers checkpoint folder (`config.json` plus `model.safetensors`
     /// or a sharded `model.safetensors.index.json`), with the checkpoint's tensor names
     /// (`shared.weight`, `encoder.block.{i}.layer.0.SelfAttention.q.weight`, …), each checked for
-    /// presence and shape.
-    pub fn from_dir(dir: &std::path::Path) -> Result<Self, TextError> {
+    /// presence and shape, stored as `dtype` on `device` (bf16 and f16 checkpoints widen to f32 exactly).
+    pub fn from_dir(
+        dir: &std::path::Path,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Self, TextError> {
         let config = T5Config::from_file(&dir.join("config.json"))?;
         let checkpoint = Checkpoint::open_dir(dir, "model")?;
-        Self::from_checkpoint(config, &checkpoint)
+        Self::from_checkpoint(config, &checkpoint, dtype, device)
     }
 
-    fn from_checkpoint(config: T5Config, ckpt: &Checkpoint) -> Result<Self, TextError> {
+    fn from_checkpoint(
+        config: T5Config,
+        ckpt: &Checkpoint,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Self, TextError> {
         let (d, inner, ff) = (config.d_model, config.inner_dim(), config.d_ff);
+        // Each tensor goes to the device as it is read, so a large model never needs a second host copy.
+        let get = |name: &str, shape: &[usize]| -> Result<Tensor, TextError> {
+            Ok(ckpt.tensor(name, shape, dtype)?.to_device(device)?)
+        };
         // The embedding is tied: checkpoints save it as `shared.weight`, some also or only as
         // `encoder.embed_tokens.weight`.
         let embedding_name = if ckpt.shape("shared.weight").is_some() {
@@ -134,7 +140,7 @@ impl T5Encoder {
         } else {
             "shared.weight"
         };
-        let embedding = get(ckpt, embedding_name, &[config.vocab_size, d])?;
+        let embedding = get(embedding_name, &[config.vocab_size, d])?;
         let mut blocks = Vec::with_capacity(config.num_layers);
         for i in 0..config.num_layers {
             let p = format!("encoder.block.{i}.layer");
@@ -144,43 +150,41 @@ impl T5Encoder {
             };
             let relative_bias = if has_bias {
                 let name = format!("{p}.0.SelfAttention.relative_attention_bias.weight");
-                Some(get(ckpt, &name, &[config.num_buckets, config.num_heads])?.to_vec_f32()?)
+                Some(get(&name, &[config.num_buckets, config.num_heads])?)
             } else {
                 None
             };
             let ffn = if config.gated {
                 FeedForward {
-                    wi_0: get(ckpt, &format!("{p}.1.DenseReluDense.wi_0.weight"), &[ff, d])?,
-                    wi_1: Some(get(
-                        ckpt,
-                        &format!("{p}.1.DenseReluDense.wi_1.weight"),
-                        &[ff, d],
-                    )?),
-                    wo: get(ckpt, &format!("{p}.1.DenseReluDense.wo.weight"), &[d, ff])?,
+                    wi_0: get(&format!("{p}.1.DenseReluDense.wi_0.weight"), &[ff, d])?,
+                    wi_1: Some(get(&format!("{p}.1.DenseReluDense.wi_1.weight"), &[ff, d])?),
+                    wo: get(&format!("{p}.1.DenseReluDense.wo.weight"), &[d, ff])?,
                 }
             } else {
                 FeedForward {
-                    wi_0: get(ckpt, &format!("{p}.1.DenseReluDense.wi.weight"), &[ff, d])?,
+                    wi_0: get(&format!("{p}.1.DenseReluDense.wi.weight"), &[ff, d])?,
                     wi_1: None,
-                    wo: get(ckpt, &format!("{p}.1.DenseReluDense.wo.weight"), &[d, ff])?,
+                    wo: get(&format!("{p}.1.DenseReluDense.wo.weight"), &[d, ff])?,
                 }
             };
             blocks.push(Block {
-                attn_norm: get(ckpt, &format!("{p}.0.layer_norm.weight"), &[d])?,
+                attn_norm: get(&format!("{p}.0.layer_norm.weight"), &[d])?,
                 attn: SelfAttention {
-                    q: get(ckpt, &format!("{p}.0.SelfAttention.q.weight"), &[inner, d])?,
-                    k: get(ckpt, &format!("{p}.0.SelfAttention.k.weight"), &[inner, d])?,
-                    v: get(ckpt, &format!("{p}.0.SelfAttention.v.weight"), &[inner, d])?,
-                    o: get(ckpt, &format!("{p}.0.SelfAttention.o.weight"), &[d, inner])?,
+                    q: get(&format!("{p}.0.SelfAttention.q.weight"), &[inner, d])?,
+                    k: get(&format!("{p}.0.SelfAttention.k.weight"), &[inner, d])?,
+                    v: get(&format!("{p}.0.SelfAttention.v.weight"), &[inner, d])?,
+                    o: get(&format!("{p}.0.SelfAttention.o.weight"), &[d, inner])?,
                     relative_bias,
                 },
-                ffn_norm: get(ckpt, &format!("{p}.1.layer_norm.weight"), &[d])?,
+                ffn_norm: get(&format!("{p}.1.layer_norm.weight"), &[d])?,
                 ffn,
             });
         }
-        let final_norm = get(ckpt, "encoder.final_layer_norm.weight", &[d])?;
+        let final_norm = get("encoder.final_layer_norm.weight", &[d])?;
         Ok(T5Encoder {
             config,
+            dtype,
+            device,
             embedding,
             blocks,
             final_norm,
@@ -189,27 +193,30 @@ impl T5Encoder {
 
     /// Seeded random weights of `config`'s size, scaled like transformers' initialisation (so that
     /// activations stay O(1)): embedding N(0, 1), q N(0, 1/(d·d_kv)), k/v N(0, 1/d), o N(0, 1/inner),
-    /// wi N(0, 1/d), wo N(0, 1/d_ff), bias tables N(0, 1), norms 1 + N(0, 0.1²). Weights are stored
-    /// as `dtype`. Each tensor draws from its own stream `seed·1000 + k`.
-    pub fn random(config: &T5Config, seed: u64, dtype: DType) -> Result<Self, TextError> {
+    /// wi N(0, 1/d), wo N(0, 1/d_ff), bias tables N(0, 1), norms 1 + N(0, 0.1²), stored as `dtype` on
+    /// `device`. Each tensor draws from its own stream `seed·1000 + k` with
+    /// [`random_normal`](ditstream_kernels::random_normal), on the device itself: umT5-XXL's 5.7 B
+    /// values take well under a second on a GPU, where a host draw and upload would take minutes. The
+    /// CPU draw is bit for bit the one the tiny built-in model has always had.
+    pub fn random(
+        config: &T5Config,
+        seed: u64,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Self, TextError> {
         let (d, inner, ff) = (config.d_model, config.inner_dim(), config.d_ff);
         let mut stream = 0u64;
         let mut draw = |shape: &[usize], std: f32, mean: f32| -> Result<Tensor, TextError> {
             stream += 1;
-            let t = Tensor::randn(
-                shape,
-                DType::F32,
-                seed.wrapping_mul(1000).wrapping_add(stream),
-                Device::Cpu,
-            )?;
-            Ok(ditstream_kernels::affine(&t, std, mean)?.to_dtype(dtype)?)
+            let stream_seed = seed.wrapping_mul(1000).wrapping_add(stream);
+            Ok(random_normal(shape, mean, std, dtype, stream_seed, device)?)
         };
         let embedding = draw(&[config.vocab_size, d], 1.0, 0.0)?;
         let mut blocks = Vec::with_capacity(config.num_layers);
         for i in 0..config.num_layers {
             let has_bias = config.variant == T5Variant::UmT5 || i == 0;
             let relative_bias = if has_bias {
-                Some(draw(&[config.num_buckets, config.num_heads], 1.0, 0.0)?.to_vec_f32()?)
+                Some(draw(&[config.num_buckets, config.num_heads], 1.0, 0.0)?)
             } else {
                 None
             };
@@ -238,6 +245,8 @@ impl T5Encoder {
         let final_norm = draw(&[d], 0.1, 1.0)?;
         Ok(T5Encoder {
             config: config.clone(),
+            dtype,
+            device,
             embedding,
             blocks,
             final_norm,
@@ -249,11 +258,22 @@ impl T5Encoder {
         &self.config
     }
 
+    /// Where the weights live and the forward runs.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The storage dtype of the weights and the activations.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// Last hidden states of a right-padded batch.
     ///
     /// ids `[B·S]` row-major token ids with `shape = [B, S]`; valid_lens `[B]` (each ≤ S): keys at
     /// positions ≥ `valid_lens[b]` are masked (transformers' attention_mask of 1s then 0s)
-    /// → [B, S, d_model] f32. Padded rows are computed too, as transformers computes them.
+    /// → [B, S, d_model] in the encoder's dtype, on its device. Padded rows are computed too, as
+    /// transformers computes them.
     pub fn forward(
         &self,
         ids: &[u32],
@@ -282,78 +302,52 @@ impl T5Encoder {
                 ),
             });
         }
-        // Embedding gather: one row per token, as f32 activations.
-        let rows = ids
-            .iter()
-            .map(|&id| self.embedding.narrow(0, id as usize, 1))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut x = Tensor::concat(&rows.iter().collect::<Vec<_>>(), 0)?
-            .to_dtype(DType::F32)?
-            .reshape(&[batch, seq, c.d_model])?;
+        // The host's part: three small index lists, one copy each.
+        let ids = Indices::new(ids, c.vocab_size, "token id", self.device)?;
+        let lens: Vec<u32> = valid_lens.iter().map(|&l| l as u32).collect();
+        let index = AttentionIndices {
+            buckets: Indices::new(
+                &relative_buckets(seq, c.num_buckets, c.max_distance),
+                c.num_buckets,
+                "relative-position bucket",
+                self.device,
+            )?,
+            valid_lens: Indices::new(&lens, seq + 1, "valid length", self.device)?,
+        };
 
-        let buckets = bucket_table(seq, c.num_buckets, c.max_distance);
-        let mut bias = None;
+        let mut x = embedding(&self.embedding, &ids)?.reshape(&[batch, seq, c.d_model])?;
+        let mut table = None;
         for block in &self.blocks {
-            // umT5: every layer builds its own bias; T5: layer 0's is kept for the rest.
-            if let Some(table) = &block.attn.relative_bias {
-                bias = Some(self.attention_bias(table, &buckets, seq, valid_lens)?);
+            // umT5: every layer has its own table; T5: layer 0's serves the rest.
+            if let Some(own) = &block.attn.relative_bias {
+                table = Some(own);
             }
-            let Some(bias) = &bias else {
+            let Some(table) = table else {
                 return Err(TextError::Input {
                     message: "the first encoder block has no relative_attention_bias".into(),
                 });
             };
-            let h = ditstream_kernels::rms_norm(&x, &block.attn_norm, c.layer_norm_eps)?;
-            let h = self.self_attention(&block.attn, &h, bias, batch, seq)?;
-            x = ditstream_kernels::add(&x, &h)?;
-            let h = ditstream_kernels::rms_norm(&x, &block.ffn_norm, c.layer_norm_eps)?;
+            let h = rms_norm(&x, &block.attn_norm, c.layer_norm_eps)?;
+            let h = self.self_attention(&block.attn, &h, table, &index, batch, seq)?;
+            x = add(&x, &h)?;
+            let h = rms_norm(&x, &block.ffn_norm, c.layer_norm_eps)?;
             let h = self.feed_forward(&block.ffn, &h)?;
-            x = ditstream_kernels::add(&x, &h)?;
+            x = add(&x, &h)?;
         }
-        Ok(ditstream_kernels::rms_norm(
-            &x,
-            &self.final_norm,
-            c.layer_norm_eps,
-        )?)
+        Ok(rms_norm(&x, &self.final_norm, c.layer_norm_eps)?)
     }
 
-    /// Position bias plus padding mask: [B, H, S, S] f32 with
-    /// `table[bucket(k − q), h] + (k < valid_len[b] ? 0 : f32::MIN)`.
-    fn attention_bias(
-        &self,
-        table: &[f32],
-        buckets: &[usize],
-        seq: usize,
-        valid_lens: &[usize],
-    ) -> Result<Tensor, TextError> {
-        let heads = self.config.num_heads;
-        let mut values = Vec::with_capacity(valid_lens.len() * heads * seq * seq);
-        for &valid in valid_lens {
-            for h in 0..heads {
-                for row in buckets.chunks_exact(seq) {
-                    values.extend(row.iter().enumerate().map(|(k, &bucket)| {
-                        let mask = if k < valid { 0.0 } else { f32::MIN };
-                        table[bucket * heads + h] + mask
-                    }));
-                }
-            }
-        }
-        Ok(Tensor::from_vec(
-            values,
-            &[valid_lens.len(), heads, seq, seq],
-        )?)
-    }
-
-    /// x [B, S, d_model] (normed) → attention output projected by `o`, [B, S, d_model].
+    /// x [B, S, d_model] (normed) → attention output projected by `o`, [B, S, d_model]; `table` is the
+    /// relative-position bias [num_buckets, heads] in force for this layer.
     fn self_attention(
         &self,
         attn: &SelfAttention,
         x: &Tensor,
-        bias: &Tensor,
+        table: &Tensor,
+        index: &AttentionIndices,
         batch: usize,
         seq: usize,
     ) -> Result<Tensor, TextError> {
-        use ditstream_kernels::{linear, matmul};
         let (heads, d_kv) = (self.config.num_heads, self.config.d_kv);
         let split_heads = |w: &Tensor| -> Result<Tensor, TextError> {
             Ok(linear(x, w, None)?.reshape(&[batch, seq, heads, d_kv])?)
@@ -362,8 +356,8 @@ impl T5Encoder {
         let k_t = split_heads(&attn.k)?.permute(&[0, 2, 3, 1])?; // [B, H, d_kv, S]
         let v = split_heads(&attn.v)?.permute(&[0, 2, 1, 3])?; // [B, H, S, d_kv]
         // No 1/√d_kv: T5 does not scale its logits.
-        let logits = ditstream_kernels::add(&matmul(&q, &k_t)?, bias)?; // [B, H, S, S]
-        let weights = softmax_last_dim(&logits)?;
+        let logits = matmul(&q, &k_t)?; // [B, H, S, S]
+        let weights = position_bias_softmax(&logits, table, &index.buckets, &index.valid_lens)?;
         let out =
             matmul(&weights, &v)?
                 .permute(&[0, 2, 1, 3])?
@@ -373,7 +367,6 @@ impl T5Encoder {
 
     /// x [B, S, d_model] (normed) → wo(act(wi_0 x) · wi_1 x) (gated) or wo(act(wi x)), same shape.
     fn feed_forward(&self, ffn: &FeedForward, x: &Tensor) -> Result<Tensor, TextError> {
-        use ditstream_kernels::linear;
         let pre = linear(x, &ffn.wi_0, None)?;
         let mut h = match self.config.activation {
             T5Activation::GeluTanh => ditstream_kernels::gelu_tanh(&pre)?,
@@ -386,14 +379,12 @@ impl T5Encoder {
     }
 }
 
-/// bucket(k − q) for every query q (rows) and key k (columns) of a length-`seq` sequence, [S·S].
-fn bucket_table(seq: usize, num_buckets: usize, max_distance: usize) -> Vec<usize> {
-    (0..seq)
-        .flat_map(|q| {
-            (0..seq).map(move |k| {
-                relative_position_bucket(k as i64 - q as i64, num_buckets, max_distance)
-            })
-        })
+/// bucket(r) for every relative position r = k − q of a length-`seq` sequence, r = −(S − 1) ..= S − 1
+/// at index r + S − 1: [2S − 1] (empty for S = 0). The layout [`position_bias_softmax`] reads.
+pub fn relative_buckets(seq: usize, num_buckets: usize, max_distance: usize) -> Vec<u32> {
+    let s = seq as i64;
+    (1 - s..s)
+        .map(|r| relative_position_bucket(r, num_buckets, max_distance) as u32)
         .collect()
 }
 
@@ -409,24 +400,15 @@ mod tests {
         assert_eq!((b(-8), b(8)), (8, 24));
         // 8 + ⌊ln(n/8)/ln(16)·8⌋: n = 16 → 10, n = 127 → 15 (cap), n = 1000 → 15.
         assert_eq!((b(-16), b(-127), b(-1000), b(1000)), (10, 15, 15, 31));
-    }
-
-    #[test]
-    fn softmax_rows_sum_to_one_and_masked_keys_vanish() {
-        let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 0.5, f32::MIN, 0.5], &[2, 3]).unwrap();
-        let p = softmax_last_dim(&x).unwrap().to_vec_f32().unwrap();
-        let e = [1.0f32.exp(), 2.0f32.exp(), 3.0f32.exp()];
-        let s: f32 = e.iter().sum();
-        for (a, b) in p[..3].iter().zip(e.iter().map(|v| v / s)) {
-            assert!((a - b).abs() < 1e-6);
-        }
-        assert_eq!(&p[3..], &[0.5, 0.0, 0.5]);
+        // The layout the softmax reads: index r + S − 1.
+        assert_eq!(relative_buckets(3, 32, 128), [2, 1, 0, 17, 18]);
+        assert!(relative_buckets(0, 32, 128).is_empty());
     }
 
     #[test]
     fn random_tiny_runs_and_padding_does_not_leak() {
         let c = T5Config::tiny();
-        let enc = T5Encoder::random(&c, 3, DType::F32).unwrap();
+        let enc = T5Encoder::random(&c, 3, DType::F32, Device::Cpu).unwrap();
         let ids = [5u32, 9, 17, 1];
         let alone = enc.forward(&ids, [1, 4], &[4]).unwrap();
         // The same prompt padded to 7 with garbage ids: its 4 valid rows must not change.

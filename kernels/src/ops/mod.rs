@@ -11,9 +11,12 @@
 mod attention;
 mod conv;
 mod elementwise;
+mod embedding; // umT5 text encoder: token lookup, `Indices`
 mod matmul;
 mod norm;
+mod random; // random-weight models drawn on the device
 mod rope;
+mod softmax; // T5 attention: relative-position bias + mask + softmax
 mod ulysses;
 
 pub use attention::{AttentionOptions, attention, lse_combine, lse_merge_pair};
@@ -23,9 +26,12 @@ pub use conv::{
 pub use elementwise::{
     add, affine, clamp, gated_residual, gelu_tanh, modulate, mul, scale, silu, sub,
 };
+pub use embedding::{Indices, embedding};
 pub use matmul::{linear, matmul};
 pub use norm::{layer_norm, layer_norm_modulate, rms_norm, rms_norm_channels};
+pub use random::random_normal;
 pub use rope::{apply_rope, rope_band_dims, rope_tables_3d};
+pub use softmax::position_bias_softmax;
 pub use ulysses::{
     ulysses_pack_heads, ulysses_pack_qkv, ulysses_pack_seq, ulysses_unpack_heads,
     ulysses_unpack_qkv, ulysses_unpack_seq,
@@ -35,8 +41,11 @@ use crate::{Device, KernelError, Result, Tensor};
 
 /// The `.cu` sources of the ops (the kernel compile test walks them).
 #[cfg(all(test, feature = "cuda"))]
-pub(crate) fn kernel_sources() -> [&'static crate::cuda::KernelSource; 5] {
+pub(crate) fn kernel_sources() -> [&'static crate::cuda::KernelSource; 8] {
     [
+        &embedding::cuda::SOURCE,
+        &random::cuda::SOURCE,
+        &softmax::cuda::SOURCE,
         &conv::cuda::SOURCE,
         &elementwise::cuda::SOURCE,
         &norm::cuda::SOURCE,

@@ -3,14 +3,17 @@
 # target/gpu/ (made here by scripts/build-gpu-conv.sh; carry target/gpu with the working tree):
 #   1. the kernels unit tests of the CUDA layer and the convolutions (NVRTC compiling every .cu for
 #      sm_90a, cuDNN's descriptors against ours);
-#   2. the kernels GPU parity suite with DITSTREAM_REQUIRE_GPUS=1 (convolutions by im2col, cuDNN and
-#      the default path; every other op as a regression check);
-#   3. the VAE convolution bench: ours by each path (bench/src/bin/conv.rs) and torch's F.conv3d
-#      (bench/conv_torch.py) on the same case list, in this same call;
+#   2. the kernels GPU parity suite with DITSTREAM_REQUIRE_GPUS=1 (convolutions by im2col, cuDNN on
+#      NCDHW, cuDNN on a channels-last copy and the default routing; every other op as a regression
+#      check);
+#   3. the VAE convolution bench: ours by each path, the default routing (`auto`) first
+#      (bench/src/bin/conv.rs), and torch's F.conv3d (bench/conv_torch.py) on the same case list, in
+#      this same call;
 #   4. the DiT GEMM bench: ours (bench/src/bin/gemm.rs) and torch.matmul / F.linear (bench/gemm_torch.py);
 #   5. a short table last: conv parity worst cases, conv TFLOP/s per shape and path with ratios to torch
 #      and the per-chunk totals, then GEMM TFLOP/s with ratios to torch and to GPU.md's figures.
-# Expected time: ~2–4 minutes (parity ~1 min cold, conv benches ~1 min each, GEMM ~30 s); each step is
+# Expected time: ~3–4 minutes (parity ~1 min cold, conv benches ~1.5 min ours + ~1 min torch, GEMM
+# ~30 s); each step is
 # bounded by its own `timeout` (1–3 minutes), and the logs stay in $OUT if the call is cut short.
 # Environment: CONV_DTYPE=bf16|f32 (both conv drivers; default bf16); CONV_FLAGS adds flags to our conv
 # driver only (e.g. "--latent 90x160" for 720p: torch reads the same case list); GEMM_FLAGS to both GEMM
@@ -62,12 +65,12 @@ fi
 
 step "ours: VAE convolutions per path (bench/src/bin/conv.rs)"
 target/gpu/conv_bench --list "${conv_flags[@]}" > "$LOGS/conv_cases.tsv" || status=1
-timeout 120 target/gpu/conv_bench "${conv_flags[@]}" 2>&1 | tee "$LOGS/conv_ours.log"
+timeout 180 target/gpu/conv_bench "${conv_flags[@]}" 2>&1 | tee "$LOGS/conv_ours.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "our conv bench FAILED (exit $rc)"; status=1; }
 
-step "ours: cuDNN with its heuristic choice instead of measured (DITSTREAM_CUDNN_SEARCH=heuristic)"
-DITSTREAM_CUDNN_SEARCH=heuristic timeout 60 target/gpu/conv_bench "${conv_flags[@]}" --paths cudnn \
+step "ours: the default routing with cuDNN's heuristic choice instead of measured (DITSTREAM_CUDNN_SEARCH=heuristic)"
+DITSTREAM_CUDNN_SEARCH=heuristic timeout 60 target/gpu/conv_bench "${conv_flags[@]}" --paths auto \
   --tag _heur --no-check 2>&1 | tee "$LOGS/conv_ours_heur.log" | grep -E '^(TOTAL|PLAN|Error)'
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "our conv bench (heuristic) FAILED (exit $rc)"; status=1; }
@@ -100,22 +103,24 @@ grep -ho 'PARITY.*' "$LOGS/cuda_parity.log" 2>/dev/null | grep -i conv | awk -F'
     for (i = 0; i < m; i++) { k = order[i]; printf "%-40s %6d %12s  %s\n", k, n[k], worst[k], tol[k] }
   }'
 echo
-echo "VAE convolutions, TFLOP/s (one steady-state chunk's shapes; x calls per chunk). im2col/cudnn: our"
-echo "causal_conv3d (cudnn incl. the frame join); prej: our cuDNN on a pre-joined input; ndhwc: channels-last;"
-echo "heur: cudnn with cuDNN's heuristic pick; t.ncdhw/t.ndhwc: torch F.conv3d on the pre-joined input;"
-echo "t.diff: diffusers' cat+pad+conv3d. Ratios: cud/t = cudnn / t.ncdhw, i2c/t = im2col / t.ncdhw."
+echo "VAE convolutions, TFLOP/s (one steady-state chunk's shapes; x calls per chunk). Our causal_conv3d:"
+echo "auto: the default routing (what the decoder runs; incl. its transposes); via_nd: cuDNN on a channels-last"
+echo "copy (join+transpose, cuDNN, transpose back+bias); im2col; cudnn: cuDNN on NCDHW incl. the frame join."
+echo "prej: our cuDNN on a pre-joined input; ndhwc: our cuDNN on channels-last tensors (no transposes);"
+echo "a.heur: auto with cuDNN's heuristic pick; t.ncdhw/t.ndhwc: torch F.conv3d on the pre-joined input;"
+echo "t.diff: diffusers' cat+pad+conv3d. Ratios: auto/t = auto / t.ncdhw, auto/df = auto / t.diff, cud/t = cudnn / t.ncdhw."
 cat "$LOGS/conv_ours.log" "$LOGS/conv_ours_heur.log" "$LOGS/conv_torch.log" 2>/dev/null | awk -F'\t' -v cases="$LOGS/conv_cases.tsv" '
   BEGIN { while ((getline line < cases) > 0) { split(line, f, "\t"); if (f[1] == "CASE") { order[n++] = f[2]; calls[f[2]] = f[10] } } }
   $1 == "RESULT" { t[$2, $3] = $5 }
   $1 == "TOTAL" { total[$2] = $3 }
   END {
-    np = split("im2col cudnn cudnn_prejoined cudnn_ndhwc cudnn_heur torch_ncdhw torch_ndhwc torch_diffusers", p, " ")
-    printf "%-40s %3s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s\n", "case", "x", "im2col", "cudnn", "prej", "ndhwc", "heur", "t.ncdhw", "t.ndhwc", "t.diff", "cud/t", "i2c/t", "cud/diff"
+    np = split("auto via_ndhwc im2col cudnn cudnn_prejoined cudnn_ndhwc auto_heur torch_ncdhw torch_ndhwc torch_diffusers", p, " ")
+    printf "%-40s %3s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s\n", "case", "x", "auto", "via_nd", "im2col", "cudnn", "prej", "ndhwc", "a.heur", "t.ncdhw", "t.ndhwc", "t.diff", "auto/t", "auto/df", "cud/t"
     for (i = 0; i < n; i++) { c = order[i]; row = sprintf("%-40s %3s", c, calls[c])
       for (j = 1; j <= np; j++) row = row sprintf(" %7s", ((p[j], c) in t) ? t[p[j], c] : "-")
       tc = t["torch_ncdhw", c] + 0; td = t["torch_diffusers", c] + 0
-      row = row sprintf(" %7s %7s %7s", tc > 0 ? sprintf("%.2f", t["cudnn", c] / tc) : "-",
-                        tc > 0 ? sprintf("%.2f", t["im2col", c] / tc) : "-", td > 0 ? sprintf("%.2f", t["cudnn", c] / td) : "-")
+      row = row sprintf(" %7s %7s %7s", tc > 0 ? sprintf("%.2f", t["auto", c] / tc) : "-",
+                        td > 0 ? sprintf("%.2f", t["auto", c] / td) : "-", tc > 0 ? sprintf("%.2f", t["cudnn", c] / tc) : "-")
       print row }
     row = sprintf("%-40s %3s", "TOTAL per chunk, ms (lower is better)", "")
     for (j = 1; j <= np; j++) row = row sprintf(" %7s", (p[j] in total) ? sprintf("%.2f", total[p[j]]) : "-")

@@ -245,6 +245,14 @@ impl Tensor {
         }
     }
 
+    /// A weak handle on the storage, which this tensor shares with its clones and reshapes: while the
+    /// handle lives no other storage can take its address, and it upgrades only while the storage does.
+    /// For caches of values derived from a tensor (the channels-last filters of `ops/conv/cuda.rs`).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn storage_weak(&self) -> std::sync::Weak<Storage> {
+        Arc::downgrade(&self.storage)
+    }
+
     /// Device storage, or `UnsupportedDevice` naming `op` for a tensor on the host.
     #[cfg(feature = "cuda")]
     pub(crate) fn cuda_storage(&self, op: &'static str) -> Result<&crate::cuda::CudaStorage> {

@@ -19,8 +19,9 @@
 //! - LSE (always f32): it is a max plus a log of a sum of ≤ S_k terms in [0, 1]: atol 1e-4 covers
 //!   S_k·2⁻²⁴ relative error of the sum for S_k up to ~1e3 with margin, plus rtol 1e-5 on |lse|;
 //! - layout ops and casts move stored values: exact;
-//! - convolutions (both CUDA paths, im2col and cuDNN): as `linear` (atol 1e-5 per summed tap), plus,
-//!   in bf16, the bias added after the sum's own bf16 rounding (derived at `convolutions_match_cpu`).
+//! - convolutions (every CUDA path: im2col, cuDNN on NCDHW, cuDNN on NDHWC): as `linear` (atol 1e-5 per
+//!   summed tap), plus, in bf16, the bias added after the sum's own bf16 rounding (derived at
+//!   `convolutions_match_cpu`).
 
 #![cfg(feature = "cuda")]
 
@@ -621,17 +622,20 @@ fn timing_at_dit_sizes() -> Result<()> {
     Ok(())
 }
 
-/// Convolutions, by both CUDA paths (`ConvAlgo::Im2col`: im2col + cuBLASLt GEMM + bias;
-/// `ConvAlgo::Cudnn`: the frame join where needed + cuDNN + bias) and the default (`Auto`).
+/// Convolutions, by every CUDA path (`ConvAlgo::Im2col`: im2col + cuBLASLt GEMM + bias;
+/// `ConvAlgo::Cudnn`: the frame join where needed + cuDNN + bias; `ConvAlgo::CudnnNdhwc`: the frame join
+/// transposed to channels last + cuDNN + the transpose back with the bias) and the default (`Auto`,
+/// which routes between them by kernel).
 ///
-/// Tolerance. Either path sums the K = C_in·kt·kh·kw products of N(0,1) values in f32 (the GEMM's or
+/// Tolerance. Every path sums the K = C_in·kt·kh·kw products of N(0,1) values in f32 (the GEMM's or
 /// cuDNN's f32 compute type; f32 data use FMA maths only, no TF32), in some order: the difference from
 /// the CPU's order is ≲ K·2⁻²⁴·few, as for `linear`: atol = 1e-5·K. cuDNN may also pick a transform
 /// algorithm (FFT, Winograd) for f32, whose error is ~1e-6 of the output's size (≲ √K·1e-6 here), well
 /// inside that atol. In bf16 the GPU rounds the sum to bf16 before adding the bias and rounds again (the
 /// CPU rounds once): the extra rounding is ≤ 2⁻⁹·|sum| ≤ 2⁻⁹·(|out| + |bias|); the |out| part is inside
 /// rtol 1e-2 with the final rounding (2 · 2⁻⁹ < 1e-2), the |bias| part (|bias| ≲ 4 for N(0,1)) adds
-/// 4·2⁻⁹ to atol. The frame join copies stored bits (exact).
+/// 4·2⁻⁹ to atol. The frame joins and the transposes copy stored bits (exact); the channels-last path
+/// adds the bias to the stored (bf16-rounded) sum in f32 and rounds once more, the same two roundings.
 #[test]
 fn convolutions_match_cpu() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -649,6 +653,7 @@ fn convolutions_match_cpu() -> Result<()> {
     let paths = [
         (ConvAlgo::Im2col, "im2col"),
         (ConvAlgo::Cudnn, "cudnn"),
+        (ConvAlgo::CudnnNdhwc, "cudnn_ndhwc"),
         (ConvAlgo::Auto, "auto"),
     ];
     for dtype in [DType::F32, DType::BF16] {
@@ -693,20 +698,25 @@ fn convolutions_match_cpu() -> Result<()> {
         }
         // causal_conv3d: each of the VAE's kernels, without a cache and with 1 and 2 cached frames
         // (cuDNN: joined with 2, 1 and 0 zero frames), one with an odd frame size (the join's 2-byte
-        // words in bf16).
-        for (ws, cached, hw) in [
-            ([6, 4, 3, 3, 3], 0, [6, 10]),
-            ([6, 4, 3, 3, 3], 1, [6, 10]),
-            ([6, 4, 3, 3, 3], 2, [6, 10]),
-            ([8, 4, 3, 1, 1], 2, [6, 10]), // upsample3d's time_conv
-            ([5, 4, 1, 1, 1], 0, [6, 10]),
-            ([16, 16, 3, 3, 3], 2, [6, 10]),
-            ([6, 3, 3, 3, 3], 2, [5, 7]),
+        // words in bf16). The last two span several transpose tiles (64 elements per side when both
+        // contiguous extents are even, else 32) with ragged edges: even channels and planes (word
+        // pairs), then odd ones (single elements) in and out, in a batch of 2 (the cache is per item).
+        for (ws, cached, hw, batch) in [
+            ([6, 4, 3, 3, 3], 0, [6, 10], 1),
+            ([6, 4, 3, 3, 3], 1, [6, 10], 1),
+            ([6, 4, 3, 3, 3], 2, [6, 10], 1),
+            ([8, 4, 3, 1, 1], 2, [6, 10], 1), // upsample3d's time_conv
+            ([5, 4, 1, 1, 1], 0, [6, 10], 1),
+            ([16, 16, 3, 3, 3], 2, [6, 10], 1),
+            ([6, 3, 3, 3, 3], 2, [5, 7], 1),
+            ([72, 66, 3, 3, 3], 2, [9, 14], 1),
+            ([67, 65, 3, 3, 3], 1, [5, 13], 2),
         ] {
-            let x = randn(&[1, ws[1], 3, hw[0], hw[1]], dtype, 110);
+            let x = randn(&[batch, ws[1], 3, hw[0], hw[1]], dtype, 110);
             let w = randn(&ws, dtype, 111);
             let b = randn(&[ws[0]], dtype, 112);
-            let cache = (cached > 0).then(|| randn(&[1, ws[1], cached, hw[0], hw[1]], dtype, 113));
+            let cache =
+                (cached > 0).then(|| randn(&[batch, ws[1], cached, hw[0], hw[1]], dtype, 113));
             let gcache = cache.as_ref().map(|c| c.to_device(dev)).transpose()?;
             let (gx, gw, gb) = (x.to_device(dev)?, w.to_device(dev)?, b.to_device(dev)?);
             let taps = ws[1] * ws[2] * ws[3] * ws[4];
@@ -802,6 +812,46 @@ fn convolutions_match_cpu() -> Result<()> {
                 &cpu,
                 atol(81, DType::F32),
                 rtol(DType::BF16),
+            );
+        }
+        // The channels-last path keeps each weight's filter: a second weight of the same shape must
+        // not reuse the first's, and the first, asked again (also through a reshape, as conv2d does),
+        // must still give its own result.
+        let x = randn(&[1, 8, 3, 6, 10], dtype, 135);
+        let gx = x.to_device(dev)?;
+        let weights = [136, 137].map(|seed| randn(&[8, 8, 3, 3, 3], dtype, seed));
+        let gweights = weights
+            .iter()
+            .map(|w| w.to_device(dev))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        for i in [0, 1, 0] {
+            let cpu = k::causal_conv3d(&x, &weights[i], None, None)?;
+            let out = with_conv_algo(ConvAlgo::CudnnNdhwc, || {
+                k::causal_conv3d(&gx, &gweights[i], None, None)
+            })?;
+            check(
+                &format!("causal_conv3d cudnn_ndhwc filter {i}"),
+                &out,
+                &cpu,
+                atol(8 * 27, dtype),
+                rtol(dtype),
+            );
+        }
+        let frames = x.permute(&[0, 2, 1, 3, 4])?.reshape(&[3, 8, 6, 10])?;
+        let w2 = randn(&[8, 8, 3, 3], dtype, 138);
+        let gw2 = w2.to_device(dev)?;
+        let cpu = k::conv2d(&frames, &w2, None, [1, 1], [1, 1])?;
+        let gframes = frames.to_device(dev)?;
+        for _ in 0..2 {
+            let out = with_conv_algo(ConvAlgo::CudnnNdhwc, || {
+                k::conv2d(&gframes, &gw2, None, [1, 1], [1, 1])
+            })?;
+            check(
+                "conv2d cudnn_ndhwc filter kept",
+                &out,
+                &cpu,
+                atol(8 * 9, dtype),
+                rtol(dtype),
             );
         }
         // Resampling moves stored values: exact.

@@ -9,8 +9,14 @@
 //! `decoder/src/vae` (config.rs `up_blocks`, layers.rs). Batch 1, bf16 by default (`--dtype f32`).
 //!
 //! Paths (`RESULT\t<path>\t<case>\t<ms>\t<TFLOP/s>`):
+//! - `auto`: `causal_conv3d` as the decoder runs it (`ConvAlgo::Auto`: im2col for the unpadded 1×1×1
+//!   convs, `via_ndhwc` for the rest; the `ROUTE` lines say which), transposes included;
 //! - `im2col`: `causal_conv3d` forced to im2col + cuBLASLt (the cache read in place, bias scattered);
-//! - `cudnn`: `causal_conv3d` forced to cuDNN (cache and zero frames joined by one copy, cuDNN, bias);
+//! - `cudnn`: `causal_conv3d` forced to cuDNN on NCDHW (cache and zero frames joined by one copy, cuDNN,
+//!   bias);
+//! - `via_ndhwc`: `causal_conv3d` forced to cuDNN on a channels-last copy (`ConvAlgo::CudnnNdhwc`: the
+//!   join written transposed to NDHWC by one kernel, cuDNN, the transpose back with the bias by one
+//!   kernel): what `cudnn_ndhwc` costs with our NCDHW tensors;
 //! - `cudnn_prejoined`: cuDNN `conv3d` (+ bias) on an input that already holds the cached frames, i.e.
 //!   the convolution alone, as `bench/conv_torch.py` times torch's;
 //! - `cudnn_ndhwc`: the same on channels-last tensors (`conv3d_channels_last`): whether a channels-last
@@ -24,7 +30,8 @@
 //! 2·C_out·C_in·kt·kh·kw·T·H·W (the bias not counted). Inputs: seeded normals (beyond 16 Mi elements
 //! one block repeated, `ditstream_bench::random_input`), weights scaled by 1/√fan_in.
 //!
-//! Also printed: `CHECK` (cuDNN vs im2col, and channels-last vs channels-first, at full size), `TOTAL`
+//! Also printed: `CHECK` (cuDNN and the routed path vs im2col, and channels-last vs channels-first, at
+//! full size), `ROUTE` (the path `auto` takes per case), `TOTAL`
 //! (Σ calls × time over one chunk, per path) and `PLAN` (the algorithm cuDNN chose per shape, and how
 //! long choosing took: `DITSTREAM_CUDNN_SEARCH=heuristic` compares cuDNN's ranking with its measurement).
 
@@ -32,9 +39,21 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use cudarc::driver::sys::CUevent_flags;
 use ditstream_bench::{median, random_input};
-use ditstream_kernels::cuda::{ConvAlgo, cudnn_conv_plans, cudnn_version, with_conv_algo};
+use ditstream_kernels::cuda::{
+    ConvAlgo, auto_conv_algo, cudnn_conv_plans, cudnn_version, with_conv_algo,
+};
 use ditstream_kernels::testing::max_abs_diff;
 use ditstream_kernels::{DType, Device, Tensor, causal_conv3d, conv3d, conv3d_channels_last};
+
+/// Every path `--paths` may name.
+const PATHS: [&str; 6] = [
+    "auto",
+    "im2col",
+    "cudnn",
+    "via_ndhwc",
+    "cudnn_prejoined",
+    "cudnn_ndhwc",
+];
 
 #[derive(Parser, Debug)]
 #[command(about = "Time the VAE decoder's convolutions per CUDA path")]
@@ -54,8 +73,12 @@ struct Args {
     /// Timed batches (the median is reported).
     #[arg(long, default_value_t = 5)]
     iters: usize,
-    /// Only these paths (comma-separated: im2col, cudnn, cudnn_prejoined, cudnn_ndhwc).
-    #[arg(long, default_value = "im2col,cudnn,cudnn_prejoined,cudnn_ndhwc")]
+    /// Only these paths (comma-separated: auto, im2col, cudnn, via_ndhwc, cudnn_prejoined,
+    /// cudnn_ndhwc).
+    #[arg(
+        long,
+        default_value = "auto,im2col,cudnn,via_ndhwc,cudnn_prejoined,cudnn_ndhwc"
+    )]
     paths: String,
     /// Appended to every path name in the output (e.g. `_heur` for a run with
     /// DITSTREAM_CUDNN_SEARCH=heuristic).
@@ -175,7 +198,7 @@ fn main() -> Result<()> {
     };
     let paths: Vec<&str> = args.paths.split(',').map(str::trim).collect();
     for p in &paths {
-        if !["im2col", "cudnn", "cudnn_prejoined", "cudnn_ndhwc"].contains(p) {
+        if !PATHS.contains(p) {
             bail!("--paths: unknown path {p:?}");
         }
     }
@@ -239,24 +262,37 @@ fn main() -> Result<()> {
             conv3d_channels_last(&joined_last, &w_last, Some(&b), [1, 1, 1], padding)
                 .map_err(anyhow::Error::from)
         };
+        println!(
+            "ROUTE\t{}\t{:?}",
+            c.name,
+            auto_conv_algo(c.kernel, kh > 1 || kw > 1 || c.cached < kt - 1)
+        );
         if !args.no_check {
             // Full-size agreement of the paths (also the first, measuring, cuDNN call of each shape).
             let reference = causal(ConvAlgo::Im2col)?;
             let via_cudnn = causal(ConvAlgo::Cudnn)?;
+            let via_ndhwc = causal(ConvAlgo::CudnnNdhwc)?;
+            let routed = causal(ConvAlgo::Auto)?;
             let last = ndhwc()?.permute(&[0, 4, 1, 2, 3])?;
             println!(
-                "CHECK\t{}\tcudnn vs im2col max|diff| {:.3e} rel rms {:.2e}\tndhwc vs cudnn max|diff| \
-                 {:.3e}",
+                "CHECK\t{}\tcudnn vs im2col max|diff| {:.3e} rel rms {:.2e}\tvia_ndhwc vs im2col \
+                 max|diff| {:.3e} rel rms {:.2e}\tauto vs im2col rel rms {:.2e}\tndhwc vs cudnn \
+                 max|diff| {:.3e}",
                 c.name,
                 max_abs_diff(&via_cudnn, &reference)?,
                 rel_rms(&via_cudnn, &reference)?,
+                max_abs_diff(&via_ndhwc, &reference)?,
+                rel_rms(&via_ndhwc, &reference)?,
+                rel_rms(&routed, &reference)?,
                 max_abs_diff(&last, &prejoined()?)?
             );
         }
         for (pi, path) in paths.iter().enumerate() {
             let secs = match *path {
+                "auto" => time(&mut || causal(ConvAlgo::Auto))?,
                 "im2col" => time(&mut || causal(ConvAlgo::Im2col))?,
                 "cudnn" => time(&mut || causal(ConvAlgo::Cudnn))?,
+                "via_ndhwc" => time(&mut || causal(ConvAlgo::CudnnNdhwc))?,
                 "cudnn_prejoined" => time(&mut || prejoined())?,
                 _ => time(&mut || ndhwc())?,
             };

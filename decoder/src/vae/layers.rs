@@ -281,8 +281,14 @@ impl Upsampler {
                     Some(rest) => Some(channels_to_frames(&time_conv.forward(pass, &rest?)?)?),
                     None => None,
                 };
-                let parts: Vec<&Tensor> = bypass.iter().chain(doubled.iter()).collect();
-                Tensor::concat(&parts, 2)?
+                match (bypass, doubled) {
+                    // Every chunk after the first: nothing to join (a concat of one part would copy it).
+                    (None, Some(doubled)) => doubled,
+                    (bypass, doubled) => {
+                        let parts: Vec<&Tensor> = bypass.iter().chain(doubled.iter()).collect();
+                        Tensor::concat(&parts, 2)?
+                    }
+                }
             }
         };
         self.conv.forward(pass, &upsample_nearest2x(&x)?)

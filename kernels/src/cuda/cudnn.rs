@@ -9,7 +9,7 @@
 //! - Loading: cudarc panics when libcudnn (or one of its symbols) cannot be loaded. [`DnnSlot`] probes
 //!   the library before the first call, and every cuDNN call runs under [`catch`], so absence is
 //!   `KernelError::CudaUnavailable { library: "libcudnn" }`, remembered per device. `ConvAlgo::Auto`
-//!   then falls back to im2col (with one warning); `ConvAlgo::Cudnn` returns the error.
+//!   then falls back to im2col (with one warning); `ConvAlgo::Cudnn` and `CudnnNdhwc` return the error.
 //! - Algorithm: `cudnnFindConvolutionForwardAlgorithmEx` on the first call's own buffers (each candidate
 //!   run and timed, as torch's `cudnn.benchmark = True` does), with up to [`FIND_WORKSPACE_BYTES`] of
 //!   workspace; the fastest that succeeded is kept. Should Find fail, the heuristic ranking

@@ -30,7 +30,9 @@ use cudarc::driver::{
 };
 
 pub use attention_kernel::{AttentionKernel, FLASH_VARIANTS, FlashVariant, with_attention_kernel};
-pub use conv_algo::{AUTO_CONV_ALGO, ConvAlgo, conv_algo, with_conv_algo};
+pub use conv_algo::{
+    AUTO_CONV_ALGO, AUTO_POINTWISE_CONV_ALGO, ConvAlgo, auto_conv_algo, conv_algo, with_conv_algo,
+};
 pub(crate) use copy::{Layout, copy_strided};
 pub use cudnn::{cudnn_conv_plans, cudnn_version};
 pub use nvrtc::{CudaConfig, set_cuda_config};

@@ -1,8 +1,11 @@
-// Helpers of the two CUDA convolution paths (see cuda.rs), and nearest x2 upsampling.
+// Helpers of the three CUDA convolution paths (see cuda.rs), and nearest x2 upsampling.
 //
 // im2col path: im2col + a cuBLASLt GEMM per block of output pixels + conv_bias_scatter.
-// cuDNN path: conv_join_frames (only where a time padding is not symmetric or frames are cached) +
+// cuDNN NCDHW path: conv_join_frames (only where a time padding is not symmetric or frames are cached) +
 // cudnnConvolutionForward + conv_bias_add.
+// cuDNN NDHWC path: conv_to_ndhwc (the frame join and the transpose in one pass) +
+// cudnnConvolutionForward on channels-last data + conv_from_ndhwc (the transpose back and the bias in
+// one pass).
 //
 // im2col: for one batch item and a range [p0, p0 + np) of flattened output pixels (t, h, w), writes
 // col[tap][p] = input value under kernel tap (c, dt, dh, dw) for output pixel p, or 0 in the padding.
@@ -23,6 +26,8 @@
 // 1 for channels-last). `vec` (chosen on the host) processes 16-byte words of V = 16/sizeof(T) elements
 // that share one channel (inner % V == 0) or hold V consecutive channels (inner == 1, channels % V == 0),
 // so one index division serves V elements.
+//
+// conv_to_ndhwc / conv_from_ndhwc: tiled transposes (below).
 
 // Mirrors `ConvGeom` in cuda.rs (all i64: no padding questions).
 struct ConvGeom {
@@ -153,3 +158,160 @@ CONV(bf16, bf16)
         conv_bias_scatter(block, bias, out, c_out, np, p0, p_total, has_bias);                        \
     }
 FOR_TYPES2(SCATTER)
+
+// ---- The channels-last path's two transposes ----
+//
+// Both are batched transposes through shared memory: a block of TR_WORDS × TR_ROWS threads moves one
+// tile of TE × TE elements of one slab, reading rows along the source's contiguous axis and writing rows
+// along the destination's, so both global sides are coalesced. With PACK = 2 every global access moves
+// a word of two adjacent elements (4 bytes for bf16, 8 for f32: 128 or 256 bytes per warp); the host
+// picks PACK = 2 only when both contiguous extents are even, which keeps every word aligned (buffers
+// start 256-byte aligned and every row starts at an even element). PACK = 1 serves the rest.
+// Tiles are stored as raw bits (an unsigned type of the element's size): the join is a bit copy, and
+// the way back converts to f32 only to add the bias.
+
+constexpr int TR_WORDS = 32;  // words per tile side: threads in x
+constexpr int TR_ROWS = 8;    // threads in y
+
+template <int BYTES> struct Bits;
+template <> struct Bits<2> { typedef unsigned short T; };
+template <> struct Bits<4> { typedef unsigned int T; };
+template <> struct Bits<8> { typedef unsigned long long T; };
+
+// A word of PACK elements of bits U, viewed either way.
+template <typename U, int PACK> union Word {
+    typename Bits<sizeof(U) * PACK>::T word;
+    U elem[PACK];
+};
+
+// One tile of a batched transpose. The source is [rows, cols] with cols contiguous, row r at src_row(r)
+// (nullptr: a row of zeros); the destination is [cols, rows] with rows contiguous, written by
+// put(k, r, word) for destination row k, elements r..r+PACK (all in range: the caller checked), or
+// put_tail(k, r, elem) element by element at the ragged ends. Tile origin: source row r0, column k0.
+// Every thread of the block must call it (it synchronises).
+template <typename U, int PACK, typename SrcRow, typename Put, typename PutTail>
+__device__ void transpose_tile(U (*tile)[TR_WORDS * PACK + 1], i64 rows, i64 cols, i64 r0, i64 k0,
+                               SrcRow src_row, Put put, PutTail put_tail) {
+    constexpr int TE = TR_WORDS * PACK;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    for (int i = ty; i < TE; i += TR_ROWS) {
+        const i64 r = r0 + i, k = k0 + (i64)tx * PACK;
+        const U* row = r < rows ? src_row(r) : nullptr;
+        Word<U, PACK> w;
+        if (row != nullptr && k + PACK <= cols) {
+            w.word = *reinterpret_cast<const decltype(w.word)*>(row + k);
+        } else {
+#pragma unroll
+            for (int j = 0; j < PACK; ++j) w.elem[j] = (row != nullptr && k + j < cols) ? row[k + j] : U(0);
+        }
+#pragma unroll
+        for (int j = 0; j < PACK; ++j) tile[i][tx * PACK + j] = w.elem[j];
+    }
+    __syncthreads();
+    for (int i = ty; i < TE; i += TR_ROWS) {
+        const i64 k = k0 + i, r = r0 + (i64)tx * PACK;
+        if (k >= cols || r >= rows) continue;
+        Word<U, PACK> w;
+#pragma unroll
+        for (int j = 0; j < PACK; ++j) w.elem[j] = tile[tx * PACK + j][i];
+        if (r + PACK <= rows) {
+            put(k, r, w);
+        } else {
+            for (int j = 0; r + j < rows; ++j) put_tail(k, r + j, w.elem[j]);
+        }
+    }
+    __syncthreads();  // the tile is reused by the block's next slab
+}
+
+// conv_to_ndhwc: out [B, F, plane, C] (F = zeros_front + cached + x_frames + zeros_back) ← the frame
+// join of conv_join_frames (zero frames, cache [B, C, cached, plane], x [B, C, x_frames, plane], zero
+// frames), transposed to channels last. Per slab s = (b, f): source [C, plane] (a channel's frame is
+// contiguous), destination [plane, C]. Grid: x over plane tiles, y over channel tiles, z over slabs
+// (grid-stride).
+template <typename U, int PACK>
+__device__ void conv_to_ndhwc(const U* x, const U* cache, U* out, i64 batch, i64 channels,
+                              i64 zeros_front, i64 cached, i64 x_frames, i64 zeros_back, i64 plane) {
+    constexpr int TE = TR_WORDS * PACK;
+    __shared__ U tile[TE][TE + 1];
+    const i64 frames = zeros_front + cached + x_frames + zeros_back;
+    const i64 k0 = (i64)blockIdx.x * TE, r0 = (i64)blockIdx.y * TE;
+    for (i64 s = blockIdx.z; s < batch * frames; s += gridDim.z) {
+        const i64 b = s / frames, f = s % frames;
+        const i64 fc = f - zeros_front, fx = fc - cached;
+        auto src_row = [&](i64 c) -> const U* {
+            if (fc >= 0 && fc < cached) return cache + ((b * channels + c) * cached + fc) * plane;
+            if (fx >= 0 && fx < x_frames) return x + ((b * channels + c) * x_frames + fx) * plane;
+            return nullptr;
+        };
+        U* slab = out + s * plane * channels;
+        auto put = [&](i64 p, i64 c, const Word<U, PACK>& w) {
+            *reinterpret_cast<decltype(w.word)*>(slab + p * channels + c) = w.word;
+        };
+        auto put_tail = [&](i64 p, i64 c, U v) { slab[p * channels + c] = v; };
+        transpose_tile<U, PACK>(tile, channels, plane, r0, k0, src_row, put, put_tail);
+    }
+}
+
+#define TO_NDHWC(NAME, U, PACK)                                                                       \
+    extern "C" __global__ void __launch_bounds__(TR_WORDS * TR_ROWS) conv_to_ndhwc_##NAME(           \
+        const U* x, const U* cache, U* out, i64 batch, i64 channels, i64 zeros_front, i64 cached,    \
+        i64 x_frames, i64 zeros_back, i64 plane) {                                                    \
+        conv_to_ndhwc<U, PACK>(x, cache, out, batch, channels, zeros_front, cached, x_frames,         \
+                               zeros_back, plane);                                                    \
+    }
+TO_NDHWC(e2_p1, unsigned short, 1)
+TO_NDHWC(e2_p2, unsigned short, 2)
+TO_NDHWC(e4_p1, unsigned int, 1)
+TO_NDHWC(e4_p2, unsigned int, 2)
+
+// Element bits ↔ f32 for the bias add on the way back.
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+    typedef unsigned int U;
+    static __device__ __forceinline__ float get(U b) { return __uint_as_float(b); }
+    static __device__ __forceinline__ U make(float v) { return __float_as_uint(v); }
+};
+template <> struct Elem<bf16> {
+    typedef unsigned short U;
+    static __device__ __forceinline__ float get(U b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
+    static __device__ __forceinline__ U make(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+};
+
+// conv_from_ndhwc: out [B, C, P] = y [B, P, C] transposed (+ bias[c] when has_bias, added in f32 and
+// rounded once). Per slab b: source [P, C] (a pixel's channels are contiguous), destination [C, P].
+// Grid: x over pixel tiles, y over channel tiles, z over batch items (grid-stride).
+template <typename T, typename B, int PACK>
+__device__ void conv_from_ndhwc(const T* y, const B* bias, T* out, i64 batch, i64 channels, i64 pixels,
+                                int has_bias) {
+    typedef typename Elem<T>::U U;
+    constexpr int TE = TR_WORDS * PACK;
+    __shared__ U tile[TE][TE + 1];
+    const U* yb = reinterpret_cast<const U*>(y);
+    U* ob = reinterpret_cast<U*>(out);
+    const i64 r0 = (i64)blockIdx.x * TE, k0 = (i64)blockIdx.y * TE;
+    for (i64 b = blockIdx.z; b < batch; b += gridDim.z) {
+        auto src_row = [&](i64 p) -> const U* { return yb + (b * pixels + p) * channels; };
+        auto biased = [&](i64 c, U v) -> U {
+            return has_bias ? Elem<T>::make(Elem<T>::get(v) + ld(bias + c)) : v;
+        };
+        auto put = [&](i64 c, i64 p, const Word<U, PACK>& w) {
+            Word<U, PACK> o;
+#pragma unroll
+            for (int j = 0; j < PACK; ++j) o.elem[j] = biased(c, w.elem[j]);
+            *reinterpret_cast<decltype(o.word)*>(ob + (b * channels + c) * pixels + p) = o.word;
+        };
+        auto put_tail = [&](i64 c, i64 p, U v) { ob[(b * channels + c) * pixels + p] = biased(c, v); };
+        transpose_tile<U, PACK>(tile, pixels, channels, r0, k0, src_row, put, put_tail);
+    }
+}
+
+#define FROM_NDHWC(TN, T, BN, B)                                                                      \
+    extern "C" __global__ void __launch_bounds__(TR_WORDS * TR_ROWS) conv_from_ndhwc_##TN##_##BN##_p1( \
+        const T* y, const B* bias, T* out, i64 batch, i64 channels, i64 pixels, int has_bias) {      \
+        conv_from_ndhwc<T, B, 1>(y, bias, out, batch, channels, pixels, has_bias);                    \
+    }                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(TR_WORDS * TR_ROWS) conv_from_ndhwc_##TN##_##BN##_p2( \
+        const T* y, const B* bias, T* out, i64 batch, i64 channels, i64 pixels, int has_bias) {      \
+        conv_from_ndhwc<T, B, 2>(y, bias, out, batch, channels, pixels, has_bias);                    \
+    }
+FOR_TYPES2(FROM_NDHWC)

@@ -1,26 +1,36 @@
 //! CUDA twins of the convolutions and of nearest ×2 upsampling (`conv.cu`). A convolution takes one of
-//! two paths, chosen by [`ConvAlgo`] (default `Auto`: [`AUTO_CONV_ALGO`] where it applies):
+//! three paths, chosen by [`ConvAlgo`] (default `Auto`: [`auto_conv_algo`] per call, i.e. im2col for an
+//! unpadded 1×1×1 kernel and cuDNN on channels-last data for everything else):
 //!
-//! **cuDNN** (`crate::cuda::cudnn`): `cudnnConvolutionForward` on our NCDHW tensors, the algorithm
-//! measured once per shape, then `conv_bias_add` in place. cuDNN pads symmetrically and reads one
-//! input buffer, so a causal conv (time padding kt − 1 in front, none behind) and its cached frames are
-//! first joined into one buffer by one copy (`conv_join_frames`: zero frames, cache, x) and run with no
-//! time padding; a conv with symmetric padding and no cache reads x in place.
+//! **cuDNN on NCDHW** (`crate::cuda::cudnn`, [`ConvAlgo::Cudnn`]): `cudnnConvolutionForward` on our
+//! NCDHW tensors, the algorithm measured once per shape, then `conv_bias_add` in place. cuDNN pads
+//! symmetrically and reads one input buffer, so a causal conv (time padding kt − 1 in front, none
+//! behind) and its cached frames are first joined into one buffer by one copy (`conv_join_frames`:
+//! zero frames, cache, x) and run with no time padding; a conv with symmetric padding and no cache
+//! reads x in place.
 //!
-//! **im2col + cuBLASLt**, f32 accumulation: for batch item b and output pixels [p0, p0 + np)
-//! (flattened t, h, w), col [K = C_in·kt·kh·kw, np] ← im2col; block [C_out, np] = w [C_out, K] · col;
-//! then out[b, :, p0..p0 + np] = block + bias (`conv_bias_scatter`). Blocks are sized so that col holds
-//! at most [`COL_BUDGET`] elements: memory stays bounded whatever the frame size (at 480p the 96-wide
-//! 3×3×3 convs take ~26k pixels per block). A causal conv's cached frames are read in place by im2col
-//! (no concatenated copy of the input). A 1×1×1 conv without padding, stride or cache whose one block
-//! covers the item skips im2col: the input already is col.
+//! **cuDNN on NDHWC** ([`ConvAlgo::CudnnNdhwc`]): cuDNN's legacy NCDHW algorithms are slow at some of
+//! the VAE's shapes (20 TFLOP/s at 96 channels full size) where its channels-last ones are not, so the
+//! input is rewritten channels-last once: `conv_to_ndhwc` writes the frame join above (zero frames,
+//! cache, x) transposed to [B, F, H, W, C_in] in one pass; cuDNN convolves it with the filter
+//! [C_out, kt, kh, kw, C_in] (made once per weight tensor and kept, see [`ndhwc_filter`]) into
+//! [B, T_out, H_out, W_out, C_out]; `conv_from_ndhwc` transposes that back to NCDHW adding the bias in
+//! the same pass. Our tensors stay NCDHW.
+//!
+//! **im2col + cuBLASLt** ([`ConvAlgo::Im2col`]), f32 accumulation: for batch item b and output pixels
+//! [p0, p0 + np) (flattened t, h, w), col [K = C_in·kt·kh·kw, np] ← im2col; block [C_out, np] =
+//! w [C_out, K] · col; then out[b, :, p0..p0 + np] = block + bias (`conv_bias_scatter`). Blocks are sized
+//! so that col holds at most [`COL_BUDGET`] elements: memory stays bounded whatever the frame size (at
+//! 480p the 96-wide 3×3×3 convs take ~26k pixels per block). A causal conv's cached frames are read in
+//! place by im2col (no concatenated copy of the input). A 1×1×1 conv without padding, stride or cache
+//! whose one block covers the item skips im2col: the input already is col.
 //!
 //! GEMM mapping onto column-major cuBLASLt (`crate::cuda::gemm`): row-major block [C_out × np] is
 //! column-major [np × C_out] = col' [np × K] · w' [K × C_out], where col's row-major [K × np] buffer is
 //! col' with ld np and w's row-major [C_out × K] buffer is w' with ld K: m = np, n = C_out, k = K, no
 //! transposes.
 //!
-//! Both paths: operands of different dtypes are promoted to f32 (exact for bf16) and the result cast
+//! All paths: operands of different dtypes are promoted to f32 (exact for bf16) and the result cast
 //! back to x's dtype, as `linear` does. In bf16 the convolution's sum is rounded to bf16 before the bias
 //! is added (two roundings where the CPU has one): see the parity tolerances in
 //! `kernels/tests/cuda_parity.rs`.
@@ -28,14 +38,18 @@
 //! [`conv3d_channels_last`] runs cuDNN on channels-last tensors: the measured answer to whether a
 //! channels-last VAE would pay (`bench/src/bin/conv.rs`).
 
-use cudarc::driver::{DeviceRepr, PushKernelArg};
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex, Weak};
+
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::cpu::ConvGeometry;
 use crate::cuda::cudnn::{self, DnnConvKey, DnnLayout};
 use crate::cuda::{
-    AUTO_CONV_ALGO, ConvAlgo, CudaBackend, CudaStorage, KernelSource, conv_algo, gemm::GemmKey,
+    ConvAlgo, CudaBackend, CudaStorage, KernelSource, auto_conv_algo, conv_algo, gemm::GemmKey,
     gemm::gemm, grid_1d, suffix,
 };
+use crate::tensor::Storage;
 use crate::{DType, KernelError, Result, Tensor};
 
 pub(crate) const SOURCE: KernelSource = KernelSource {
@@ -75,17 +89,21 @@ fn common_dtype(x: &Tensor, w: &Tensor) -> DType {
     }
 }
 
-/// The path one call takes: im2col, or cuDNN with its shape and the zero frames to join in front of and
-/// behind the input (cached frames are joined too).
+/// The path one call takes: im2col, or cuDNN with its shape (whose layout says which of the two cuDNN
+/// paths) and the zero frames to join in front of and behind the input (cached frames are joined too).
 enum Path {
     Im2col,
     Cudnn { key: DnnConvKey, zeros: [usize; 2] },
 }
 
-/// The cuDNN form of `g` in NCDHW: time padding made symmetric by joining the excess as zero frames
+/// The cuDNN form of `g` in `layout`: time padding made symmetric by joining the excess as zero frames
 /// (`zeros` [front, back]); `None` where H or W padding is asymmetric (never from the public ops) or a
 /// size exceeds cuDNN's 32-bit descriptors.
-fn cudnn_form(g: &ConvGeometry, dtype: DType) -> Option<(DnnConvKey, [usize; 2])> {
+fn cudnn_form(
+    g: &ConvGeometry,
+    dtype: DType,
+    layout: DnnLayout,
+) -> Option<(DnnConvKey, [usize; 2])> {
     if g.pad_front[1..] != g.pad_back[1..] {
         return None;
     }
@@ -93,7 +111,7 @@ fn cudnn_form(g: &ConvGeometry, dtype: DType) -> Option<(DnnConvKey, [usize; 2])
     let zeros = [g.pad_front[0] - t_pad, g.pad_back[0] - t_pad];
     let key = DnnConvKey {
         dtype,
-        layout: DnnLayout::Ncdhw,
+        layout,
         batch: g.batch,
         c_in: g.in_channels,
         c_out: g.out_channels,
@@ -105,30 +123,44 @@ fn cudnn_form(g: &ConvGeometry, dtype: DType) -> Option<(DnnConvKey, [usize; 2])
     key.fits().then_some((key, zeros))
 }
 
+/// The cuDNN layout of a cuDNN path.
+fn dnn_layout(algo: ConvAlgo) -> Option<DnnLayout> {
+    match algo {
+        ConvAlgo::Cudnn => Some(DnnLayout::Ncdhw),
+        ConvAlgo::CudnnNdhwc => Some(DnnLayout::Ndhwc),
+        ConvAlgo::Auto | ConvAlgo::Im2col => None,
+    }
+}
+
 /// The path for this call under the thread's [`ConvAlgo`].
 fn choose(backend: &CudaBackend, op: &'static str, g: &ConvGeometry, dtype: DType) -> Result<Path> {
-    let form = cudnn_form(g, dtype);
     let cudnn = |(key, zeros)| Path::Cudnn { key, zeros };
     match conv_algo() {
         ConvAlgo::Im2col => Ok(Path::Im2col),
-        ConvAlgo::Cudnn => {
-            let form = form.ok_or_else(|| {
+        ConvAlgo::Auto => {
+            let padded = g.pad_front.iter().chain(&g.pad_back).any(|&p| p > 0);
+            let form = dnn_layout(auto_conv_algo(g.kernel, padded))
+                .and_then(|layout| cudnn_form(g, dtype, layout));
+            Ok(match form {
+                Some(form) if cudnn::available(backend) => cudnn(form),
+                _ => Path::Im2col,
+            })
+        }
+        forced => {
+            let layout = dnn_layout(forced).ok_or_else(|| {
+                KernelError::arg(op, "ConvAlgo", format!("{forced:?}"), "not a cuDNN path")
+            })?;
+            let form = cudnn_form(g, dtype, layout).ok_or_else(|| {
                 KernelError::arg(
                     op,
                     "ConvAlgo",
-                    "Cudnn",
+                    format!("{forced:?}"),
                     "cuDNN needs symmetric H/W padding and fewer than 2³¹ elements per tensor",
                 )
             })?;
             cudnn::ensure(backend)?;
             Ok(cudnn(form))
         }
-        ConvAlgo::Auto => Ok(match form {
-            Some(form) if AUTO_CONV_ALGO != ConvAlgo::Im2col && cudnn::available(backend) => {
-                cudnn(form)
-            }
-            _ => Path::Im2col,
-        }),
     }
 }
 
@@ -157,21 +189,30 @@ pub(super) fn conv3d(
             None => Ok(zeros),
         };
     }
-    let (xc, wc) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?);
+    let xc = x.to_dtype(dtype)?;
     let cache = cache.map(|c| c.to_dtype(dtype)).transpose()?;
     let backend = CudaBackend::get(xc.cuda_storage(op)?.ordinal)?;
     let out = match choose(&backend, op, g, dtype)? {
-        Path::Im2col => im2col_conv3d(&backend, op, cache.as_ref(), &xc, &wc, bias, g, dtype)?,
-        Path::Cudnn { key, zeros } => cudnn_conv3d(
-            &backend,
-            op,
-            cache.as_ref(),
-            &xc,
-            &wc,
-            bias,
-            g,
-            (&key, zeros),
-        )?,
+        Path::Im2col => {
+            let wc = w.to_dtype(dtype)?;
+            im2col_conv3d(&backend, op, cache.as_ref(), &xc, &wc, bias, g, dtype)?
+        }
+        Path::Cudnn { key, zeros } if key.layout == DnnLayout::Ndhwc => {
+            ndhwc_conv3d(&backend, op, cache.as_ref(), &xc, w, bias, g, (&key, zeros))?
+        }
+        Path::Cudnn { key, zeros } => {
+            let wc = w.to_dtype(dtype)?;
+            cudnn_conv3d(
+                &backend,
+                op,
+                cache.as_ref(),
+                &xc,
+                &wc,
+                bias,
+                g,
+                (&key, zeros),
+            )?
+        }
     };
     Tensor::from_cuda(out, &out_shape).to_dtype(x.dtype())
 }
@@ -216,6 +257,238 @@ fn cudnn_conv3d(
     if let Some(bias) = bias {
         bias_add(backend, op, &out, bias, (n, g.out_channels, pixels))?;
     }
+    Ok(out)
+}
+
+/// The channels-last cuDNN path of [`conv3d`] on x and cache already in `key.dtype` (non-empty output
+/// and sum; `key.layout` is NDHWC): `conv_to_ndhwc` writes `zeros[0]` zero frames, the cache, x and
+/// `zeros[1]` zero frames as one [B, F, H, W, C_in] buffer, cuDNN convolves it with w's channels-last
+/// filter, and `conv_from_ndhwc` writes the [B, C_out, T_out, H_out, W_out] result in `key.dtype` with
+/// the bias added. `w` is the caller's weight (any dtype): its filter is made once and kept.
+#[allow(clippy::too_many_arguments)]
+fn ndhwc_conv3d(
+    backend: &CudaBackend,
+    op: &'static str,
+    cache: Option<&Tensor>,
+    xc: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    g: &ConvGeometry,
+    (key, zeros): (&DnnConvKey, [usize; 2]),
+) -> Result<CudaStorage> {
+    let cached = cache.map_or(0, |c| c.shape()[2]);
+    let cache_ptr = match cache {
+        Some(c) => c.cuda_storage(op)?.ptr(),
+        None => 0,
+    };
+    let frames = [zeros[0], cached, g.input[0] - cached, zeros[1]];
+    let input = to_ndhwc(
+        backend,
+        op,
+        key.dtype,
+        (xc.cuda_storage(op)?.ptr(), cache_ptr),
+        (g.batch, g.in_channels),
+        frames,
+        g.input[1] * g.input[2],
+    )?;
+    let filter = ndhwc_filter(op, w, key.dtype)?;
+    let pixels: usize = key.output().iter().product();
+    let y = backend.alloc(key.dtype, g.batch * pixels * g.out_channels)?;
+    cudnn::conv_forward(
+        backend,
+        op,
+        key,
+        input.ptr(),
+        filter.cuda_storage(op)?.ptr(),
+        y.ptr(),
+    )?;
+    // input and y are freed stream-ordered once the kernels that read them are queued.
+    from_ndhwc(backend, op, &y, bias, (g.batch, g.out_channels, pixels))
+}
+
+/// The channels-last filter of weight `w` [C_out, C_in, kt, kh, kw]: [C_out, kt, kh, kw, C_in] in
+/// `dtype`, made on the first call for this tensor (one permute, and a cast if the dtypes differ) and
+/// kept for later calls while `w` lives (the VAE calls each conv once per chunk with the same weight).
+///
+/// The cache is keyed by the identity of w's storage (plus shape and dtype: a reshape shares storage):
+/// each entry holds a `Weak` of that storage, which keeps its address from being reused while the entry
+/// exists, so an entry whose `Weak` still upgrades is the same, immutable buffer. Entries of dropped
+/// weights are swept whenever a filter is made, so their copies do not outlive them by more than that.
+fn ndhwc_filter(op: &'static str, w: &Tensor, dtype: DType) -> Result<Tensor> {
+    #[derive(PartialEq, Eq, Hash)]
+    struct Key {
+        storage: usize,
+        shape: Vec<usize>,
+        dtype: DType,
+    }
+    struct Entry {
+        weight: Weak<Storage>,
+        filter: Tensor,
+    }
+    static FILTERS: LazyLock<Mutex<HashMap<Key, Entry>>> = LazyLock::new(Default::default);
+
+    let weight = w.storage_weak();
+    let key = Key {
+        storage: weight.as_ptr() as usize,
+        shape: w.shape().to_vec(),
+        dtype,
+    };
+    // A poisoned lock only means another thread panicked while inserting; the map is still valid.
+    let mut filters = FILTERS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(entry) = filters.get(&key)
+        && entry.weight.strong_count() > 0
+    {
+        return Ok(entry.filter.clone());
+    }
+    // A CUDA tensor (checked by the caller's cuda_storage); the permute runs on its device.
+    w.cuda_storage(op)?;
+    let filter = w.to_dtype(dtype)?.permute(&[0, 2, 3, 4, 1])?;
+    filters.retain(|_, e| e.weight.strong_count() > 0);
+    filters.insert(
+        key,
+        Entry {
+            weight,
+            filter: filter.clone(),
+        },
+    );
+    Ok(filter)
+}
+
+/// Elements per word of the transposes' global accesses: 2 when both contiguous extents are even (every
+/// word then starts at an even element, so it is aligned), else 1.
+fn transpose_pack(contiguous_in: usize, contiguous_out: usize) -> usize {
+    if contiguous_in.is_multiple_of(2) && contiguous_out.is_multiple_of(2) {
+        2
+    } else {
+        1
+    }
+}
+
+/// The launch of a `conv.cu` transpose: `tiles` = (x, y) tiles of 32·pack elements per side, z the
+/// slabs (at most 65,535 blocks: the kernels loop over the rest).
+fn transpose_grid(tiles: (usize, usize), slabs: usize) -> Result<LaunchConfig> {
+    const WORDS: u32 = 32; // TR_WORDS of conv.cu
+    const ROWS: u32 = 8; // TR_ROWS
+    // CUDA's grid limits: 2³¹ − 1 blocks in x, 65,535 in y and z.
+    let (x, y) = (tiles.0.max(1), tiles.1.max(1));
+    if x > i32::MAX as usize || y > 65_535 {
+        return Err(KernelError::arg(
+            "conv",
+            "transpose tiles",
+            format!("{tiles:?}"),
+            "at most 2³¹ − 1 pixel tiles and 65,535 channel tiles",
+        ));
+    }
+    let (x, y) = (x as u32, y as u32);
+    Ok(LaunchConfig {
+        grid_dim: (x, y, slabs.clamp(1, 65_535) as u32),
+        block_dim: (WORDS, ROWS, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// `conv_to_ndhwc`'s instance for `dtype` (a bit copy: named by element size) and `pack`.
+fn to_ndhwc_kernel(dtype: DType, pack: usize) -> String {
+    format!("conv_to_ndhwc_e{}_p{pack}", dtype.size_in_bytes())
+}
+
+/// `conv_from_ndhwc`'s instance for data `dtype`, bias `bias_dtype` and `pack`.
+fn from_ndhwc_kernel(dtype: DType, bias_dtype: DType, pack: usize) -> String {
+    format!(
+        "conv_from_ndhwc_{}_{}_p{pack}",
+        suffix(dtype),
+        suffix(bias_dtype)
+    )
+}
+
+/// [B, F, plane, C] in `dtype` holding, along F, `frames[0]` zero frames, the `frames[1]` frames of the
+/// cache [B, C, frames[1], plane] at `cache_ptr`, the `frames[2]` frames of x [B, C, frames[2], plane]
+/// at `x_ptr` and `frames[3]` zero frames: the frame join and the NCDHW → NDHWC transpose in one kernel.
+fn to_ndhwc(
+    backend: &CudaBackend,
+    op: &'static str,
+    dtype: DType,
+    (x_ptr, cache_ptr): (u64, u64),
+    (batch, channels): (usize, usize),
+    frames: [usize; 4],
+    plane: usize,
+) -> Result<CudaStorage> {
+    let total: usize = frames.iter().sum();
+    let out = backend.alloc(dtype, batch * total * plane * channels)?;
+    if batch * total * plane * channels == 0 {
+        return Ok(out);
+    }
+    let pack = transpose_pack(plane, channels);
+    let f = backend.function(&SOURCE, &to_ndhwc_kernel(dtype, pack))?;
+    let tile = 32 * pack;
+    let cfg = transpose_grid(
+        (plane.div_ceil(tile), channels.div_ceil(tile)),
+        batch * total,
+    )?;
+    let out_ptr = out.ptr();
+    let [zf, cached, x_frames, zb] = frames.map(|v| v as i64);
+    let (b, c, p) = (batch as i64, channels as i64, plane as i64);
+    let mut launch = backend.stream.launch_builder(&f);
+    launch
+        .arg(&x_ptr)
+        .arg(&cache_ptr)
+        .arg(&out_ptr)
+        .arg(&b)
+        .arg(&c)
+        .arg(&zf)
+        .arg(&cached)
+        .arg(&x_frames)
+        .arg(&zb)
+        .arg(&p);
+    // SAFETY: x holds B·C·x_frames·plane elements and cache B·C·cached·plane (read only when cached > 0),
+    // out B·F·plane·C, all of `dtype` (whose size the kernel's element type has); with pack 2, plane and C
+    // are even, so every word access is aligned (buffers start 256-byte aligned).
+    unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    Ok(out)
+}
+
+/// out [B, C, P] = y [B, P, C] transposed, + bias [C] when given (added in f32, rounded once): the
+/// NDHWC → NCDHW transpose of a convolution's result with its bias, in one kernel; y's dtype.
+fn from_ndhwc(
+    backend: &CudaBackend,
+    op: &'static str,
+    y: &CudaStorage,
+    bias: Option<&Tensor>,
+    (batch, channels, pixels): (usize, usize, usize),
+) -> Result<CudaStorage> {
+    let dtype = y.dtype();
+    let out = backend.alloc(dtype, batch * channels * pixels)?;
+    if batch * channels * pixels == 0 {
+        return Ok(out);
+    }
+    let pack = transpose_pack(channels, pixels);
+    let bias_dtype = bias.map_or(dtype, |b| b.dtype());
+    let f = backend.function(&SOURCE, &from_ndhwc_kernel(dtype, bias_dtype, pack))?;
+    let tile = 32 * pack;
+    let cfg = transpose_grid((pixels.div_ceil(tile), channels.div_ceil(tile)), batch)?;
+    let (y_ptr, out_ptr) = (y.ptr(), out.ptr());
+    let bias_ptr = match bias {
+        Some(b) => b.cuda_storage(op)?.ptr(),
+        None => 0,
+    };
+    let (b, c, p, has_bias) = (
+        batch as i64,
+        channels as i64,
+        pixels as i64,
+        i32::from(bias.is_some()),
+    );
+    let mut launch = backend.stream.launch_builder(&f);
+    launch
+        .arg(&y_ptr)
+        .arg(&bias_ptr)
+        .arg(&out_ptr)
+        .arg(&b)
+        .arg(&c)
+        .arg(&p)
+        .arg(&has_bias);
+    // SAFETY: y and out hold B·P·C elements of `dtype`, bias C elements (read only when has_bias); with
+    // pack 2, C and P are even, so every word access is aligned (buffers start 256-byte aligned).
+    unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     Ok(out)
 }
 
@@ -516,4 +789,45 @@ pub(super) fn upsample_nearest2x(
             .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok(Tensor::from_cuda(out, out_shape))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transposes_pack_pairs_only_when_aligned() {
+        assert_eq!(transpose_pack(480 * 832, 96), 2);
+        assert_eq!(transpose_pack(5 * 7, 96), 1); // odd plane
+        assert_eq!(transpose_pack(4 * 480 * 832, 3), 1); // conv_out's 3 channels
+        let grid = transpose_grid((3, 2), 70_000).expect("grid");
+        assert_eq!(grid.grid_dim, (3, 2, 65_535));
+        assert_eq!(grid.block_dim, (32, 8, 1));
+        assert!(transpose_grid((1, 70_000), 1).is_err());
+    }
+
+    /// Every transpose instance the host can ask for exists in conv.cu's CUBIN (NVRTC only, no GPU;
+    /// skips where libnvrtc is absent, as the compile test of every source does).
+    #[test]
+    fn every_transpose_instance_is_compiled() -> Result<()> {
+        // SAFETY: only dlopens the candidate names.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: libnvrtc not found");
+            return Ok(());
+        }
+        let cubin = crate::cuda::nvrtc::cubin(&SOURCE, "sm_90a")?;
+        let has = |name: &str| cubin.windows(name.len()).any(|w| w == name.as_bytes());
+        for dtype in [DType::F32, DType::BF16] {
+            for pack in [1, 2] {
+                assert!(has(&to_ndhwc_kernel(dtype, pack)), "{dtype:?} {pack}");
+                for bias in [DType::F32, DType::BF16] {
+                    assert!(
+                        has(&from_ndhwc_kernel(dtype, bias, pack)),
+                        "{dtype:?} {bias:?} {pack}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
 }

@@ -3,8 +3,9 @@
 //! turns time_conv's doubled channels into doubled frames; plus a channels-last Conv3d, which measures
 //! whether that layout would pay on a GPU (see [`conv3d_channels_last`]).
 //!
-//! On CUDA a convolution runs through cuDNN or im2col + cuBLASLt (`cuda.rs`; the choice is
-//! `ditstream_kernels::cuda::ConvAlgo`).
+//! On CUDA a convolution runs through im2col + cuBLASLt, cuDNN on our NCDHW tensors, or cuDNN on a
+//! channels-last copy made and undone inside the call (`cuda.rs`; the choice is
+//! `ditstream_kernels::cuda::ConvAlgo`, by default routed per kernel).
 
 pub(crate) mod cpu;
 #[cfg(feature = "cuda")]

@@ -3,16 +3,25 @@
 //! and H.264 encoder: latent chunks → fragmented-MP4 segments). [`Pipeline`] joins them in one
 //! process for `ditstream serve`; the denoiser and decoder pools each build one half.
 //!
-//! The models are built once from the config; a request only allocates its own state.
+//! The models are built once from the config, on the devices it names (`serving.device`,
+//! `serving.gpus`: see [`crate::models`]); a request only allocates its own state.
+//!
+//! Ranks. One rank runs on the calling thread. Several (a denoiser mesh, a parallel-VAE decoder
+//! instance) run on persistent rank threads ([`crate::ranks`]), one per rank, each with its own
+//! model copy on its own GPU (on the CPU the ranks share one copy), over communicators formed once
+//! when the stage is built: NCCL with `device: cuda`, the in-process backend on the CPU.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::sync::mpsc::{Sender, SyncSender, sync_channel};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use ditstream_common::collectives::cpu::{CpuComm, CpuRank, CpuWorld};
+use ditstream_common::collectives::CommWorld;
+#[cfg(feature = "cuda")]
+use ditstream_common::collectives::DEFAULT_TIMEOUT;
+use ditstream_common::collectives::cpu::CpuComm;
 use ditstream_common::config::{
-    Config, DeviceKind, EncoderKind, Preset, SamplerConfig, VaeSplitDim, WeightSource as SourceKind,
+    Config, DeviceKind, EncoderKind, SamplerConfig, VaeSplitDim, WeightSource as SourceKind,
 };
 use ditstream_common::mesh::Mesh;
 use ditstream_decoder::encode::{
@@ -20,17 +29,17 @@ use ditstream_decoder::encode::{
     VideoParams, X264Options, encode_single_fragment, vae_output_to_rgb,
 };
 use ditstream_decoder::parallel::{ParallelDecodeStream, ParallelVaeDecoder};
-use ditstream_decoder::vae::{DecodeStream, VaeConfig, WanVaeDecoder};
+use ditstream_decoder::vae::{DecodeStream, WanVaeDecoder};
 use ditstream_denoiser::denoise::{
     Control, DenoiseError, DenoiseParams, Experts, StepProgress, denoise, initial_noise,
 };
-use ditstream_denoiser::model::{WanConfig, WanTransformer};
-use ditstream_denoiser::parallel::{self, MeshComms, ParallelError, check_mesh};
+use ditstream_denoiser::parallel::{self, MeshComms, ParallelError, TensorWire, check_mesh};
 use ditstream_denoiser::text::TextEncoder;
-use ditstream_kernels::weights::RandomWeights;
-use ditstream_kernels::{DType, Device, Tensor};
+use ditstream_kernels::{Device, Tensor};
 
 use crate::engine::{Event, Phase, Segment, Timings, ms};
+use crate::models::{self, DenoiserModels};
+use crate::ranks::{RankGroup, RankState, Ranks, Threads};
 use crate::request::GenerateParams;
 
 /// Why the pipeline stopped a request early.
@@ -79,10 +88,6 @@ pub struct Done {
     pub segments: u32,
 }
 
-/// Seed of the built-in tiny model's random weights: fixed, so every process of a deployment
-/// (gateway, denoiser and decoder pools) serves the same model.
-const TINY_WEIGHT_SEED: u64 = 0;
-
 /// The model name a config serves: the preset, or the checkpoint folder's name.
 pub fn model_name(cfg: &Config) -> String {
     match (&cfg.model.checkpoint, cfg.model.weights) {
@@ -97,47 +102,166 @@ pub fn model_name(cfg: &Config) -> String {
     }
 }
 
-fn check_device(cfg: &Config) -> anyhow::Result<()> {
-    if cfg.serving.device == DeviceKind::Cuda {
-        bail!("serving.device = cuda: the CUDA backend is not built yet; use `device: cpu`");
-    }
-    Ok(())
+/// The GPU ordinals of `devices` (all `Device::Cuda` with `device: cuda`).
+#[cfg(feature = "cuda")]
+fn gpu_ordinals(devices: &[Device]) -> anyhow::Result<Vec<usize>> {
+    devices
+        .iter()
+        .map(|d| match d {
+            Device::Cuda(g) => Ok(*g),
+            Device::Cpu => bail!("a rank of a CUDA group was placed on the CPU"),
+        })
+        .collect()
 }
 
 /// The denoiser pool's half: text encoder and transformer(s), run on the config's mesh.
 pub struct DenoiseStage {
     text: TextEncoder,
-    high: WanTransformer,
-    /// Wan2.2-A14B's low-noise expert and its boundary ratio.
-    low: Option<(WanTransformer, f64)>,
     sampler: SamplerConfig,
-    /// cfg × cp × ulysses ranks; on the CPU each rank is a thread.
+    /// cfg × cp × ulysses ranks.
     mesh: Mesh,
+    /// Rank r's device.
+    devices: Vec<Device>,
+    /// The transformer's `in_channels`.
+    latent_channels: usize,
+    ranks: DenoiseRanks,
+}
+
+/// Who runs the loop.
+enum DenoiseRanks {
+    /// One rank, on the calling thread.
+    Single(Arc<DenoiserModels>),
+    /// A mesh of persistent rank threads (one request at a time: the lock).
+    Mesh(Mutex<Box<dyn Ranks<DenoiseJob, DenoiseOut>>>),
+}
+
+/// What every rank of a mesh needs for one request (shared, read-only).
+struct DenoiseRequest {
+    params: DenoiseParams,
+    /// Initial noise [1, C, T, H, W], f32, on the host.
+    noise: Tensor,
+    /// Text states [1, S, text_dim] on the host; each rank moves them to its device once.
+    cond: Tensor,
+    uncond: Tensor,
+}
+
+/// Rank 0's progress after a step, and where the caller's verdict goes back.
+type StepReport = (StepProgress, SyncSender<Control>);
+
+/// One rank's part of a request.
+struct DenoiseJob {
+    request: Arc<DenoiseRequest>,
+    /// Rank 0 only: each step's progress goes to the caller, which answers continue or cancel.
+    progress: Option<Sender<StepReport>>,
+}
+
+type DenoiseOut = Result<Tensor, ParallelError>;
+
+/// One rank of the denoiser mesh: its model copy, its device, its communicators.
+struct DenoiseRank<C> {
+    models: Arc<DenoiserModels>,
+    device: Device,
+    mesh: Mesh,
+    comms: Option<MeshComms<C>>,
+}
+
+impl<C> DenoiseRank<C> {
+    /// Rank r's state: the model copy and device of rank r, not yet connected.
+    fn for_ranks(copies: &[Arc<DenoiserModels>], devices: &[Device], mesh: Mesh) -> Vec<Self> {
+        copies
+            .iter()
+            .zip(devices)
+            .map(|(models, &device)| DenoiseRank {
+                models: Arc::clone(models),
+                device,
+                mesh,
+                comms: None,
+            })
+            .collect()
+    }
+}
+
+impl<W> RankState<W> for DenoiseRank<W::Comm>
+where
+    W: CommWorld,
+    W::Comm: TensorWire + Send + 'static,
+{
+    type Job = DenoiseJob;
+    type Out = DenoiseOut;
+
+    fn connect(&mut self, world: &W) -> anyhow::Result<()> {
+        self.comms = Some(MeshComms::new(world, self.mesh)?);
+        Ok(())
+    }
+
+    fn disconnect(&mut self) {
+        self.comms = None;
+    }
+
+    fn failed(out: &DenoiseOut) -> bool {
+        // An agreed cancel ends every rank after the same step, the communicators intact.
+        !matches!(
+            out,
+            Ok(_) | Err(ParallelError::Denoise(DenoiseError::Cancelled { .. }))
+        )
+    }
+
+    fn run(&mut self, job: DenoiseJob) -> DenoiseOut {
+        let comms = self.comms.as_ref().ok_or_else(|| ParallelError::Mesh {
+            mesh: self.mesh.to_string(),
+            what: "communicators",
+            value: 0,
+            rule: "this rank is not connected (its last join failed)".into(),
+        })?;
+        let r = &job.request;
+        let cond = r.cond.to_device(self.device)?;
+        let uncond = r.uncond.to_device(self.device)?;
+        let experts = Experts {
+            high: &self.models.high,
+            low: self.models.low.as_ref().map(|(m, b)| (m, *b)),
+        };
+        parallel::denoise(
+            experts,
+            comms,
+            &r.params,
+            r.noise.clone(),
+            &cond,
+            Some(&uncond),
+            |step| match &job.progress {
+                Some(caller) => ask(caller, step),
+                None => Control::Continue,
+            },
+        )
+    }
+}
+
+/// Hands a step's progress to the caller and waits for its verdict (cancel if it has gone).
+fn ask(caller: &Sender<StepReport>, step: StepProgress) -> Control {
+    let (tx, rx) = sync_channel(1);
+    if caller.send((step, tx)).is_err() {
+        return Control::Cancel;
+    }
+    rx.recv().unwrap_or(Control::Cancel)
 }
 
 impl DenoiseStage {
-    /// Builds the text encoder and transformer(s) the config names (validated already).
+    /// Builds the text encoder and transformer(s) the config names (validated already), on the
+    /// devices it names, and forms the mesh's communicators.
     pub fn from_config(cfg: &Config) -> anyhow::Result<DenoiseStage> {
-        check_device(cfg)?;
-        let m = &cfg.model;
-        let (text, high, low) = match (m.weights, &m.checkpoint, m.preset) {
-            (SourceKind::Random, _, Some(Preset::Tiny)) => {
-                let weights = RandomWeights::new(TINY_WEIGHT_SEED);
-                let dit = WanTransformer::new(
-                    WanConfig::preset(Preset::Tiny),
-                    &weights,
-                    DType::F32,
-                    Device::Cpu,
-                )?;
-                (TextEncoder::tiny(TINY_WEIGHT_SEED)?, dit, None)
-            }
-            (SourceKind::Random, _, Some(p)) => bail!(
-                "model.preset = {p} with random weights: the CPU backend only runs `tiny` this way \
-                 (the text encoder alone would be umT5-XXL); point model.checkpoint at a checkpoint"
-            ),
-            (SourceKind::Checkpoint, Some(dir), _) => load_denoiser_checkpoint(dir)?,
-            _ => bail!("model: validation should have refused this combination"),
-        };
+        let mesh = cfg.validate(None)?;
+        let devices = models::rank_devices(cfg, "the denoiser mesh", mesh.world_size())?;
+        // The text encoder draws on one core (random weights) while the transformer's weights
+        // are drawn on all of them.
+        let (text, copies) = std::thread::scope(|scope| {
+            let text = scope.spawn(|| models::text_encoder(cfg));
+            let copies = models::denoiser_models(cfg, &devices);
+            let text = text
+                .join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("building the text encoder panicked")));
+            (text, copies)
+        });
+        let (text, copies) = (text?, copies?);
+        let high = &copies[0].high;
         if high.config().text_dim != text.d_model() {
             bail!(
                 "the transformer's text_dim {} differs from the text encoder's width {}",
@@ -145,14 +269,44 @@ impl DenoiseStage {
                 text.d_model()
             );
         }
-        let mesh = cfg.validate(None)?;
         check_mesh(&mesh, high.config(), mesh.world_size())?;
+        let latent_channels = high.config().in_channels;
+        let ranks = if mesh.world_size() == 1 {
+            DenoiseRanks::Single(Arc::clone(&copies[0]))
+        } else {
+            let group: Box<dyn Ranks<DenoiseJob, DenoiseOut>> = match cfg.serving.device {
+                DeviceKind::Cpu => Box::new(RankGroup::<Threads, DenoiseRank<CpuComm>>::start(
+                    "denoise",
+                    Threads,
+                    DenoiseRank::for_ranks(&copies, &devices, mesh),
+                )?),
+                #[cfg(feature = "cuda")]
+                DeviceKind::Cuda => Box::new(RankGroup::<
+                    crate::ranks::Nccl,
+                    DenoiseRank<ditstream_common::collectives::nccl::NcclComm>,
+                >::start(
+                    "denoise",
+                    crate::ranks::Nccl {
+                        gpus: gpu_ordinals(&devices)?,
+                        timeout: DEFAULT_TIMEOUT,
+                    },
+                    DenoiseRank::for_ranks(&copies, &devices, mesh),
+                )?),
+                #[cfg(not(feature = "cuda"))]
+                DeviceKind::Cuda => {
+                    bail!("serving.device = cuda: this binary was built without CUDA")
+                }
+            };
+            DenoiseRanks::Mesh(Mutex::new(group))
+        };
+        tracing::info!(%mesh, devices = ?devices, "denoiser stage ready");
         Ok(DenoiseStage {
             text,
-            high,
-            low,
             sampler: cfg.sampler.clone(),
             mesh,
+            devices,
+            latent_channels,
+            ranks,
         })
     }
 
@@ -161,13 +315,35 @@ impl DenoiseStage {
         &self.mesh
     }
 
+    /// Rank r's device.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// How many times the mesh's communicators have been formed: 1 after start-up, one more
+    /// before the first request after each failed one; 0 for a single rank (none needed).
+    pub fn connections(&self) -> u64 {
+        match &self.ranks {
+            DenoiseRanks::Single(_) => 0,
+            DenoiseRanks::Mesh(group) => lock(group).connections(),
+        }
+    }
+
+    /// Why the stage can serve nothing more, if it cannot (a rank thread is gone).
+    pub fn out_of_service(&self) -> Option<String> {
+        match &self.ranks {
+            DenoiseRanks::Single(_) => None,
+            DenoiseRanks::Mesh(group) => lock(group).out_of_service().map(str::to_string),
+        }
+    }
+
     /// Latent channels (the transformer's `in_channels`).
     pub fn latent_channels(&self) -> usize {
-        self.high.config().in_channels
+        self.latent_channels
     }
 
     /// Prompt and negative prompt, encoded in one batch (repeats come from the cache):
-    /// each [1, 512, text_dim].
+    /// each [1, 512, text_dim], on the host.
     pub fn text_states(&self, p: &GenerateParams) -> anyhow::Result<(Tensor, Tensor)> {
         let embeds = self.text.encode(&[&p.prompt, &p.negative_prompt])?;
         Ok((
@@ -176,7 +352,7 @@ impl DenoiseStage {
         ))
     }
 
-    /// The denoised latent [1, C, T, H/8, W/8] from the request's seed.
+    /// The denoised latent [1, C, T, H/8, W/8] (f32, on the host) from the request's seed.
     pub fn denoise_latent(
         &self,
         p: &GenerateParams,
@@ -185,6 +361,7 @@ impl DenoiseStage {
         on_step: impl FnMut(StepProgress) -> Control,
     ) -> Result<Tensor, DenoiseError> {
         let (lt, lh, lw) = latent_grid(p);
+        // Drawn on the host from the seed, whatever the device: the same noise everywhere.
         let noise = initial_noise([1, self.latent_channels(), lt, lh, lw], p.seed)?;
         let params = DenoiseParams {
             sampler: self.sampler.kind,
@@ -193,68 +370,83 @@ impl DenoiseStage {
             guidance_scale: p.guidance_scale,
             guidance_scale_2: p.guidance_scale_2,
         };
-        let experts = Experts {
-            high: &self.high,
-            low: self.low.as_ref().map(|(m, b)| (m, *b)),
-        };
-        if self.mesh.world_size() == 1 {
-            return denoise(experts, &params, noise, cond, Some(uncond), on_step);
-        }
-        self.denoise_on_mesh(experts, &params, noise, cond, uncond, on_step)
-    }
-
-    /// The loop on every rank of the mesh, ranks as threads over the in-process collectives: rank 0
-    /// runs on the calling thread (it reports progress and can cancel; the ranks agree on
-    /// cancellation after every step), the others on scoped threads. Fresh communicators per
-    /// request mean a failed request leaves nothing poisoned behind.
-    fn denoise_on_mesh(
-        &self,
-        experts: Experts<'_>,
-        params: &DenoiseParams,
-        noise: Tensor,
-        cond: &Tensor,
-        uncond: &Tensor,
-        mut on_step: impl FnMut(StepProgress) -> Control,
-    ) -> Result<Tensor, DenoiseError> {
-        let world = CpuWorld::new(self.mesh.world_size());
-        let mut ranks = world.ranks().into_iter();
-        let Some(rank0) = ranks.next() else {
-            unreachable!("a mesh has at least one rank");
-        };
-        let mesh = self.mesh;
-        // The text states reach every rank once (in one process, by reference: the broadcast).
-        let run = |rank: CpuRank, on_step: &mut dyn FnMut(StepProgress) -> Control| {
-            let comms = MeshComms::new(&rank, mesh)?;
-            parallel::denoise(
-                experts,
-                &comms,
-                params,
-                noise.clone(),
-                cond,
-                Some(uncond),
-                on_step,
-            )
-        };
-        let result = std::thread::scope(|scope| {
-            let others: Vec<_> = ranks
-                .map(|rank| scope.spawn(move || run(rank, &mut |_| Control::Continue)))
-                .collect();
-            let mine = run(rank0, &mut on_step);
-            for other in others {
-                // Every rank ends with the same latent or an error: rank 0's answer speaks for the
-                // request. A panicking rank poisons the group, so rank 0 has failed too.
-                let _ = other.join();
+        match &self.ranks {
+            DenoiseRanks::Single(models) => {
+                let device = self.devices[0];
+                let to_device = |t: &Tensor| {
+                    t.to_device(device)
+                        .map_err(|e| DenoiseError::Model(e.into()))
+                };
+                let experts = Experts {
+                    high: &models.high,
+                    low: models.low.as_ref().map(|(m, b)| (m, *b)),
+                };
+                denoise(
+                    experts,
+                    &params,
+                    noise,
+                    &to_device(cond)?,
+                    Some(&to_device(uncond)?),
+                    on_step,
+                )
             }
-            mine
-        });
-        result.map_err(|e| match e {
-            ParallelError::Denoise(d) => d,
-            other => DenoiseError::Input {
-                what: "parallel denoise",
-                rule: other.to_string(),
-            },
-        })
+            DenoiseRanks::Mesh(group) => {
+                let request = Arc::new(DenoiseRequest {
+                    params,
+                    noise,
+                    cond: cond.clone(),
+                    uncond: uncond.clone(),
+                });
+                let mut group = lock(group);
+                run_on_mesh(&mut **group, &self.mesh, request, on_step)
+            }
+        }
     }
+}
+
+/// The loop on every rank of the mesh: rank 0 reports each step here, where `on_step` runs on
+/// the caller's thread and its verdict goes back (the ranks agree on cancellation after every
+/// step); the other ranks report nothing. Waits for every rank, so the mesh is idle when this
+/// returns, and answers with rank 0's outcome (every rank ends with the same latent or an error).
+fn run_on_mesh(
+    group: &mut dyn Ranks<DenoiseJob, DenoiseOut>,
+    mesh: &Mesh,
+    request: Arc<DenoiseRequest>,
+    mut on_step: impl FnMut(StepProgress) -> Control,
+) -> Result<Tensor, DenoiseError> {
+    let failed = |rule: String| DenoiseError::Input {
+        what: "parallel denoise",
+        rule,
+    };
+    let (progress_tx, progress_rx) = std::sync::mpsc::channel::<StepReport>();
+    let jobs = (0..group.size())
+        .map(|rank| DenoiseJob {
+            request: Arc::clone(&request),
+            progress: (rank == 0).then(|| progress_tx.clone()),
+        })
+        .collect();
+    drop(progress_tx);
+    let replies = group
+        .run(jobs)
+        .map_err(|e| failed(format!("mesh {mesh}: {e:#}")))?;
+    // Ends when rank 0's job ends (its sender is dropped with the job).
+    for (step, verdict) in progress_rx {
+        let _ = verdict.send(on_step(step));
+    }
+    let mut outcomes = group.replies(&replies).into_iter();
+    match outcomes.next() {
+        Some(Ok(Ok(latent))) => Ok(latent),
+        Some(Ok(Err(ParallelError::Denoise(d)))) => Err(d),
+        Some(Ok(Err(other))) => Err(failed(other.to_string())),
+        Some(Err(panicked)) => Err(failed(panicked)),
+        None => Err(failed(format!("mesh {mesh} has no ranks"))),
+    }
+}
+
+fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The guarded values are rank groups, whose state stays consistent across a panic in a
+    // caller (every field update is a single assignment).
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Latent frames, height and width of a request (Wan 2.1 VAE: 4× in time, causal; 8× in space).
@@ -264,11 +456,178 @@ pub fn latent_grid(p: &GenerateParams) -> (usize, usize, usize) {
 
 /// The decoder pool's half: VAE and H.264 encoder.
 pub struct DecodeStage {
-    vae: Arc<WanVaeDecoder>,
     encoder: EncoderBackend,
-    /// Ranks of the decoder instance (`parallel_vae_size`); on the CPU each rank is a thread.
-    vae_ranks: usize,
+    /// Latent channels the VAE decodes.
+    z_dim: usize,
+    /// Rank r's device.
+    devices: Vec<Device>,
+    /// Rank 0's VAE, for the unsharded reference decode ([`DecodeStage::render_whole`]).
+    whole: Arc<WanVaeDecoder>,
+    vae: VaeRanks,
+}
+
+/// Who decodes.
+enum VaeRanks {
+    /// One rank: any number of requests decode at once on the calling threads.
+    Single(Arc<WanVaeDecoder>),
+    /// A parallel-VAE instance of persistent rank threads; one chunk at a time (the lock), so
+    /// every rank sees every request's steps in the same order.
+    Sharded(Mutex<Sharded>),
+}
+
+/// A parallel-VAE instance and its session numbering.
+struct Sharded {
+    ranks: Box<dyn Ranks<VaeJob, VaeOut>>,
+    next_session: u64,
+}
+
+/// One step of one request on every rank of a parallel-VAE instance.
+enum VaeJob {
+    /// A request starts: a stream for its whole latent of this size.
+    Start {
+        session: u64,
+        latent_height: usize,
+        latent_width: usize,
+    },
+    /// The next latent chunk [1, C, n, h, w] (host or device): every rank decodes its band, rank 0
+    /// gathers the frames.
+    Chunk { session: u64, latent: Tensor },
+    /// The request ended: its streams go.
+    End { session: u64 },
+}
+
+/// A rank's answer to a [`VaeJob`].
+enum VaeOut {
+    /// Done: rank 0's gathered video chunk [1, 3, F, H, W] on the host, or nothing.
+    Done(Option<Tensor>),
+    /// Refused before any communication (the instance is as it was).
+    Refused(anyhow::Error),
+    /// Failed while communicating: the instance must form fresh communicators.
+    Failed(anyhow::Error),
+}
+
+/// One rank of a parallel-VAE instance.
+struct VaeRank<C> {
+    vae: Arc<WanVaeDecoder>,
     split: VaeSplitDim,
+    decoder: Option<ParallelVaeDecoder<C>>,
+    streams: std::collections::HashMap<u64, ParallelDecodeStream>,
+}
+
+impl<C> VaeRank<C> {
+    /// Rank r's state: the VAE copy of rank r, not yet connected.
+    fn for_ranks(copies: &[Arc<WanVaeDecoder>], split: VaeSplitDim) -> Vec<Self> {
+        copies
+            .iter()
+            .map(|vae| VaeRank {
+                vae: Arc::clone(vae),
+                split,
+                decoder: None,
+                streams: Default::default(),
+            })
+            .collect()
+    }
+}
+
+impl<W> RankState<W> for VaeRank<W::Comm>
+where
+    W: CommWorld,
+    W::Comm: Send + 'static,
+{
+    type Job = VaeJob;
+    type Out = VaeOut;
+
+    fn connect(&mut self, world: &W) -> anyhow::Result<()> {
+        let all: Vec<usize> = (0..world.world_size()).collect();
+        let comm = world
+            .split(&[all])?
+            .context("every rank is in the instance's one group")?;
+        self.decoder = Some(ParallelVaeDecoder::new(
+            Arc::clone(&self.vae),
+            comm,
+            self.split,
+        ));
+        Ok(())
+    }
+
+    fn disconnect(&mut self) {
+        self.streams.clear();
+        self.decoder = None;
+    }
+
+    fn failed(out: &VaeOut) -> bool {
+        matches!(out, VaeOut::Failed(_))
+    }
+
+    fn run(&mut self, job: VaeJob) -> VaeOut {
+        let Some(decoder) = self.decoder.as_mut() else {
+            return VaeOut::Refused(anyhow::anyhow!("this VAE rank is not connected"));
+        };
+        match job {
+            VaeJob::Start {
+                session,
+                latent_height,
+                latent_width,
+            } => match decoder.new_stream(latent_height, latent_width) {
+                Ok(stream) => {
+                    self.streams.insert(session, stream);
+                    VaeOut::Done(None)
+                }
+                Err(e) => VaeOut::Refused(e.into()),
+            },
+            VaeJob::Chunk { session, latent } => {
+                let Some(stream) = self.streams.get_mut(&session) else {
+                    return VaeOut::Refused(anyhow::anyhow!("no VAE stream for session {session}"));
+                };
+                let mut step = || -> anyhow::Result<Option<Tensor>> {
+                    let band = stream.band_of(&latent)?;
+                    let frames = decoder.decode_chunk(stream, &band)?;
+                    // The encoding rank needs the frames on the host anyway; gathering there
+                    // also keeps the peers' host-staged bands and its own on one device.
+                    let frames = if decoder.rank() == 0 {
+                        frames.to_device(Device::Cpu)?
+                    } else {
+                        frames
+                    };
+                    Ok(decoder.gather_frames(stream, &frames)?)
+                };
+                match step() {
+                    Ok(video) => VaeOut::Done(video),
+                    Err(e) => VaeOut::Failed(e),
+                }
+            }
+            VaeJob::End { session } => {
+                self.streams.remove(&session);
+                VaeOut::Done(None)
+            }
+        }
+    }
+}
+
+impl Sharded {
+    /// Runs `job(rank)` on every rank; rank 0's output, or the first error.
+    fn step(&mut self, job: impl Fn() -> VaeJob) -> anyhow::Result<Option<Tensor>> {
+        let jobs = (0..self.ranks.size()).map(|_| job()).collect();
+        let replies = self.ranks.run(jobs)?;
+        let mut first = None;
+        let mut error = None;
+        for (rank, reply) in self.ranks.replies(&replies).into_iter().enumerate() {
+            match reply {
+                Ok(VaeOut::Done(video)) if rank == 0 => first = video,
+                Ok(VaeOut::Done(_)) => {}
+                Ok(VaeOut::Refused(e) | VaeOut::Failed(e)) => {
+                    error.get_or_insert(e.context(format!("VAE rank {rank}")));
+                }
+                Err(panicked) => {
+                    error.get_or_insert(anyhow::anyhow!("VAE rank {rank}: {panicked}"));
+                }
+            }
+        }
+        match error {
+            Some(e) => Err(e),
+            None => Ok(first),
+        }
+    }
 }
 
 /// One request's decode state: the VAE's causal caches and the segment writer.
@@ -278,6 +637,7 @@ pub struct DecodeSession<'a> {
     writer: SegmentWriter,
     latent_frames: usize,
     latent_frames_done: usize,
+    latent_size: (usize, usize),
     /// Video frames decoded so far.
     pub frames: u32,
     /// Segments produced so far.
@@ -288,22 +648,21 @@ pub struct DecodeSession<'a> {
     pub encode_ms: f64,
 }
 
+/// A request's VAE state: one stream, or a session on a parallel-VAE instance (its streams live
+/// on the rank threads), started under the instance's `connections` count.
+enum SessionVae {
+    Single(DecodeStream),
+    Sharded { session: u64, connections: u64 },
+}
+
 impl DecodeStage {
-    /// Builds the VAE and checks the encoder backend the config names.
+    /// Builds the VAE on the devices the config names, forms a parallel-VAE instance's
+    /// communicators, and checks the encoder backend.
     pub fn from_config(cfg: &Config) -> anyhow::Result<DecodeStage> {
-        check_device(cfg)?;
-        let m = &cfg.model;
-        let vae = match (m.weights, &m.checkpoint, m.preset) {
-            (SourceKind::Random, _, Some(Preset::Tiny)) => WanVaeDecoder::from_weights(
-                tiny_vae_config(),
-                &RandomWeights::new(TINY_WEIGHT_SEED),
-            )?,
-            (SourceKind::Random, _, Some(p)) => bail!(
-                "model.preset = {p} with random weights: the CPU backend only runs `tiny` this way"
-            ),
-            (SourceKind::Checkpoint, Some(dir), _) => WanVaeDecoder::load(&dir.join("vae"))?,
-            _ => bail!("model: validation should have refused this combination"),
-        };
+        let vae_ranks = cfg.vae_layout().size();
+        let devices = models::rank_devices(cfg, "a decoder instance", vae_ranks)?;
+        let copies = models::vae_decoders(cfg, &devices)?;
+        let z_dim = copies[0].config().z_dim;
         let encoder = match cfg.serving.encoder {
             EncoderKind::Openh264 => EncoderBackend::OpenH264(OpenH264Options::default()),
             EncoderKind::X264 => EncoderBackend::X264(X264Options::default()),
@@ -316,32 +675,77 @@ impl DecodeStage {
                 fps: 16,
             })
             .with_context(|| format!("serving.encoder = {:?}", cfg.serving.encoder))?;
+        let vae = if vae_ranks == 1 {
+            VaeRanks::Single(Arc::clone(&copies[0]))
+        } else {
+            let split = cfg.parallel_config.parallel_vae_split_dim;
+            let ranks: Box<dyn Ranks<VaeJob, VaeOut>> = match cfg.serving.device {
+                DeviceKind::Cpu => Box::new(RankGroup::<Threads, VaeRank<CpuComm>>::start(
+                    "vae",
+                    Threads,
+                    VaeRank::for_ranks(&copies, split),
+                )?),
+                #[cfg(feature = "cuda")]
+                DeviceKind::Cuda => Box::new(RankGroup::<
+                    crate::ranks::Nccl,
+                    VaeRank<ditstream_common::collectives::nccl::NcclComm>,
+                >::start(
+                    "vae",
+                    crate::ranks::Nccl {
+                        gpus: gpu_ordinals(&devices)?,
+                        timeout: DEFAULT_TIMEOUT,
+                    },
+                    VaeRank::for_ranks(&copies, split),
+                )?),
+                #[cfg(not(feature = "cuda"))]
+                DeviceKind::Cuda => {
+                    bail!("serving.device = cuda: this binary was built without CUDA")
+                }
+            };
+            VaeRanks::Sharded(Mutex::new(Sharded {
+                ranks,
+                next_session: 0,
+            }))
+        };
+        tracing::info!(vae_ranks, devices = ?devices, "decoder stage ready");
         Ok(DecodeStage {
-            vae: Arc::new(vae),
             encoder,
-            vae_ranks: cfg.vae_layout().size(),
-            split: cfg.parallel_config.parallel_vae_split_dim,
+            z_dim,
+            devices,
+            whole: Arc::clone(&copies[0]),
+            vae,
         })
     }
 
     /// Latent channels the VAE decodes.
     pub fn latent_channels(&self) -> usize {
-        self.vae.config().z_dim
+        self.z_dim
+    }
+
+    /// Rank r's device.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
     }
 
     /// Starts a request's decode; the init segment is ready at once.
     pub fn start(&self, p: &GenerateParams) -> anyhow::Result<DecodeSession<'_>> {
         let (lt, lh, lw) = latent_grid(p);
-        let vae = if self.vae_ranks == 1 {
-            SessionVae::Single(self.vae.new_stream(lh, lw)?)
-        } else {
-            SessionVae::Sharded(ShardedDecode::start(
-                &self.vae,
-                self.vae_ranks,
-                self.split,
-                lh,
-                lw,
-            )?)
+        let vae = match &self.vae {
+            VaeRanks::Single(vae) => SessionVae::Single(vae.new_stream(lh, lw)?),
+            VaeRanks::Sharded(sharded) => {
+                let mut sharded = lock(sharded);
+                let session = sharded.next_session;
+                sharded.next_session += 1;
+                sharded.step(|| VaeJob::Start {
+                    session,
+                    latent_height: lh,
+                    latent_width: lw,
+                })?;
+                SessionVae::Sharded {
+                    session,
+                    connections: sharded.ranks.connections(),
+                }
+            }
         };
         Ok(DecodeSession {
             stage: self,
@@ -349,6 +753,7 @@ impl DecodeStage {
             writer: SegmentWriter::new(&self.encoder, video_params(p), segment_plan(p)?)?,
             latent_frames: lt,
             latent_frames_done: 0,
+            latent_size: (lh, lw),
             frames: 0,
             segments: 0,
             decode_ms: 0.0,
@@ -356,11 +761,11 @@ impl DecodeStage {
         })
     }
 
-    /// The non-streamed path, for reference: the whole latent decoded at once, then every frame
-    /// encoded into a single-fragment MP4 with the same keyframes. Streaming must produce the
-    /// same pictures.
+    /// The non-streamed path, for reference: the whole latent decoded at once, unsharded, on the
+    /// first rank's device, then every frame encoded into a single-fragment MP4 with the same
+    /// keyframes. Streaming must produce the same pictures.
     pub fn render_whole(&self, p: &GenerateParams, latent: &Tensor) -> anyhow::Result<Vec<u8>> {
-        let frames = to_rgb(&self.vae.decode(latent)?)?;
+        let frames = to_rgb(&self.whole.decode(latent)?)?;
         Ok(encode_single_fragment(
             &self.encoder,
             video_params(p),
@@ -379,11 +784,19 @@ impl DecodeSession<'_> {
         }
     }
 
-    /// Decodes the next latent frames [1, C, n, h, w] and encodes the frames; returns the segments
-    /// they completed (after the last latent frame, the final segment too).
-    pub fn push(&mut self, latent: &Tensor) -> anyhow::Result<Vec<Segment>> {
-        let n = latent.shape().get(2).copied().unwrap_or(0);
-        if self.latent_frames_done + n > self.latent_frames {
+    /// Decodes the next latent frames [1, C, n, h, w] (host or device) into video frames
+    /// [1, 3, F, H, W] on the host, in [−1, 1], without encoding them (the VAE caches advance).
+    pub fn decode(&mut self, latent: &Tensor) -> anyhow::Result<Tensor> {
+        let s = latent.shape();
+        let n = s.get(2).copied().unwrap_or(0);
+        let (lh, lw) = self.latent_size;
+        if s.len() != 5 || s[0] != 1 || s[1] != self.stage.z_dim || s[3] != lh || s[4] != lw {
+            bail!(
+                "latent chunk shape {s:?}: this request's latent is [1, {}, n, {lh}, {lw}]",
+                self.stage.z_dim
+            );
+        }
+        if n == 0 || self.latent_frames_done + n > self.latent_frames {
             bail!(
                 "latent frames {}..{} exceed the request's {} latent frames",
                 self.latent_frames_done,
@@ -392,19 +805,50 @@ impl DecodeSession<'_> {
             );
         }
         let t = Instant::now();
-        let decoded = match &mut self.vae {
-            SessionVae::Single(stream) => self.stage.vae.decode_chunk(stream, latent)?,
-            SessionVae::Sharded(sharded) => sharded.decode_chunk(latent)?,
+        let video = match (&mut self.vae, &self.stage.vae) {
+            (SessionVae::Single(stream), VaeRanks::Single(vae)) => {
+                vae.decode_chunk(stream, latent)?.to_device(Device::Cpu)?
+            }
+            (
+                SessionVae::Sharded {
+                    session,
+                    connections,
+                },
+                VaeRanks::Sharded(sharded),
+            ) => {
+                let mut sharded = lock(sharded);
+                if !sharded.ranks.is_connected() || sharded.ranks.connections() != *connections {
+                    bail!(
+                        "the decoder instance failed on another request and its ranks were \
+                         re-formed: this request's decode state is gone"
+                    );
+                }
+                let session = *session;
+                sharded
+                    .step(|| VaeJob::Chunk {
+                        session,
+                        latent: latent.clone(),
+                    })?
+                    .context("rank 0 of a VAE instance always receives the frames")?
+            }
+            _ => bail!("a decode session of another stage"),
         };
         self.decode_ms += ms(t.elapsed());
+        self.latent_frames_done += n;
+        Ok(video)
+    }
+
+    /// Decodes the next latent frames [1, C, n, h, w] and encodes the frames; returns the segments
+    /// they completed (after the last latent frame, the final segment too).
+    pub fn push(&mut self, latent: &Tensor) -> anyhow::Result<Vec<Segment>> {
+        let video = self.decode(latent)?;
         let t = Instant::now();
-        let rgb = to_rgb(&decoded)?;
+        let rgb = to_rgb(&video)?;
         let mut ready: Vec<MediaSegment> = Vec::new();
         for frame in &rgb {
             ready.extend(self.writer.push_frame(frame)?);
         }
-        self.latent_frames_done += n;
-        if self.latent_frames_done == self.latent_frames {
+        if self.is_done() {
             ready.extend(self.writer.finish()?);
         }
         self.encode_ms += ms(t.elapsed());
@@ -427,91 +871,20 @@ impl DecodeSession<'_> {
     }
 }
 
-/// A request's VAE state: one stream, or one per rank of a sharded decoder instance.
-enum SessionVae {
-    Single(DecodeStream),
-    Sharded(ShardedDecode),
-}
-
-/// A decode spatially sharded over `parallel_vae_size` ranks (decoder::parallel: halo exchange
-/// before every 3×3 conv, frames gathered to rank 0). Rank 0 runs on the request's thread; the
-/// other ranks are threads that live as long as the request, each keeping its band's caches, and
-/// take every latent chunk over a channel.
-struct ShardedDecode {
-    rank0: ParallelVaeDecoder<CpuComm>,
-    stream0: ParallelDecodeStream,
-    peers: Vec<(std::sync::mpsc::Sender<Tensor>, std::thread::JoinHandle<()>)>,
-}
-
-impl ShardedDecode {
-    fn start(
-        vae: &Arc<WanVaeDecoder>,
-        ranks: usize,
-        split: VaeSplitDim,
-        lh: usize,
-        lw: usize,
-    ) -> anyhow::Result<ShardedDecode> {
-        let world = CpuWorld::new(ranks);
-        let all: Vec<usize> = (0..ranks).collect();
-        let mut comms = world
-            .ranks()
-            .into_iter()
-            .map(|r| r.group(&all))
-            .collect::<Result<Vec<_>, _>>()?
-            .into_iter();
-        let Some(comm0) = comms.next() else {
-            bail!("parallel_vae_size = {ranks}: an instance needs at least one rank");
-        };
-        let rank0 = ParallelVaeDecoder::new(Arc::clone(vae), comm0, split);
-        let stream0 = rank0.new_stream(lh, lw)?;
-        let mut peers = Vec::new();
-        for comm in comms {
-            let mut dec = ParallelVaeDecoder::new(Arc::clone(vae), comm, split);
-            let mut stream = dec.new_stream(lh, lw)?;
-            let (tx, rx) = std::sync::mpsc::channel::<Tensor>();
-            let handle = std::thread::spawn(move || {
-                // A failure here reaches rank 0 through the collectives (its peers error too).
-                for latent in rx {
-                    let step = stream
-                        .band_of(&latent)
-                        .map_err(anyhow::Error::from)
-                        .and_then(|band| Ok(dec.decode_chunk(&mut stream, &band)?))
-                        .and_then(|frames| Ok(dec.gather_frames(&stream, &frames)?));
-                    if let Err(e) = step {
-                        tracing::warn!(error = %format!("{e:#}"), "VAE rank failed");
-                        return;
-                    }
-                }
-            });
-            peers.push((tx, handle));
-        }
-        Ok(ShardedDecode {
-            rank0,
-            stream0,
-            peers,
-        })
-    }
-
-    /// Every rank decodes its band of `latent`; rank 0 returns the whole video chunk.
-    fn decode_chunk(&mut self, latent: &Tensor) -> anyhow::Result<Tensor> {
-        for (tx, _) in &self.peers {
-            tx.send(latent.clone())
-                .map_err(|_| anyhow::anyhow!("a VAE rank has stopped"))?;
-        }
-        let band = self.stream0.band_of(latent)?;
-        let frames = self.rank0.decode_chunk(&mut self.stream0, &band)?;
-        self.rank0
-            .gather_frames(&self.stream0, &frames)?
-            .ok_or_else(|| anyhow::anyhow!("rank 0 of a VAE instance always receives the frames"))
-    }
-}
-
-impl Drop for ShardedDecode {
+impl Drop for DecodeSession<'_> {
     fn drop(&mut self) {
-        // Closing the channels ends the peers; every gather has completed by then.
-        for (tx, handle) in self.peers.drain(..) {
-            drop(tx);
-            let _ = handle.join();
+        let (SessionVae::Sharded { session, .. }, VaeRanks::Sharded(sharded)) =
+            (&self.vae, &self.stage.vae)
+        else {
+            return;
+        };
+        let session = *session;
+        let mut sharded = lock(sharded);
+        // Only a connected instance still holds the session's streams (a reconnection dropped them).
+        if sharded.ranks.is_connected()
+            && let Err(e) = sharded.step(|| VaeJob::End { session })
+        {
+            tracing::warn!(error = %format!("{e:#}"), session, "ending a VAE session failed");
         }
     }
 }
@@ -524,7 +897,8 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Builds every model the config names (validated already).
+    /// Builds every model the config names (validated already). Both halves use the GPUs of
+    /// `serving.gpus`: denoiser rank r and VAE rank r on `gpus[r]`.
     pub fn from_config(cfg: &Config) -> anyhow::Result<Pipeline> {
         let denoise = DenoiseStage::from_config(cfg)?;
         let decode = DecodeStage::from_config(cfg)?;
@@ -545,6 +919,16 @@ impl Pipeline {
     /// The served model's name.
     pub fn model_name(&self) -> &str {
         &self.name
+    }
+
+    /// The denoising half.
+    pub fn denoise_stage(&self) -> &DenoiseStage {
+        &self.denoise
+    }
+
+    /// The decoding half.
+    pub fn decode_stage(&self) -> &DecodeStage {
+        &self.decode
     }
 
     /// Runs one request, sending its progress and segments to `sink` as they exist.
@@ -648,8 +1032,8 @@ fn segment_plan(p: &GenerateParams) -> anyhow::Result<SegmentPlan> {
     Ok(SegmentPlan::new(1, p.segment_frames as u32)?)
 }
 
-/// VAE output [1, 3, F, H, W] in [−1, 1] → RGB frames.
-fn to_rgb(video: &Tensor) -> anyhow::Result<Vec<RgbFrame>> {
+/// VAE output [1, 3, F, H, W] in [−1, 1] (any device) → RGB frames.
+pub fn to_rgb(video: &Tensor) -> anyhow::Result<Vec<RgbFrame>> {
     let s = video.shape();
     Ok(vae_output_to_rgb(
         &video.to_vec_f32()?,
@@ -658,46 +1042,4 @@ fn to_rgb(video: &Tensor) -> anyhow::Result<Vec<RgbFrame>> {
         s[3],
         s[4],
     )?)
-}
-
-/// The built-in tiny model's VAE: the Wan 2.1 VAE topology at base width 16 (the real one is 96),
-/// so decoding a short clip takes seconds on two cores.
-fn tiny_vae_config() -> VaeConfig {
-    VaeConfig {
-        base_dim: 16,
-        ..VaeConfig::wan21()
-    }
-}
-
-type DenoiserModels = (TextEncoder, WanTransformer, Option<(WanTransformer, f64)>);
-
-/// The denoiser's part of a diffusers Wan checkpoint folder: `transformer/` (and
-/// `transformer_2/` with the `boundary_ratio` of `model_index.json` for Wan2.2-A14B),
-/// `text_encoder/`, `tokenizer/`.
-fn load_denoiser_checkpoint(dir: &Path) -> anyhow::Result<DenoiserModels> {
-    let high = WanTransformer::from_dir(&dir.join("transformer"), DType::F32, Device::Cpu)?;
-    let low = if dir.join("transformer_2").is_dir() {
-        let index = dir.join("model_index.json");
-        let text = std::fs::read_to_string(&index)
-            .with_context(|| format!("reading {}", index.display()))?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).with_context(|| format!("parsing {}", index.display()))?;
-        let boundary = json
-            .get("boundary_ratio")
-            .and_then(serde_json::Value::as_f64)
-            .with_context(|| {
-                format!(
-                    "{}: transformer_2/ exists but boundary_ratio is not a number",
-                    index.display()
-                )
-            })?;
-        Some((
-            WanTransformer::from_dir(&dir.join("transformer_2"), DType::F32, Device::Cpu)?,
-            boundary,
-        ))
-    } else {
-        None
-    };
-    let text = TextEncoder::from_pretrained(dir, 512)?;
-    Ok((text, high, low))
 }

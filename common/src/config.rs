@@ -228,6 +228,14 @@ pub struct ModelConfig {
     /// Weight source.
     #[serde(default)]
     pub weights: WeightSource,
+    /// Random weights of a real-size preset only: the text encoder's depth. The random text
+    /// encoder has umT5-XXL's width (d_model 4096, 64 heads, FFN 10240, so its states have the
+    /// transformer's `text_dim`) with the built-in tokenizer's vocabulary (there is no umT5
+    /// tokenizer without a checkpoint); unset means umT5-XXL's 24 layers. Drawing 24 layers of
+    /// random weights takes minutes on one host core and encoding a prompt with them seconds
+    /// on the CPU, so benchmark configs set 1 or 2 here (README, "GPU serving").
+    #[serde(default)]
+    pub text_encoder_layers: Option<usize>,
 }
 
 /// Which dimension of the latent the parallel VAE splits.
@@ -369,6 +377,12 @@ pub struct ServingConfig {
     pub listen: String,
     /// Device family.
     pub device: DeviceKind,
+    /// With `device: cuda`: the GPU ordinals this process uses (CUDA's numbering, as
+    /// `nvidia-smi -L` lists them under the process's `CUDA_VISIBLE_DEVICES`), one per rank:
+    /// rank r of the denoiser mesh runs on `gpus[r]`, rank r of a decoder instance's VAE on
+    /// `gpus[r]`, and `ditstream serve` puts both halves on the same list. Empty (the default):
+    /// 0, 1, … as many as the process needs. Each GPU is listed at most once.
+    pub gpus: Vec<usize>,
     /// Default video width in pixels (multiple of 16).
     pub width: usize,
     /// Default video height in pixels (multiple of 16).
@@ -396,6 +410,7 @@ impl Default for ServingConfig {
         ServingConfig {
             listen: "127.0.0.1:50051".to_string(),
             device: DeviceKind::Cpu,
+            gpus: Vec::new(),
             width: 832,
             height: 480,
             num_frames: 81,
@@ -409,6 +424,9 @@ impl Default for ServingConfig {
         }
     }
 }
+
+/// Encoder layers of umT5-XXL, Wan's text encoder.
+pub const UMT5_XXL_LAYERS: usize = 24;
 
 /// A validated size as a count; negative values (rejected by validation) count as 0.
 fn count(size: i64) -> usize {
@@ -453,6 +471,28 @@ impl Config {
     /// One decoder instance's VAE layout (`parallel_vae_size` ranks).
     pub fn vae_layout(&self) -> VaeLayout {
         VaeLayout::new(count(self.parallel_config.parallel_vae_size))
+    }
+
+    /// The GPU ordinals of `ranks` ranks (`serving.gpus[..ranks]`, or 0..ranks when the list is
+    /// empty); `what` names who needs them in the error (e.g. "the denoiser mesh"). Whether the
+    /// machine has these GPUs is checked where they are opened.
+    pub fn rank_gpus(&self, what: &str, ranks: usize) -> Result<Vec<usize>, ConfigError> {
+        let gpus = &self.serving.gpus;
+        if gpus.is_empty() {
+            return Ok((0..ranks).collect());
+        }
+        if gpus.len() < ranks {
+            return Err(invalid(
+                "serving.gpus",
+                format!("{gpus:?}"),
+                format!(
+                    "lists {} GPU(s) but {what} has {ranks} ranks, one GPU each; list {ranks} \
+                     ordinals or leave the list out (0..{ranks})",
+                    gpus.len()
+                ),
+            ));
+        }
+        Ok(gpus[..ranks].to_vec())
     }
 
     /// Self-attention head count: the preset's, or `num_attention_heads` from the checkpoint's
@@ -636,6 +676,28 @@ impl Config {
                 "`weights: random` needs a preset to know the model's size",
             )),
             _ => Ok(()),
+        }?;
+        match (m.text_encoder_layers, m.weights, m.preset) {
+            (None, _, _) => Ok(()),
+            (Some(n), WeightSource::Random, Some(p)) if p != Preset::Tiny => {
+                if (1..=UMT5_XXL_LAYERS).contains(&n) {
+                    Ok(())
+                } else {
+                    Err(invalid(
+                        "model.text_encoder_layers",
+                        n,
+                        format!(
+                            "must be in 1..={UMT5_XXL_LAYERS} (umT5-XXL has {UMT5_XXL_LAYERS})"
+                        ),
+                    ))
+                }
+            }
+            (Some(n), _, _) => Err(invalid(
+                "model.text_encoder_layers",
+                n,
+                "only applies to a real-size preset with `weights: random` (a checkpoint brings \
+                 its own text encoder, and `tiny` has its built-in tiny umT5)",
+            )),
         }
     }
 
@@ -667,6 +729,22 @@ impl Config {
 
     fn validate_serving(&self) -> Result<(), ConfigError> {
         let s = &self.serving;
+        if !s.gpus.is_empty() && s.device != DeviceKind::Cuda {
+            return Err(invalid(
+                "serving.gpus",
+                format!("{:?}", s.gpus),
+                "is only read with `device: cuda`; set serving.device: cuda or remove the list",
+            ));
+        }
+        for (i, gpu) in s.gpus.iter().enumerate() {
+            if s.gpus[..i].contains(gpu) {
+                return Err(invalid(
+                    "serving.gpus",
+                    format!("{:?}", s.gpus),
+                    format!("GPU {gpu} is listed twice; every rank needs a GPU of its own"),
+                ));
+            }
+        }
         if s.listen.parse::<std::net::SocketAddr>().is_err() {
             return Err(invalid(
                 "serving.listen",
@@ -874,6 +952,67 @@ mod tests {
             "parallel_config.ulysses_size = 8: must divide the model's head count 12"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn gpu_lists() {
+        let parse = |serving: &str| {
+            Config::parse(
+                &format!("model:\n  preset: tiny\nserving:\n{serving}"),
+                "<t>",
+            )
+            .unwrap()
+        };
+        let e = parse("  gpus: [0]\n")
+            .validate(None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("serving.gpus = [0]: is only read with `device: cuda`"),
+            "{e}"
+        );
+        let e = parse("  device: cuda\n  gpus: [1, 0, 1]\n")
+            .validate(None)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "serving.gpus = [1, 0, 1]: GPU 1 is listed twice; every rank needs a GPU of its own"
+        );
+        let c = parse("  device: cuda\n  gpus: [3, 1]\n");
+        c.validate(None).unwrap();
+        assert_eq!(c.rank_gpus("the denoiser mesh", 2).unwrap(), vec![3, 1]);
+        assert_eq!(c.rank_gpus("a decoder instance", 1).unwrap(), vec![3]);
+        let e = c.rank_gpus("the denoiser mesh", 4).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "serving.gpus = [3, 1]: lists 2 GPU(s) but the denoiser mesh has 4 ranks, one GPU \
+             each; list 4 ordinals or leave the list out (0..4)"
+        );
+        let c = parse("  device: cuda\n");
+        assert_eq!(c.rank_gpus("the denoiser mesh", 3).unwrap(), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn text_encoder_layers_rules() {
+        let model = |m: &str| {
+            Config::parse(&format!("model:\n{m}"), "<t>")
+                .unwrap()
+                .validate(None)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        model("  preset: wan2.1-t2v-1.3b\n  text_encoder_layers: 2\n").unwrap();
+        let e = model("  preset: wan2.1-t2v-1.3b\n  text_encoder_layers: 0\n").unwrap_err();
+        assert_eq!(
+            e,
+            "model.text_encoder_layers = 0: must be in 1..=24 (umT5-XXL has 24)"
+        );
+        let e = model("  preset: tiny\n  text_encoder_layers: 2\n").unwrap_err();
+        assert!(
+            e.starts_with("model.text_encoder_layers = 2: only applies to a real-size preset"),
+            "{e}"
+        );
     }
 
     #[test]

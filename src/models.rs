@@ -1,0 +1,452 @@
+//! Where a stage's ranks run and the models they run there: the devices that `serving.device` and
+//! `serving.gpus` name, checked against this build and this machine; the compute dtype
+//! (`model.dtype`); and the models the config names (a diffusers checkpoint folder, or seeded
+//! random weights of a preset), one copy per device, shared by the ranks of one device.
+//!
+//! Random weights of a real-size preset are drawn ahead on every host core (one tensor per task:
+//! drawing is per tensor and single-threaded, about a minute per billion weights on one core) and
+//! then uploaded to each GPU, so every rank gets the same model. The CPU runs only the built-in
+//! `tiny` model this way; a GPU runs any preset.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, bail};
+use ditstream_common::config::{
+    Config, DeviceKind, Dtype, Preset, UMT5_XXL_LAYERS, WeightSource as SourceKind,
+};
+use ditstream_decoder::vae::{VaeConfig, WanVaeDecoder};
+use ditstream_denoiser::model::{WanConfig, WanTransformer};
+use ditstream_denoiser::text::{PromptTokenizer, T5Config, T5Encoder, TextEncoder, WAN_MAX_LEN};
+use ditstream_kernels::weights::{RandomWeights, WeightSource, WeightsError};
+use ditstream_kernels::{DType, Device, Tensor};
+
+/// Seed of every random weight (the tiny model's and the random real-size presets'): fixed, so
+/// every process of a deployment (gateway, denoiser and decoder pools) serves the same model.
+const WEIGHT_SEED: u64 = 0;
+/// Seed of Wan2.2-A14B's low-noise expert with random weights (another model than the high one).
+const LOW_EXPERT_SEED: u64 = 1;
+/// Boundary ratio of Wan2.2-T2V-A14B (its `model_index.json`): the low-noise expert takes the
+/// steps with t < 0.875·1000.
+const A14B_BOUNDARY_RATIO: f64 = 0.875;
+
+/// The built-in tokenizer (209 tokens; see `TextEncoder::tiny`), which the random real-size text
+/// encoder uses too: without a checkpoint there is no umT5 tokenizer.
+const BUILT_IN_TOKENIZER_JSON: &[u8] =
+    include_bytes!("../denoiser/tests/fixtures/text_umt5/tokenizer/tokenizer.json");
+
+/// The compute dtype the config names (weights and activations are stored in it; maths in f32).
+pub fn dtype(cfg: &Config) -> DType {
+    match cfg.model.dtype {
+        Dtype::F32 => DType::F32,
+        Dtype::Bf16 => DType::BF16,
+    }
+}
+
+/// The device of each of `ranks` ranks: the CPU for every rank, or with `device: cuda` the GPUs
+/// of `serving.gpus` (one each; see [`Config::rank_gpus`]), checked to exist. `what` names the
+/// ranks' owner in errors ("the denoiser mesh", "a decoder instance").
+pub fn rank_devices(cfg: &Config, what: &str, ranks: usize) -> anyhow::Result<Vec<Device>> {
+    match cfg.serving.device {
+        DeviceKind::Cpu => Ok(vec![Device::Cpu; ranks]),
+        DeviceKind::Cuda => {
+            let gpus = cfg.rank_gpus(what, ranks)?;
+            check_gpus(cfg, &gpus)?;
+            Ok(gpus.into_iter().map(Device::Cuda).collect())
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn check_gpus(cfg: &Config, gpus: &[usize]) -> anyhow::Result<()> {
+    let listed = if cfg.serving.gpus.is_empty() {
+        format!("serving.gpus (unset, so {gpus:?})")
+    } else {
+        format!("serving.gpus = {:?}", cfg.serving.gpus)
+    };
+    let count = ditstream_kernels::cuda::cuda_device_count()
+        .with_context(|| format!("serving.device = cuda: {listed} cannot be opened"))?;
+    if let Some(missing) = gpus.iter().find(|&&g| g >= count) {
+        bail!(
+            "{listed}: GPU {missing} does not exist; this machine has {count} CUDA device(s){}",
+            match count {
+                0 => String::new(),
+                n => format!(" (ordinals 0..={})", n - 1),
+            }
+        );
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn check_gpus(_: &Config, _: &[usize]) -> anyhow::Result<()> {
+    bail!(
+        "serving.device = cuda: this binary was built without CUDA; build it with \
+         `--features cuda` (scripts/build-gpu-serve.sh) or set `device: cpu`"
+    )
+}
+
+/// The transformer(s) one device runs: Wan 2.1's one, or Wan2.2-A14B's two experts.
+pub struct DenoiserModels {
+    /// Every step for Wan 2.1; the high-noise steps for A14B.
+    pub high: WanTransformer,
+    /// A14B's low-noise expert and its boundary ratio.
+    pub low: Option<(WanTransformer, f64)>,
+}
+
+/// One copy of the transformer(s) per rank, on the rank's device; ranks that share a device (the
+/// CPU's threads) share one copy.
+pub fn denoiser_models(
+    cfg: &Config,
+    devices: &[Device],
+) -> anyhow::Result<Vec<Arc<DenoiserModels>>> {
+    let dtype = dtype(cfg);
+    let m = &cfg.model;
+    let distinct = distinct(devices);
+    let copies: Vec<DenoiserModels> = match (m.weights, &m.checkpoint, m.preset) {
+        (SourceKind::Random, _, Some(preset)) => {
+            check_random_on(preset, devices)?;
+            let config = WanConfig::preset(preset);
+            let high = Drawn::draw(WEIGHT_SEED, |ws| {
+                WanTransformer::new(config.clone(), ws, dtype, Device::Cpu).map(drop)
+            })?;
+            let low = match preset {
+                Preset::Wan22T2vA14b => Some(Drawn::draw(LOW_EXPERT_SEED, |ws| {
+                    WanTransformer::new(config.clone(), ws, dtype, Device::Cpu).map(drop)
+                })?),
+                _ => None,
+            };
+            on_each(&distinct, |device| {
+                Ok(DenoiserModels {
+                    high: WanTransformer::new(config.clone(), &high, dtype, device)?,
+                    low: match &low {
+                        Some(low) => Some((
+                            WanTransformer::new(config.clone(), low, dtype, device)?,
+                            A14B_BOUNDARY_RATIO,
+                        )),
+                        None => None,
+                    },
+                })
+            })?
+        }
+        (SourceKind::Checkpoint, Some(dir), _) => {
+            let boundary = low_expert_boundary(dir)?;
+            on_each(&distinct, |device| {
+                Ok(DenoiserModels {
+                    high: WanTransformer::from_dir(&dir.join("transformer"), dtype, device)?,
+                    low: match boundary {
+                        Some(b) => Some((
+                            WanTransformer::from_dir(&dir.join("transformer_2"), dtype, device)?,
+                            b,
+                        )),
+                        None => None,
+                    },
+                })
+            })?
+        }
+        _ => bail!("model: validation should have refused this combination"),
+    };
+    Ok(per_rank(devices, &distinct, copies))
+}
+
+/// The text encoder (on the host; its states are moved to each rank's device): the checkpoint's
+/// umT5 with its tokenizer, the built-in tiny one, or for a random real-size preset umT5-XXL's
+/// width with `model.text_encoder_layers` layers (see that key) and the built-in tokenizer.
+pub fn text_encoder(cfg: &Config) -> anyhow::Result<TextEncoder> {
+    let m = &cfg.model;
+    Ok(match (m.weights, &m.checkpoint, m.preset) {
+        (SourceKind::Random, _, Some(Preset::Tiny)) => TextEncoder::tiny(WEIGHT_SEED)?,
+        (SourceKind::Random, _, Some(_)) => {
+            let layers = m.text_encoder_layers.unwrap_or(UMT5_XXL_LAYERS);
+            let tokenizer = PromptTokenizer::from_json_bytes(
+                BUILT_IN_TOKENIZER_JSON,
+                WAN_MAX_LEN,
+                "<built-in tiny tokenizer>",
+            )?;
+            let config = T5Config {
+                num_layers: layers,
+                vocab_size: T5Config::tiny().vocab_size,
+                ..T5Config::umt5_xxl()
+            };
+            let started = std::time::Instant::now();
+            // f32 on the host: the CPU ops would widen bf16 weights on every call.
+            let encoder = T5Encoder::random(&config, WEIGHT_SEED, DType::F32)?;
+            tracing::info!(
+                layers,
+                seconds = started.elapsed().as_secs_f64(),
+                "random text encoder of umT5-XXL width drawn"
+            );
+            TextEncoder::new(tokenizer, encoder)?
+        }
+        (SourceKind::Checkpoint, Some(dir), _) => TextEncoder::from_pretrained(dir, WAN_MAX_LEN)?,
+        _ => bail!("model: validation should have refused this combination"),
+    })
+}
+
+/// One VAE decoder per rank, on the rank's device; ranks that share a device share one.
+pub fn vae_decoders(cfg: &Config, devices: &[Device]) -> anyhow::Result<Vec<Arc<WanVaeDecoder>>> {
+    let dtype = dtype(cfg);
+    let m = &cfg.model;
+    let distinct = distinct(devices);
+    let copies = match (m.weights, &m.checkpoint, m.preset) {
+        (SourceKind::Random, _, Some(preset)) => {
+            check_random_on(preset, devices)?;
+            let config = match preset {
+                Preset::Tiny => tiny_vae_config(),
+                Preset::Wan22Ti2v5b => bail!(
+                    "model.preset = {preset}: its VAE is the Wan 2.2 VAE (z 48), which is not \
+                     built yet; the decoder runs the Wan 2.1 VAE (z 16)"
+                ),
+                _ => VaeConfig::wan21(),
+            };
+            let drawn = Drawn::draw(WEIGHT_SEED, |ws| {
+                WanVaeDecoder::from_weights_on(config.clone(), ws, Device::Cpu, dtype).map(drop)
+            })?;
+            on_each(&distinct, |device| {
+                Ok(WanVaeDecoder::from_weights_on(
+                    config.clone(),
+                    &drawn,
+                    device,
+                    dtype,
+                )?)
+            })?
+        }
+        (SourceKind::Checkpoint, Some(dir), _) => on_each(&distinct, |device| {
+            Ok(WanVaeDecoder::load_on(&dir.join("vae"), device, dtype)?)
+        })?,
+        _ => bail!("model: validation should have refused this combination"),
+    };
+    Ok(per_rank(devices, &distinct, copies))
+}
+
+/// The built-in tiny model's VAE: the Wan 2.1 VAE topology at base width 16 (the real one is 96),
+/// so decoding a short clip takes seconds on two cores.
+fn tiny_vae_config() -> VaeConfig {
+    VaeConfig {
+        base_dim: 16,
+        ..VaeConfig::wan21()
+    }
+}
+
+/// Random weights of a real-size preset need a GPU: the CPU reference would take minutes per step.
+fn check_random_on(preset: Preset, devices: &[Device]) -> anyhow::Result<()> {
+    if preset != Preset::Tiny && devices.contains(&Device::Cpu) {
+        bail!(
+            "model.preset = {preset} with random weights: the CPU backend only runs `tiny` this \
+             way; set `serving.device: cuda`, or point model.checkpoint at a checkpoint"
+        );
+    }
+    Ok(())
+}
+
+/// The boundary ratio of a Wan2.2-A14B checkpoint's low-noise expert (`transformer_2/` and the
+/// `boundary_ratio` of `model_index.json`), or `None` for a single-transformer checkpoint.
+fn low_expert_boundary(dir: &Path) -> anyhow::Result<Option<f64>> {
+    if !dir.join("transformer_2").is_dir() {
+        return Ok(None);
+    }
+    let index = dir.join("model_index.json");
+    let text =
+        std::fs::read_to_string(&index).with_context(|| format!("reading {}", index.display()))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", index.display()))?;
+    let boundary = json
+        .get("boundary_ratio")
+        .and_then(serde_json::Value::as_f64)
+        .with_context(|| {
+            format!(
+                "{}: transformer_2/ exists but boundary_ratio is not a number",
+                index.display()
+            )
+        })?;
+    Ok(Some(boundary))
+}
+
+/// The distinct devices of `devices`, in first-seen order.
+fn distinct(devices: &[Device]) -> Vec<Device> {
+    let mut out: Vec<Device> = Vec::new();
+    for d in devices {
+        if !out.contains(d) {
+            out.push(*d);
+        }
+    }
+    out
+}
+
+/// Builds one value per device, each on its own thread (uploads to several GPUs overlap).
+fn on_each<T: Send>(
+    devices: &[Device],
+    build: impl Fn(Device) -> anyhow::Result<T> + Sync,
+) -> anyhow::Result<Vec<T>> {
+    if let [only] = devices {
+        return Ok(vec![build(*only)?]);
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = devices
+            .iter()
+            .map(|&device| {
+                let build = &build;
+                scope.spawn(move || build(device).with_context(|| format!("building on {device}")))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a model-building thread panicked")))
+            })
+            .collect()
+    })
+}
+
+/// Rank r gets the copy built for its device.
+fn per_rank<T>(devices: &[Device], distinct: &[Device], copies: Vec<T>) -> Vec<Arc<T>> {
+    let copies: Vec<Arc<T>> = copies.into_iter().map(Arc::new).collect();
+    devices
+        .iter()
+        .map(|d| {
+            let i = distinct.iter().position(|x| x == d).unwrap_or(0); // every device is in `distinct`
+            Arc::clone(&copies[i])
+        })
+        .collect()
+}
+
+/// What a dry build asked for: (name, shape, dtype), in request order.
+type Requests = Vec<(String, Vec<usize>, DType)>;
+
+/// Records the weights a model asks for and hands out zeros (a dry build on the host).
+#[derive(Default)]
+struct Recorder(Mutex<Requests>);
+
+impl WeightSource for Recorder {
+    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, WeightsError> {
+        let mut requests = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        requests.push((name.to_string(), shape.to_vec(), dtype));
+        Ok(Tensor::zeros(shape, dtype, Device::Cpu)?)
+    }
+}
+
+/// [`RandomWeights`] drawn ahead on every host core and kept on the host, so that building the
+/// model (once per GPU) only uploads: the same values as drawing them one by one.
+struct Drawn(HashMap<String, Tensor>);
+
+impl Drawn {
+    /// Draws every weight that `dry_build` asks for, with `RandomWeights::new(seed)`.
+    fn draw<E>(
+        seed: u64,
+        dry_build: impl FnOnce(&dyn WeightSource) -> Result<(), E>,
+    ) -> anyhow::Result<Drawn>
+    where
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        let recorder = Recorder::default();
+        dry_build(&recorder).context("listing the model's weights")?;
+        let requests = recorder.0.into_inner().unwrap_or_else(|e| e.into_inner());
+        let random = RandomWeights::new(seed);
+        let next = AtomicUsize::new(0);
+        let drawn = Mutex::new(HashMap::with_capacity(requests.len()));
+        let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads.min(requests.len().max(1)))
+                .map(|_| {
+                    scope.spawn(|| -> Result<(), WeightsError> {
+                        loop {
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            let Some((name, shape, dtype)) = requests.get(i) else {
+                                return Ok(());
+                            };
+                            let t = random.tensor(name, shape, *dtype)?;
+                            let mut map = drawn.lock().unwrap_or_else(|e| e.into_inner());
+                            map.insert(name.clone(), t);
+                        }
+                    })
+                })
+                .collect();
+            workers.into_iter().try_for_each(|w| {
+                w.join()
+                    .map_err(|_| anyhow::anyhow!("a weight-drawing thread panicked"))?
+                    .map_err(anyhow::Error::from)
+            })
+        })?;
+        Ok(Drawn(drawn.into_inner().unwrap_or_else(|e| e.into_inner())))
+    }
+}
+
+impl WeightSource for Drawn {
+    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, WeightsError> {
+        match self.0.get(name) {
+            Some(t) if t.shape() == shape && t.dtype() == dtype => Ok(t.clone()),
+            _ => Err(WeightsError::Missing {
+                origin: "random weights drawn ahead".into(),
+                name: name.to_string(),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drawn_ahead_equals_drawn_one_by_one() {
+        let cfg = WanConfig::preset(Preset::Tiny);
+        let drawn = Drawn::draw(3, |ws| {
+            WanTransformer::new(cfg.clone(), ws, DType::F32, Device::Cpu).map(drop)
+        })
+        .unwrap();
+        let random = RandomWeights::new(3);
+        assert!(drawn.0.len() > 10);
+        for (name, t) in &drawn.0 {
+            let again = random.tensor(name, t.shape(), t.dtype()).unwrap();
+            assert_eq!(
+                t.to_vec_f32().unwrap(),
+                again.to_vec_f32().unwrap(),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn real_size_random_presets_need_a_gpu() {
+        let cfg = Config::parse("model:\n  preset: wan2.1-t2v-1.3b\n", "<t>").unwrap();
+        let e = denoiser_models(&cfg, &[Device::Cpu]).err().unwrap();
+        assert!(
+            format!("{e:#}").contains("the CPU backend only runs `tiny` this way"),
+            "{e:#}"
+        );
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_is_a_clear_error() {
+        let cfg =
+            Config::parse("model:\n  preset: tiny\nserving:\n  device: cuda\n", "<t>").unwrap();
+        let e = rank_devices(&cfg, "the denoiser mesh", 1).unwrap_err();
+        assert!(
+            format!("{e:#}").starts_with(
+                "serving.device = cuda: this binary was built without CUDA; build it with \
+                 `--features cuda`"
+            ),
+            "{e:#}"
+        );
+    }
+
+    #[test]
+    fn too_few_listed_gpus_name_the_list() {
+        let cfg = Config::parse(
+            "model:\n  preset: tiny\nserving:\n  device: cuda\n  gpus: [0]\n",
+            "<t>",
+        )
+        .unwrap();
+        let e = rank_devices(&cfg, "the denoiser mesh", 2).unwrap_err();
+        assert!(
+            format!("{e:#}").starts_with(
+                "serving.gpus = [0]: lists 1 GPU(s) but the denoiser mesh has 2 ranks"
+            ),
+            "{e:#}"
+        );
+    }
+}

@@ -1,0 +1,483 @@
+//! Persistent rank threads for the parts of the pipeline that run on several ranks (the denoiser
+//! mesh; a parallel-VAE decoder instance): one thread per rank for the life of the stage, each
+//! holding its models and its communicators, over either collective backend.
+//!
+//! - [`Backend`]: how ranks join a fresh communicator world: [`Threads`] (the in-process CPU
+//!   backend) or `Nccl` (feature `cuda`: one GPU per rank, `ncclCommInitRank` on the rank's
+//!   thread, which is where NCCL wants it).
+//! - [`RankState`]: what one rank keeps (models, communicators, per-request state) and how it runs
+//!   a job.
+//! - [`RankGroup`]: the threads, started once; the communicators are formed once, when the group
+//!   starts, and used by every request after it.
+//!
+//! Failure. A job that fails on any rank (other than an agreed cancel) leaves the group's
+//! communicators in an unknown state. The failing rank drops its communicators at once, so its
+//! peers' next collective fails (the CPU backend poisons the group immediately; NCCL's peers
+//! abort after the communicator's timeout): every rank's job ends with an error, never a hang.
+//! [`RankGroup::reply`] sees the failure and the next job first forms fresh communicators on every
+//! rank (a new [`Backend::tickets`] round), while the models stay where they are. A panic inside a
+//! job is caught on its rank and counts as a failed job; a rank thread that is gone takes the
+//! group out of service ([`RankGroup::out_of_service`]).
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::JoinHandle;
+
+use anyhow::{Context, anyhow, bail};
+use ditstream_common::collectives::CommWorld;
+use ditstream_common::collectives::cpu::{CpuRank, CpuWorld};
+
+/// How the ranks of a group join a fresh communicator world.
+pub trait Backend: Send + Sync + 'static {
+    /// A rank's handle on the world (made and kept on the rank's own thread).
+    type World: CommWorld;
+    /// What the coordinator hands each rank so that it can join the same fresh world.
+    type Ticket: Send + 'static;
+    /// One ticket per rank of a fresh world of `ranks` ranks (on the coordinator's thread).
+    fn tickets(&self, ranks: usize) -> anyhow::Result<Vec<Self::Ticket>>;
+    /// Joins the world as `rank` of `ranks` (on the rank's thread; collective: every rank of the
+    /// group calls it with its ticket of the same round).
+    fn join(&self, rank: usize, ranks: usize, ticket: Self::Ticket) -> anyhow::Result<Self::World>;
+}
+
+/// The in-process CPU backend: ranks are threads of this process.
+pub struct Threads;
+
+impl Backend for Threads {
+    type World = CpuRank;
+    type Ticket = CpuRank;
+
+    fn tickets(&self, ranks: usize) -> anyhow::Result<Vec<CpuRank>> {
+        Ok(CpuWorld::new(ranks).ranks())
+    }
+
+    fn join(&self, _rank: usize, _ranks: usize, ticket: CpuRank) -> anyhow::Result<CpuRank> {
+        Ok(ticket)
+    }
+}
+
+/// NCCL: rank r on GPU `gpus[r]`, one thread per GPU, every collective bounded by `timeout`
+/// (a peer that never arrives makes the others abort: see `common/src/collectives/nccl.rs`).
+#[cfg(feature = "cuda")]
+pub struct Nccl {
+    /// GPU ordinal of each rank.
+    pub gpus: Vec<usize>,
+    /// How long a rank waits for its peers in any collective before aborting.
+    pub timeout: std::time::Duration,
+}
+
+#[cfg(feature = "cuda")]
+impl Backend for Nccl {
+    type World = ditstream_common::collectives::nccl::NcclWorld;
+    type Ticket = ditstream_common::collectives::nccl::NcclId;
+
+    fn tickets(&self, ranks: usize) -> anyhow::Result<Vec<Self::Ticket>> {
+        let id = ditstream_common::collectives::nccl::NcclId::new()?;
+        Ok(vec![id; ranks])
+    }
+
+    fn join(&self, rank: usize, ranks: usize, id: Self::Ticket) -> anyhow::Result<Self::World> {
+        let gpu = *self
+            .gpus
+            .get(rank)
+            .with_context(|| format!("rank {rank} has no GPU in {:?}", self.gpus))?;
+        Ok(ditstream_common::collectives::nccl::NcclWorld::init(
+            gpu,
+            rank,
+            ranks,
+            &id,
+            self.timeout,
+        )?)
+    }
+}
+
+/// One rank's state in a [`RankGroup`], generic over the world type `W` of its backend.
+pub trait RankState<W: CommWorld>: Send + 'static {
+    /// A unit of work, one per rank per request step.
+    type Job: Send + 'static;
+    /// What a job gives back.
+    type Out: Send + 'static;
+    /// Builds the communicators this rank needs from a freshly joined world (collective: every
+    /// rank of the group calls it); per-request state from earlier communicators is dropped.
+    fn connect(&mut self, world: &W) -> anyhow::Result<()>;
+    /// Drops the communicators and everything that depends on them.
+    fn disconnect(&mut self);
+    /// Runs one job.
+    fn run(&mut self, job: Self::Job) -> Self::Out;
+    /// Whether `out` is a failure that may have left the communicators mid-collective: the rank
+    /// then drops them at once (which fails its peers' pending collectives instead of letting
+    /// them wait for the timeout) and the group reconnects before its next job.
+    fn failed(out: &Self::Out) -> bool;
+}
+
+/// A message to a rank thread.
+enum Msg<T, J, O> {
+    /// Join a fresh world with this ticket and connect.
+    Join(T, Sender<anyhow::Result<()>>),
+    /// Run a job; the reply is the job's output, or the panic message if it panicked.
+    Run(J, Sender<Result<O, String>>),
+}
+
+/// A rank's reply to a job: its output, or why the job produced none (it panicked).
+pub type Reply<O> = Result<O, String>;
+
+type Sent<B, S> = Msg<
+    <B as Backend>::Ticket,
+    <S as RankState<<B as Backend>::World>>::Job,
+    <S as RankState<<B as Backend>::World>>::Out,
+>;
+
+/// Persistent threads, one per rank, each running jobs on its [`RankState`].
+pub struct RankGroup<B: Backend, S: RankState<B::World>> {
+    backend: Arc<B>,
+    senders: Vec<Sender<Sent<B, S>>>,
+    threads: Vec<JoinHandle<()>>,
+    connected: bool,
+    connections: u64,
+    out_of_service: Option<String>,
+}
+
+impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
+    /// Starts one thread per state (rank r owns `states[r]`, thread `{name}-rank-{r}`) and forms
+    /// the communicators; an error if any rank cannot join.
+    pub fn start(name: &str, backend: B, states: Vec<S>) -> anyhow::Result<Self> {
+        let backend = Arc::new(backend);
+        let ranks = states.len();
+        let mut group = RankGroup {
+            backend: Arc::clone(&backend),
+            senders: Vec::with_capacity(ranks),
+            threads: Vec::with_capacity(ranks),
+            connected: false,
+            connections: 0,
+            out_of_service: None,
+        };
+        for (rank, state) in states.into_iter().enumerate() {
+            let (tx, rx) = channel::<Sent<B, S>>();
+            let backend = Arc::clone(&backend);
+            let thread = std::thread::Builder::new()
+                .name(format!("{name}-rank-{rank}"))
+                .spawn(move || rank_loop(&*backend, rank, ranks, state, &rx))
+                .with_context(|| format!("spawning {name} rank {rank}'s thread"))?;
+            group.senders.push(tx);
+            group.threads.push(thread);
+        }
+        group.connect()?;
+        Ok(group)
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.senders.len()
+    }
+
+    /// How many times the communicators have been formed: 1 after start, one more after every
+    /// failed job that was followed by another job.
+    pub fn connections(&self) -> u64 {
+        self.connections
+    }
+
+    /// Why the group can run nothing more (a rank thread is gone), if it cannot.
+    pub fn out_of_service(&self) -> Option<&str> {
+        self.out_of_service.as_deref()
+    }
+
+    /// Whether the communicators formed by the last connection are in use (no failure since).
+    pub fn is_connected(&self) -> bool {
+        self.connected
+    }
+
+    /// Every rank joins a fresh world and connects; waits for all of them.
+    fn connect(&mut self) -> anyhow::Result<()> {
+        if let Some(why) = &self.out_of_service {
+            bail!("{why}");
+        }
+        let tickets = self.backend.tickets(self.size())?;
+        let mut replies = Vec::with_capacity(self.size());
+        for (rank, (tx, ticket)) in self.senders.iter().zip(tickets).enumerate() {
+            let (reply_tx, reply_rx) = channel();
+            if tx.send(Msg::Join(ticket, reply_tx)).is_err() {
+                return Err(self.gone(rank));
+            }
+            replies.push(reply_rx);
+        }
+        // Every rank answers (a rank whose peers never arrive times out in the backend).
+        let mut first_error = None;
+        for (rank, rx) in replies.into_iter().enumerate() {
+            let outcome = rx
+                .recv()
+                .map_err(|_| self.gone(rank))
+                .and_then(|r| r.with_context(|| format!("rank {rank} could not join")));
+            if let Err(e) = outcome {
+                first_error.get_or_insert(e);
+            }
+        }
+        self.connections += 1;
+        match first_error {
+            None => {
+                self.connected = true;
+                Ok(())
+            }
+            Some(e) => Err(e.context(format!(
+                "forming the communicators of {} ranks",
+                self.size()
+            ))),
+        }
+    }
+
+    /// Sends `jobs[r]` to rank r (forming fresh communicators first if the last job failed) and
+    /// returns where each rank's reply will arrive, in rank order.
+    pub fn run(&mut self, jobs: Vec<S::Job>) -> anyhow::Result<Vec<Receiver<Reply<S::Out>>>> {
+        if jobs.len() != self.size() {
+            bail!("{} jobs for {} ranks", jobs.len(), self.size());
+        }
+        if !self.connected {
+            self.connect()?;
+        }
+        let mut replies = Vec::with_capacity(jobs.len());
+        for (rank, job) in jobs.into_iter().enumerate() {
+            let (reply_tx, reply_rx) = channel();
+            if self.senders[rank].send(Msg::Run(job, reply_tx)).is_err() {
+                // The ranks already sent a job are now waiting for a peer that will not come:
+                // their collectives fail (poisoned or timed out), and the group must reconnect.
+                self.connected = false;
+                return Err(self.gone(rank));
+            }
+            replies.push(reply_rx);
+        }
+        Ok(replies)
+    }
+
+    /// Waits for rank `rank`'s reply to the last [`RankGroup::run`]; a failed one (a panic, a
+    /// vanished thread, or an output [`RankState::failed`] calls a failure) marks the group for
+    /// reconnection before its next job.
+    pub fn reply(&mut self, rank: usize, rx: &Receiver<Reply<S::Out>>) -> Reply<S::Out> {
+        let reply = match rx.recv() {
+            Ok(reply) => reply,
+            Err(_) => Err(format!("{:#}", self.gone(rank))),
+        };
+        if failed::<B, S>(&reply) {
+            self.connected = false;
+        }
+        reply
+    }
+
+    /// Every rank's reply, in rank order (see [`RankGroup::reply`]).
+    pub fn replies(&mut self, rxs: &[Receiver<Reply<S::Out>>]) -> Vec<Reply<S::Out>> {
+        rxs.iter()
+            .enumerate()
+            .map(|(rank, rx)| self.reply(rank, rx))
+            .collect()
+    }
+
+    fn gone(&mut self, rank: usize) -> anyhow::Error {
+        let why = format!("rank {rank}'s thread has stopped; restart the process");
+        self.out_of_service.get_or_insert(why.clone());
+        anyhow!(why)
+    }
+}
+
+/// A [`RankGroup`] seen through its jobs and outputs only, whatever its backend: what a stage
+/// holds, so one stage type serves the CPU and NCCL backends.
+pub trait Ranks<J, O>: Send {
+    /// See [`RankGroup::run`].
+    fn run(&mut self, jobs: Vec<J>) -> anyhow::Result<Vec<Receiver<Reply<O>>>>;
+    /// See [`RankGroup::replies`].
+    fn replies(&mut self, rxs: &[Receiver<Reply<O>>]) -> Vec<Reply<O>>;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// See [`RankGroup::connections`].
+    fn connections(&self) -> u64;
+    /// See [`RankGroup::is_connected`].
+    fn is_connected(&self) -> bool;
+    /// See [`RankGroup::out_of_service`].
+    fn out_of_service(&self) -> Option<&str>;
+}
+
+impl<B: Backend, S: RankState<B::World>> Ranks<S::Job, S::Out> for RankGroup<B, S> {
+    fn run(&mut self, jobs: Vec<S::Job>) -> anyhow::Result<Vec<Receiver<Reply<S::Out>>>> {
+        RankGroup::run(self, jobs)
+    }
+    fn replies(&mut self, rxs: &[Receiver<Reply<S::Out>>]) -> Vec<Reply<S::Out>> {
+        RankGroup::replies(self, rxs)
+    }
+    fn size(&self) -> usize {
+        RankGroup::size(self)
+    }
+    fn connections(&self) -> u64 {
+        RankGroup::connections(self)
+    }
+    fn is_connected(&self) -> bool {
+        RankGroup::is_connected(self)
+    }
+    fn out_of_service(&self) -> Option<&str> {
+        RankGroup::out_of_service(self)
+    }
+}
+
+impl<B: Backend, S: RankState<B::World>> Drop for RankGroup<B, S> {
+    fn drop(&mut self) {
+        // Closing the channels ends every rank's loop; each drops its communicators (all ranks at
+        // once, which NCCL's collective destroy needs) and its models.
+        self.senders.clear();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A rank thread: runs messages until the group is dropped.
+fn rank_loop<B: Backend, S: RankState<B::World>>(
+    backend: &B,
+    rank: usize,
+    ranks: usize,
+    mut state: S,
+    rx: &Receiver<Sent<B, S>>,
+) {
+    let _span = tracing::info_span!("rank", rank).entered();
+    let mut world: Option<B::World> = None;
+    for msg in rx {
+        match msg {
+            Msg::Join(ticket, reply) => {
+                state.disconnect();
+                world = None;
+                let joined = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    let fresh = backend.join(rank, ranks, ticket)?;
+                    state.connect(&fresh)?;
+                    Ok(fresh)
+                }))
+                .unwrap_or_else(|panic| Err(anyhow!("panicked: {}", panic_message(&*panic))));
+                let outcome = joined.map(|fresh| world = Some(fresh));
+                if let Err(e) = &outcome {
+                    tracing::warn!(error = %format!("{e:#}"), "rank could not join");
+                }
+                let _ = reply.send(outcome);
+            }
+            Msg::Run(job, reply) => {
+                let out = std::panic::catch_unwind(AssertUnwindSafe(|| state.run(job)))
+                    .map_err(|panic| format!("rank {rank} panicked: {}", panic_message(&*panic)));
+                if failed::<B, S>(&out) {
+                    state.disconnect();
+                }
+                let _ = reply.send(out);
+            }
+        }
+    }
+    // Communicators before the world they were split from.
+    state.disconnect();
+    drop(world);
+}
+
+/// A reply that leaves the communicators in doubt: a panic, or an output the state calls failed.
+fn failed<B: Backend, S: RankState<B::World>>(reply: &Reply<S::Out>) -> bool {
+    match reply {
+        Ok(out) => S::failed(out),
+        Err(_) => true,
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_string()))
+        .unwrap_or_else(|| "(no message)".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ditstream_common::collectives::cpu::CpuComm;
+    use ditstream_common::collectives::{Communicator, ReduceOp};
+
+    /// Each rank adds its input over the group; rank 1 can be told to fail or panic.
+    struct Summer {
+        comm: Option<CpuComm>,
+    }
+
+    enum Job {
+        Add(f32),
+        Fail,
+        Panic,
+    }
+
+    impl RankState<CpuRank> for Summer {
+        type Job = Job;
+        type Out = anyhow::Result<f32>;
+        fn connect(&mut self, world: &CpuRank) -> anyhow::Result<()> {
+            let all: Vec<usize> = (0..world.world_size()).collect();
+            self.comm = world.split(&[all])?;
+            Ok(())
+        }
+        fn disconnect(&mut self) {
+            self.comm = None;
+        }
+        fn failed(out: &anyhow::Result<f32>) -> bool {
+            out.is_err()
+        }
+        fn run(&mut self, job: Job) -> anyhow::Result<f32> {
+            let comm = self.comm.as_ref().context("not connected")?;
+            match job {
+                Job::Add(v) => {
+                    let mut buf = [v];
+                    comm.all_reduce_in_place(&mut buf[..], ReduceOp::Sum)?;
+                    Ok(buf[0])
+                }
+                Job::Fail => bail!("failed on purpose"),
+                Job::Panic => panic!("panicked on purpose"),
+            }
+        }
+    }
+
+    fn group() -> RankGroup<Threads, Summer> {
+        let states = (0..3).map(|_| Summer { comm: None }).collect();
+        RankGroup::start("test", Threads, states).unwrap()
+    }
+
+    fn outcomes(g: &mut RankGroup<Threads, Summer>, jobs: Vec<Job>) -> Vec<Result<f32, String>> {
+        let rxs = g.run(jobs).unwrap();
+        g.replies(&rxs)
+            .into_iter()
+            .map(|reply| match reply {
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(e)) => Err(format!("{e:#}")),
+                Err(e) => Err(e),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn communicators_persist_across_jobs_and_reform_after_a_failure() {
+        let mut g = group();
+        for _ in 0..3 {
+            let out = outcomes(&mut g, vec![Job::Add(1.0), Job::Add(2.0), Job::Add(3.0)]);
+            assert_eq!(out, vec![Ok(6.0); 3]);
+        }
+        assert_eq!(g.connections(), 1, "formed once, used by every job");
+
+        // A failing rank fails every rank at once (it leaves the group: no wait for a timeout),
+        // and the next job reconnects.
+        let t = std::time::Instant::now();
+        let out = outcomes(&mut g, vec![Job::Add(1.0), Job::Fail, Job::Add(1.0)]);
+        assert!(out.iter().all(Result::is_err), "{out:?}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(10));
+        assert!(!g.is_connected());
+        let out = outcomes(&mut g, vec![Job::Add(1.0), Job::Add(1.0), Job::Add(1.0)]);
+        assert_eq!(out, vec![Ok(3.0); 3]);
+        assert_eq!(g.connections(), 2);
+
+        // A panic is caught on its rank; its peers fail; the group reconnects and serves on.
+        let out = outcomes(&mut g, vec![Job::Add(1.0), Job::Add(1.0), Job::Panic]);
+        assert!(out.iter().all(Result::is_err), "{out:?}");
+        assert!(
+            out[2]
+                .as_ref()
+                .is_err_and(|e| e.contains("rank 2 panicked: panicked on purpose")),
+            "{out:?}"
+        );
+        let out = outcomes(&mut g, vec![Job::Add(2.0), Job::Add(2.0), Job::Add(2.0)]);
+        assert_eq!(out, vec![Ok(6.0); 3]);
+        assert_eq!(g.connections(), 3);
+        assert!(g.out_of_service().is_none());
+    }
+}

@@ -722,6 +722,23 @@ impl DecodeStage {
         self.z_dim
     }
 
+    /// How many times a parallel-VAE instance's communicators have been formed: 1 after
+    /// start-up, one more before the first request after each failed one; 0 for a single rank.
+    pub fn connections(&self) -> u64 {
+        match &self.vae {
+            VaeRanks::Single(_) => 0,
+            VaeRanks::Sharded(sharded) => lock(sharded).ranks.connections(),
+        }
+    }
+
+    /// Why the stage can serve nothing more, if it cannot (a rank thread is gone).
+    pub fn out_of_service(&self) -> Option<String> {
+        match &self.vae {
+            VaeRanks::Single(_) => None,
+            VaeRanks::Sharded(sharded) => lock(sharded).ranks.out_of_service().map(str::to_string),
+        }
+    }
+
     /// Rank r's device.
     pub fn devices(&self) -> &[Device] {
         &self.devices

@@ -23,7 +23,8 @@ pub fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Config> {
         Some(p) => Config::from_file(p)?,
         None => Config::parse(EMBEDDED_CONFIG, "<embedded cpu-tiny>")?,
     };
-    // The denoiser mesh's ranks run as threads of this process (CPU); one decoder rank.
+    // Every rank runs in this process: the denoiser mesh's and the VAE's, as threads on the CPU
+    // or one thread per GPU of `serving.gpus` (both halves on the same list).
     cfg.validate(None)?;
     Ok(cfg)
 }

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ditstream_common::config::Config;
+use ditstream_common::config::{Config, DeviceKind};
 use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::video_service_server::VideoService;
 use tokio_stream::Stream;
@@ -26,7 +26,18 @@ impl VideoServer {
     /// Serves `engine`, built from `cfg`.
     pub fn new(engine: Arc<Engine>, cfg: Config) -> VideoServer {
         let description = match cfg.validate(None) {
-            Ok(mesh) => format!("{mesh}, device {:?}", cfg.serving.device).to_lowercase(),
+            Ok(mesh) => {
+                let device = format!("{mesh}, device {:?}", cfg.serving.device).to_lowercase();
+                match cfg.serving.device {
+                    DeviceKind::Cpu => device,
+                    DeviceKind::Cuda => {
+                        match cfg.rank_gpus("the pipeline", gpus_used(&cfg, &mesh)) {
+                            Ok(gpus) => format!("{device} (gpus {gpus:?})"),
+                            Err(e) => format!("{device} ({e})"),
+                        }
+                    }
+                }
+            }
             Err(e) => e.to_string(),
         };
         VideoServer {
@@ -35,6 +46,11 @@ impl VideoServer {
             description,
         }
     }
+}
+
+/// GPUs one `serve` process uses: denoiser rank r and VAE rank r share `serving.gpus[r]`.
+fn gpus_used(cfg: &Config, mesh: &ditstream_common::mesh::Mesh) -> usize {
+    mesh.world_size().max(cfg.vae_layout().size())
 }
 
 /// The `grpc-timeout` header (e.g. `30S`, `500m`) as a duration.

@@ -1,6 +1,7 @@
 //! `parallel_config` in the product: the denoiser stage runs its loop on the config's mesh (ranks
 //! are threads on the CPU) and produces the single-rank latent, and a multi-rank config serves a
-//! playable video end to end.
+//! playable video end to end. The ranks' communicators are formed once, when a stage is built,
+//! and serve every request after it.
 //!
 //! Tolerance: the parallel wrappers reorder reductions only (see
 //! denoiser/tests/parallel_vs_single.rs: ≤ 1.2e-6 of the latent's scale measured over a CFG
@@ -101,7 +102,7 @@ fn a_cancel_on_rank_zero_stops_every_rank() {
         ),
         "{err:?}"
     );
-    // And the stage is usable again at once (fresh communicators per request).
+    // And the stage is usable again at once (an agreed cancel leaves the communicators intact).
     assert!(
         stage
             .denoise_latent(&params, &cond, &uncond, |_| Control::Continue)
@@ -208,4 +209,84 @@ fn a_sharded_vae_gives_the_same_video() {
             parallel.trim()
         );
     }
+}
+
+#[test]
+fn the_mesh_keeps_its_communicators_across_requests() {
+    let cfg = config("  cfg_size: 2\n  ulysses_size: 2\n");
+    let stage = DenoiseStage::from_config(&cfg).unwrap();
+    assert_eq!(stage.connections(), 1, "formed when the stage is built");
+    let raw = RawRequest {
+        prompt: "again".into(),
+        steps: Some(3),
+        seed: Some(4),
+        ..RawRequest::default()
+    };
+    let params = raw.validate(&cfg, "tiny").unwrap();
+    let (cond, uncond) = stage.text_states(&params).unwrap();
+    let run = |cancel_at: Option<usize>| {
+        stage.denoise_latent(&params, &cond, &uncond, |s| {
+            if Some(s.step) == cancel_at {
+                Control::Cancel
+            } else {
+                Control::Continue
+            }
+        })
+    };
+    let first = run(None).unwrap().to_vec_f32().unwrap();
+    assert!(run(Some(1)).is_err());
+    let again = run(None).unwrap().to_vec_f32().unwrap();
+    assert_eq!(
+        first, again,
+        "the same request gives the same latent on reused communicators"
+    );
+    assert_eq!(stage.connections(), 1, "no request re-formed them");
+}
+
+#[test]
+fn a_sharded_vae_instance_decodes_interleaved_requests() {
+    use ditstream::pipeline::DecodeStage;
+    let cfg = config("  parallel_vae_size: 2\n  parallel_vae_split_dim: width\n");
+    let sharded = DecodeStage::from_config(&cfg).unwrap();
+    let single = DecodeStage::from_config(&config("  parallel_vae_size: 1\n")).unwrap();
+    assert_eq!(sharded.connections(), 1);
+    let params = RawRequest {
+        prompt: "two at once".into(),
+        ..RawRequest::default()
+    }
+    .validate(&cfg, "tiny")
+    .unwrap();
+    let latent = |seed| ditstream_denoiser::denoise::initial_noise([1, 16, 3, 6, 8], seed).unwrap();
+    let (a, b) = (latent(1), latent(2));
+    let decode_alone = |latent: &ditstream_kernels::Tensor| {
+        let mut s = single.start(&params).unwrap();
+        (0..3)
+            .map(|t| {
+                s.decode(&latent.narrow(2, t, 1).unwrap())
+                    .unwrap()
+                    .to_vec_f32()
+                    .unwrap()
+            })
+            .collect::<Vec<_>>()
+    };
+    let (want_a, want_b) = (decode_alone(&a), decode_alone(&b));
+    // Two requests' chunks alternate on one instance: each keeps its own causal caches.
+    let mut sa = sharded.start(&params).unwrap();
+    let mut sb = sharded.start(&params).unwrap();
+    for t in 0..3 {
+        let got_a = sa
+            .decode(&a.narrow(2, t, 1).unwrap())
+            .unwrap()
+            .to_vec_f32()
+            .unwrap();
+        let got_b = sb
+            .decode(&b.narrow(2, t, 1).unwrap())
+            .unwrap()
+            .to_vec_f32()
+            .unwrap();
+        assert!(got_a == want_a[t], "request a, latent frame {t}");
+        assert!(got_b == want_b[t], "request b, latent frame {t}");
+    }
+    drop((sa, sb));
+    assert_eq!(sharded.connections(), 1);
 }

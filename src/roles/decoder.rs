@@ -54,6 +54,11 @@ impl DecoderPool for DecoderService {
         request: Request<pb::DecodeRequest>,
     ) -> Result<Response<DecodeStream>, Status> {
         let r = request.into_inner();
+        if let Some(why) = self.stage.out_of_service() {
+            return Err(Status::unavailable(format!(
+                "this decoder instance is out of service: {why}"
+            )));
+        }
         let params = GenerateParams {
             prompt: String::new(),
             negative_prompt: String::new(),
@@ -212,6 +217,8 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDec
             .await?;
     let grpc_addr = listener.local_addr()?;
     let active = Arc::new(AtomicU32::new(0));
+    let health_stage = Arc::clone(&stage);
+    let health: registration::Health = Arc::new(move || health_stage.out_of_service());
     let service = DecoderService {
         stage,
         pending,
@@ -238,6 +245,7 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDec
         cfg.pools.gateway.clone(),
         registration,
         active,
+        health,
     ));
     tracing::info!(%grpc_addr, %link_addr, "decoder instance up");
     Ok(RunningDecoder {

@@ -88,6 +88,11 @@ impl DenoiserPool for DenoiserService {
         request: Request<pb::DenoiseRequest>,
     ) -> Result<Response<DenoiseStream>, Status> {
         let r = request.into_inner();
+        if let Some(why) = self.stage.out_of_service() {
+            return Err(Status::unavailable(format!(
+                "this denoiser pool is out of service: {why}"
+            )));
+        }
         if self.busy.swap(true, Ordering::SeqCst) {
             return Err(Status::resource_exhausted(
                 "this denoiser pool is running another request",
@@ -218,6 +223,8 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDen
             .await?;
     let grpc_addr = listener.local_addr()?;
     let active = Arc::new(AtomicU32::new(0));
+    let health_stage = Arc::clone(&stage);
+    let health: registration::Health = Arc::new(move || health_stage.out_of_service());
     let service = DenoiserService {
         stage,
         identity,
@@ -246,6 +253,7 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDen
         cfg.pools.gateway.clone(),
         registration,
         active,
+        health,
     ));
     tracing::info!(%grpc_addr, "denoiser pool up");
     Ok(RunningDenoiser {

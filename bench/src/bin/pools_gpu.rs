@@ -1,0 +1,402 @@
+//! The disaggregated pipeline on GPUs against the sequential one (issue 10's GPU benchmark):
+//! - sequential: `serve`'s single engine on one GPU (denoise then decode, one request after the
+//!   other), K requests submitted at once after a warm-up request;
+//! - pools: a gateway, one denoiser pool on `--denoiser-gpu` and one decoder instance on
+//!   `--decoder-gpu`, as tokio tasks of this process talking gRPC and the latent link (`--link`)
+//!   over loopback, exactly as `ditstream gateway|denoiser|decoder` run them; the same K requests;
+//! - per run: throughput (overall K / wall, and steady-state: (K − 1) over the time between the
+//!   first and the last completion, which is what a long stream of requests sees), T_denoise
+//!   (text + loop, median), steady throughput × T_denoise (issue 10's target ≥ 0.95), and the
+//!   time to the first segment after the loop ends (first segment − queue − text − loop, median;
+//!   target ≤ 150 ms at 480p);
+//! - per latent-link kind in `--latency-links`: one 480p latent frame [1, 16, 1, 60, 104] f32 per
+//!   request (send → delivered to the decoder's request, median of `--chunks`), and a whole 480p
+//!   81-frame latent (21 chunks: first and last chunk delivered), through the pools' own link code
+//!   (`ditstream::roles::link`), so a new kind in `pools.link` is measured by naming it.
+//!
+//! Model: `--preset` (Wan2.1-T2V-1.3B) with random weights in bf16, the text encoder at umT5-XXL's
+//! width with `--text-layers` layers (`model.text_encoder_layers`: the full 24 take minutes to draw
+//! on the host and seconds per prompt on the CPU). Each request has its own prompt and seed.
+//! Lines starting with `RESULT` and `LINK` are for scripts/gpu-serve.sh's table.
+//!
+//! `pools_gpu --requests 4 --steps 4` (scripts/gpu-serve.sh runs it on 2× H200).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use ditstream::roles::link::{self, Pending};
+use ditstream::roles::{decoder, denoiser, gateway, write_certs};
+use ditstream_bench::median;
+use ditstream_common::config::{Config, LinkKind};
+use ditstream_common::link::LatentChunk;
+use ditstream_common::link::quic;
+use ditstream_kernels::Tensor;
+use ditstream_proto::v1 as pb;
+use ditstream_proto::v1::video_service_client::VideoServiceClient;
+
+#[derive(Parser)]
+#[command(about = "Disaggregated pools on GPUs against the sequential engine (issue 10)")]
+struct Args {
+    /// Back-to-back requests per run (after one warm-up request).
+    #[arg(long, default_value_t = 4)]
+    requests: usize,
+    /// Sampler steps per request.
+    #[arg(long, default_value_t = 4)]
+    steps: u32,
+    /// Video width, height and frames.
+    #[arg(long, default_value_t = 832)]
+    width: usize,
+    #[arg(long, default_value_t = 480)]
+    height: usize,
+    #[arg(long, default_value_t = 81)]
+    frames: usize,
+    /// Model preset (random weights, bf16).
+    #[arg(long, default_value = "wan2.1-t2v-1.3b")]
+    preset: String,
+    /// Text encoder layers (umT5-XXL width).
+    #[arg(long, default_value_t = 1)]
+    text_layers: usize,
+    /// GPU of the sequential engine and of the denoiser pool.
+    #[arg(long, default_value_t = 0)]
+    denoiser_gpu: usize,
+    /// GPU of the decoder instance.
+    #[arg(long, default_value_t = 1)]
+    decoder_gpu: usize,
+    /// Latent link of the pools run (any `pools.link` value).
+    #[arg(long, default_value = "quic")]
+    link: String,
+    /// Latent links whose per-chunk latency is measured (comma-separated `pools.link` values).
+    #[arg(long, default_value = "quic,ucx", value_delimiter = ',')]
+    latency_links: Vec<String>,
+    /// Samples per link for the one-frame latency.
+    #[arg(long, default_value_t = 30)]
+    chunks: usize,
+    /// `cuda`, or `cpu` for a smoke run of this driver itself (with `--preset tiny`; the GPU
+    /// options are then ignored).
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// Skip the sequential run.
+    #[arg(long)]
+    skip_sequential: bool,
+    /// Skip the pools run.
+    #[arg(long)]
+    skip_pools: bool,
+}
+
+impl Args {
+    /// A config for one process: the model, the video size, `gpu`, the pools section.
+    fn config(&self, gpu: usize, gateway: &str, link: &str) -> anyhow::Result<Config> {
+        let text_layers = if self.preset == "tiny" {
+            String::new()
+        } else {
+            format!("  text_encoder_layers: {}\n", self.text_layers)
+        };
+        let gpus = if self.device == "cuda" {
+            format!("  gpus: [{gpu}]\n")
+        } else {
+            String::new()
+        };
+        let yaml = format!(
+            "model:\n  preset: {preset}\n  weights: random\n  dtype: {dtype}\n{text_layers}sampler:\n  \
+             steps: {steps}\n  shift: 3.0\n  guidance_scale: 5.0\nserving:\n  device: {device}\n\
+             {gpus}  width: {w}\n  height: {h}\n  num_frames: {f}\n  queue_depth: 64\npools:\n  \
+             gateway: {gateway}\n  link: {link}\n  tls_ca: certs/ca.pem\n  tls_cert: certs/pool.pem\n  \
+             tls_key: certs/pool-key.pem\n",
+            preset = self.preset,
+            // bf16 on the GPU; the CPU smoke run keeps the CPU's reference f32.
+            dtype = if self.device == "cuda" { "bf16" } else { "f32" },
+            steps = self.steps,
+            device = self.device,
+            w = self.width,
+            h = self.height,
+            f = self.frames,
+        );
+        let cfg = Config::parse(&yaml, "<pools_gpu>")?;
+        cfg.validate(None)?;
+        Ok(cfg)
+    }
+}
+
+/// What one request reported, and when it completed.
+struct Outcome {
+    timings: pb::Timings,
+    done: Instant,
+}
+
+/// Submits `k` requests at once (prompts `{tag} {i}`, seeds i; `steps` overrides the config's)
+/// and waits for all of them.
+async fn run_all(
+    addr: &str,
+    tag: &str,
+    k: usize,
+    steps: Option<u32>,
+) -> anyhow::Result<(Duration, Vec<Outcome>)> {
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..k {
+        let endpoint = format!("http://{addr}");
+        let prompt = format!("{tag} {i}: a lighthouse in a storm, waves breaking");
+        tasks.push(tokio::spawn(async move {
+            let mut client = VideoServiceClient::connect(endpoint)
+                .await?
+                .max_decoding_message_size(256 << 20);
+            let req = pb::GenerateRequest {
+                prompt,
+                seed: Some(i as u64),
+                steps,
+                ..Default::default()
+            };
+            let mut stream = client.generate(req).await?.into_inner();
+            while let Some(e) = stream.message().await? {
+                if let Some(pb::generate_event::Event::Completed(done)) = e.event {
+                    return Ok::<_, anyhow::Error>(Outcome {
+                        timings: done.timings.unwrap_or_default(),
+                        done: Instant::now(),
+                    });
+                }
+            }
+            bail!("stream ended without Completed")
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await??);
+    }
+    Ok((start.elapsed(), out))
+}
+
+/// Prints a run's line (and its `RESULT` line) from its outcomes.
+fn summary(name: &str, elapsed: Duration, outcomes: &[Outcome]) {
+    let k = outcomes.len();
+    let med = |f: &dyn Fn(&pb::Timings) -> f64| {
+        median(&outcomes.iter().map(|o| f(&o.timings)).collect::<Vec<_>>()).unwrap_or(0.0)
+    };
+    let t_denoise = med(&|t| t.text_ms + t.denoise_ms) / 1e3;
+    let after_loop = med(&|t| t.first_segment_ms - t.queue_ms - t.text_ms - t.denoise_ms);
+    let decode = med(&|t| t.decode_ms);
+    let encode = med(&|t| t.encode_ms);
+    let overall = k as f64 / elapsed.as_secs_f64();
+    let first = outcomes.iter().map(|o| o.done).min();
+    let last = outcomes.iter().map(|o| o.done).max();
+    let steady = match (first, last) {
+        (Some(a), Some(b)) if k > 1 && b > a => (k - 1) as f64 / (b - a).as_secs_f64(),
+        _ => overall,
+    };
+    println!(
+        "{name:<12} {k} requests in {:.2} s: {overall:.3} req/s overall, {steady:.3} req/s steady; \
+         T_denoise {t_denoise:.2} s → steady × T_denoise = {:.2} (target ≥ 0.95); first segment \
+         {after_loop:.0} ms after the loop (target ≤ 150); decode {decode:.0} ms, encode {encode:.0} ms \
+         (medians)",
+        elapsed.as_secs_f64(),
+        steady * t_denoise,
+    );
+    println!(
+        "RESULT\t{name}\t{k}\t{:.2}\t{overall:.4}\t{steady:.4}\t{t_denoise:.3}\t{:.3}\t{after_loop:.1}\t\
+         {decode:.0}\t{encode:.0}",
+        elapsed.as_secs_f64(),
+        steady * t_denoise
+    );
+}
+
+/// A latent of `frames` latent frames at 480p (values do not matter to the link, but are not
+/// zeros, so no transport can take a shortcut).
+fn latent(frames: usize) -> anyhow::Result<Tensor> {
+    Ok(Tensor::randn(
+        &[1, 16, frames, 60, 104],
+        ditstream_kernels::DType::F32,
+        9,
+        ditstream_kernels::Device::Cpu,
+    )?)
+}
+
+/// Registers request `id` with the decoder side and stamps each chunk's delivery; resolves to
+/// the delivery times once the last chunk has arrived.
+fn expect(pending: &Pending, id: &str) -> tokio::task::JoinHandle<Vec<Instant>> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<LatentChunk>(64);
+    pending
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(id.to_string(), tx);
+    tokio::spawn(async move {
+        let mut times = Vec::new();
+        while let Some(chunk) = rx.recv().await {
+            times.push(Instant::now());
+            if chunk.header.last {
+                break;
+            }
+        }
+        times
+    })
+}
+
+/// (one-frame latency median ms, whole latent: first chunk ms, last chunk ms) of one link kind.
+async fn link_latency(
+    base: &Config,
+    kind: LinkKind,
+    identity: &quic::Identity,
+    samples: usize,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let mut cfg = base.clone();
+    cfg.pools.link = kind;
+    cfg.pools.link_listen = "127.0.0.1:0".to_string();
+    let pending: Pending = Arc::default();
+    let (addr, listener) = link::listen(&cfg, identity, Arc::clone(&pending)).await?;
+    let conn =
+        link::Connection::connect(link::kind_name(kind), addr, "localhost", identity).await?;
+    let one = latent(1)?;
+    let mut lat = Vec::new();
+    for i in 0..samples + 1 {
+        let id = format!("one-{i}");
+        let arrived = expect(&pending, &id);
+        let sent = Instant::now();
+        conn.send_latent(&id, &one).await?;
+        let times = arrived.await?;
+        let at = times.first().context("no chunk delivered")?;
+        if i > 0 {
+            // The first is a warm-up (connection set-up, first stream).
+            lat.push((*at - sent).as_secs_f64() * 1e3);
+        }
+    }
+    let whole = latent(21)?;
+    let (mut first, mut last) = (Vec::new(), Vec::new());
+    for i in 0..5 {
+        let id = format!("whole-{i}");
+        let arrived = expect(&pending, &id);
+        let sent = Instant::now();
+        conn.send_latent(&id, &whole).await?;
+        let times = arrived.await?;
+        if times.len() != 21 {
+            bail!("{} of 21 chunks delivered", times.len());
+        }
+        first.push((times[0] - sent).as_secs_f64() * 1e3);
+        last.push((times[20] - sent).as_secs_f64() * 1e3);
+    }
+    listener.abort();
+    Ok((
+        median(&lat).unwrap_or(0.0),
+        median(&first).unwrap_or(0.0),
+        median(&last).unwrap_or(0.0),
+    ))
+}
+
+/// The link kind a `pools.link` value names (whatever kinds this build's config knows).
+fn link_kind(name: &str) -> anyhow::Result<LinkKind> {
+    let cfg = Config::parse(
+        &format!("model:\n  preset: tiny\npools:\n  link: {name}\n"),
+        "--link",
+    )?;
+    Ok(cfg.pools.link)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,ditstream=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let dir =
+        std::env::temp_dir().join(format!("ditstream-bench-pools-gpu-{}", std::process::id()));
+    write_certs(
+        &dir.join("certs"),
+        &["localhost".to_string(), "127.0.0.1".to_string()],
+    )?;
+    println!(
+        "model {} (random, bf16, text encoder {} layer(s) of umT5-XXL width), {}x{} {} frames, {} \
+         steps, {} requests after a warm-up; sequential on GPU {}, pools: denoiser GPU {}, decoder \
+         GPU {}, link {}",
+        args.preset,
+        args.text_layers,
+        args.width,
+        args.height,
+        args.frames,
+        args.steps,
+        args.requests,
+        args.denoiser_gpu,
+        args.denoiser_gpu,
+        args.decoder_gpu,
+        args.link
+    );
+
+    if !args.skip_sequential {
+        let cfg = args.config(args.denoiser_gpu, "127.0.0.1:1", &args.link)?;
+        let t = Instant::now();
+        let serve = ditstream::serve::start(cfg, "127.0.0.1:0".parse()?).await?;
+        println!(
+            "sequential   engine built in {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
+        let addr = serve.addr.to_string();
+        // Warm-up: every kernel compiled and every GEMM planned at these shapes, VAE included.
+        run_all(&addr, "warm-up", 1, Some(1)).await?;
+        let (elapsed, outcomes) = run_all(&addr, "sequential", args.requests, None).await?;
+        summary("sequential", elapsed, &outcomes);
+        serve.stop().await?;
+    }
+
+    if !args.skip_pools {
+        let gw = gateway::start(
+            &args.config(args.denoiser_gpu, "127.0.0.1:1", &args.link)?,
+            "127.0.0.1:0".parse()?,
+        )
+        .await?;
+        let gw_addr = gw.addr.to_string();
+        let t = Instant::now();
+        let dn_cfg = args.config(args.denoiser_gpu, &gw_addr, &args.link)?;
+        let dc_cfg = args.config(args.decoder_gpu, &gw_addr, &args.link)?;
+        let (dn, dc) = tokio::try_join!(
+            denoiser::start(&dn_cfg, Path::new(&dir)),
+            decoder::start(&dc_cfg, Path::new(&dir)),
+        )?;
+        println!("pools        built in {:.1} s", t.elapsed().as_secs_f64());
+        let mut client = VideoServiceClient::connect(format!("http://{gw_addr}")).await?;
+        let ready = Instant::now();
+        while !client
+            .health(pb::HealthRequest {})
+            .await?
+            .into_inner()
+            .serving
+        {
+            if ready.elapsed() > Duration::from_secs(60) {
+                bail!("the pools did not register with the gateway within 60 s");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        run_all(&gw_addr, "warm-up", 1, Some(1)).await?;
+        let (elapsed, outcomes) = run_all(&gw_addr, "pools", args.requests, None).await?;
+        summary(&format!("pools-{}", args.link), elapsed, &outcomes);
+        drop((dn, dc, gw));
+    }
+
+    let dc_cfg = args.config(args.decoder_gpu, "127.0.0.1:1", &args.link)?;
+    let identity = quic::PoolCa::generate("bench")?.issue("localhost")?;
+    for name in &args.latency_links {
+        let outcome = match link_kind(name) {
+            Ok(kind) => link_latency(&dc_cfg, kind, &identity, args.chunks).await,
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok((one, first, last)) => {
+                println!(
+                    "link {name:<6}  one 480p latent frame (399 KB): {one:.2} ms (median of {}); \
+                     a whole 480p 81-frame latent (21 chunks, 8.4 MB): first chunk {first:.2} ms, \
+                     last {last:.2} ms (median of 5)",
+                    args.chunks
+                );
+                println!("LINK\t{name}\t{one:.3}\t{first:.3}\t{last:.3}");
+            }
+            Err(e) => {
+                println!("link {name:<6}  not measured: {e:#}");
+                println!("LINK\t{name}\t-\t-\t-");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Runs on a 2-GPU machine (nvidia-h200-x2), from the repo root, with prebuilt executables in
+# target/gpu/ (made here by scripts/build-gpu-serve.sh; carry target/gpu with the working tree):
+#   1. the serving tests on GPUs with DITSTREAM_REQUIRE_GPUS=2 (fewer GPUs or a missing library fails
+#      instead of skipping): `serve` over gRPC on GPU 0 against the CPU run of the same request (latent,
+#      frames, a playable MP4), a 2-GPU mesh (cfg 2, Ulysses 2) and a 2-GPU parallel-VAE instance
+#      against one GPU, clear errors for a GPU the machine lacks; tiny model, f32 (≈ 1–2 min, most of
+#      it NVRTC compiling every kernel once into the kernel cache);
+#   2. the pools benchmark: Wan2.1-1.3B random weights in bf16, 480p 81 frames, STEPS steps,
+#      REQUESTS requests at once after a warm-up, sequential `serve` engine on GPU 0 against a
+#      gateway + denoiser pool on GPU 0 + decoder instance on GPU 1 (LINK latent link), then the
+#      per-chunk latency of each of LATENCY_LINKS (≈ 3–4 min);
+#   3. a short table last.
+# Expected total: ≈ 5–6 minutes. Logs go to $OUT (the device runner's output folder) when set, else
+# /tmp/ditstream-gpu. Exits non-zero if any step failed (the table is printed anyway).
+# Knobs: REQUESTS (4), STEPS (4), LINK (quic), LATENCY_LINKS (quic,ucx), TEXT_LAYERS (1), SKIP_TEST=1,
+# SKIP_BENCH=1.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+LOGS=${OUT:-/tmp/ditstream-gpu}
+REQUESTS=${REQUESTS:-4}
+STEPS=${STEPS:-4}
+LINK=${LINK:-quic}
+LATENCY_LINKS=${LATENCY_LINKS:-quic,ucx}
+TEXT_LAYERS=${TEXT_LAYERS:-1}
+mkdir -p "$LOGS"
+
+# Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
+source scripts/lib/gpu-env.sh
+# One kernel cache for the run: the tests fill it, the benchmark reuses it.
+export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
+
+status=0
+step() { echo; echo "=== $* ==="; }
+
+step "machine"
+date -u
+nvidia-smi -L 2>&1 || echo "nvidia-smi not available"
+for bin in target/gpu/gpu_serving target/gpu/pools_gpu; do
+  if [ ! -x "$bin" ]; then
+    echo "missing $bin: run scripts/build-gpu-serve.sh on the build machine and carry target/gpu" >&2
+    exit 2
+  fi
+  missing=$(ldd "$bin" 2>&1 | grep "not found")
+  if [ -n "$missing" ]; then
+    echo "$bin cannot start, libraries missing:" >&2
+    echo "$missing" >&2
+    exit 2
+  fi
+done
+
+if [ "${SKIP_TEST:-0}" != 1 ]; then
+  step "serving tests on GPUs (DITSTREAM_REQUIRE_GPUS=2)"
+  start=$(date +%s%N)
+  DITSTREAM_REQUIRE_GPUS=2 timeout 240 target/gpu/gpu_serving --test-threads=1 --nocapture \
+    > "$LOGS/gpu_serving.log" 2>&1
+  rc=$?
+  echo "exit $rc after $(( ($(date +%s%N) - start) / 1000000 )) ms"
+  grep -E "^test |panicked|SERVEPARITY|test result|serve on the GPU" "$LOGS/gpu_serving.log" | head -n 40
+  [ "$rc" -eq 0 ] || { echo "serving tests FAILED (exit $rc)"; tail -n 30 "$LOGS/gpu_serving.log"; status=1; }
+fi
+
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  step "pools benchmark: target/gpu/pools_gpu --requests $REQUESTS --steps $STEPS --link $LINK --latency-links $LATENCY_LINKS --text-layers $TEXT_LAYERS"
+  start=$(date +%s%N)
+  timeout 420 target/gpu/pools_gpu --requests "$REQUESTS" --steps "$STEPS" --link "$LINK" \
+    --latency-links "$LATENCY_LINKS" --text-layers "$TEXT_LAYERS" \
+    > "$LOGS/pools_gpu.log" 2> "$LOGS/pools_gpu.err"
+  rc=$?
+  echo "exit $rc after $(( ($(date +%s%N) - start) / 1000000 )) ms"
+  grep -v -E "^(RESULT|LINK)" "$LOGS/pools_gpu.log"
+  grep -E "drawn|ready|built|ERROR|error" "$LOGS/pools_gpu.err" | grep -v OpenH264 | head -n 20
+  [ "$rc" -eq 0 ] || { echo "pools benchmark FAILED (exit $rc)"; tail -n 20 "$LOGS/pools_gpu.err"; status=1; }
+fi
+
+step "summary"
+if [ -f "$LOGS/gpu_serving.log" ]; then
+  echo "serving tests (f32, GPU vs CPU and 2 GPUs vs 1):"
+  grep -E "^test .* \.\.\. " "$LOGS/gpu_serving.log" | sed 's/^test /  /'
+  grep -ho 'SERVEPARITY.*' "$LOGS/gpu_serving.log" | awk -F'\t' '
+    BEGIN { printf "  %-40s %11s %9s\n", "comparison", "error", "bound" }
+    { printf "  %-40s %11s %9s  %s\n", $2, $3, $4, $5 }'
+fi
+if [ -f "$LOGS/pools_gpu.log" ]; then
+  echo
+  head -n 1 "$LOGS/pools_gpu.log" | sed 's/^/  /'
+  grep -h '^RESULT' "$LOGS/pools_gpu.log" | awk -F'\t' '
+    BEGIN { printf "  %-12s %3s %8s %9s %9s %10s %11s %13s %9s %9s\n", "run", "K", "wall s", "req/s", "steady", "T_den s", "steady×T_d", "1st seg ms*", "decode", "encode" }
+    { printf "  %-12s %3s %8s %9s %9s %10s %11s %13s %9s %9s\n", $2, $3, $4, $5, $6, $7, $8, $9, $10, $11 }
+    END { print "  (* after the loop ends; targets: steady×T_denoise ≥ 0.95, first segment ≤ 150 ms)" }'
+  grep -h '^LINK' "$LOGS/pools_gpu.log" | awk -F'\t' '
+    BEGIN { printf "  %-8s %16s %22s %21s\n", "link", "1 frame ms", "21-frame latent: 1st", "last ms" }
+    { printf "  %-8s %16s %22s %21s\n", $2, $3, $4, $5 }'
+fi
+echo
+[ "$status" -eq 0 ] && echo "gpu-serve: all steps passed" || echo "gpu-serve: SOME STEPS FAILED"
+exit "$status"

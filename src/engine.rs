@@ -320,11 +320,15 @@ fn worker_loop(shared: &Shared, pipeline: &Pipeline) {
                 Event::Failed(Failure::Internal(message))
             }
         };
+        // The request is over before its last event leaves: a client that sees `Completed` and
+        // asks for the load next must not find it still running.
+        {
+            let mut state = lock(&shared.state);
+            state.running = None;
+            state.cancels.remove(&job.id);
+        }
         // The client may be gone; nothing more to do for it then.
         let _ = job.events.blocking_send(last);
-        let mut state = lock(&shared.state);
-        state.running = None;
-        state.cancels.remove(&job.id);
     }
 }
 

@@ -9,17 +9,21 @@
 #   2. the pools benchmark: Wan2.1-1.3B random weights in bf16, 480p 81 frames, STEPS steps,
 #      REQUESTS requests at once after a warm-up, sequential `serve` engine on GPU 0 against a
 #      gateway + denoiser pool on GPU 0 + decoder instance on GPU 1 (LINK latent link), then the
-#      per-chunk latency of each of LATENCY_LINKS (≈ 3–4 min);
+#      per-chunk latency of each of LATENCY_LINKS (≈ 3–4 min; the VAE's speed at 480p 81 frames on
+#      the GPU has not been measured yet, and it sets most of the sequential run);
 #   3. a short table last.
-# Expected total: ≈ 5–6 minutes. Logs go to $OUT (the device runner's output folder) when set, else
-# /tmp/ditstream-gpu. Exits non-zero if any step failed (the table is printed anyway).
-# Knobs: REQUESTS (6), STEPS (4), LINK (quic), LATENCY_LINKS (quic,ucx), TEXT_LAYERS (1), SKIP_TEST=1,
+# Expected total: ≈ 5–6 minutes, bounded by the timeouts (200 s + 380 s). If the 10-minute limit of
+# one device call is tight, run it as two calls: SKIP_BENCH=1, then SKIP_TEST=1. Logs go to $OUT
+# (the device runner's output folder) when set, else /tmp/ditstream-gpu. Exits non-zero if any step
+# failed (the table is printed anyway). The 2-GPU parallel-VAE test needs the halo exchange of
+# decoder/src/parallel on device tensors; until then it fails with a device-mismatch error.
+# Knobs: REQUESTS (4), STEPS (4), LINK (quic), LATENCY_LINKS (quic,ucx), TEXT_LAYERS (1), SKIP_TEST=1,
 # SKIP_BENCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 LOGS=${OUT:-/tmp/ditstream-gpu}
-REQUESTS=${REQUESTS:-6}
+REQUESTS=${REQUESTS:-4}
 STEPS=${STEPS:-4}
 LINK=${LINK:-quic}
 LATENCY_LINKS=${LATENCY_LINKS:-quic,ucx}
@@ -53,7 +57,7 @@ done
 if [ "${SKIP_TEST:-0}" != 1 ]; then
   step "serving tests on GPUs (DITSTREAM_REQUIRE_GPUS=2)"
   start=$(date +%s%N)
-  DITSTREAM_REQUIRE_GPUS=2 timeout 240 target/gpu/gpu_serving --test-threads=1 --nocapture \
+  DITSTREAM_REQUIRE_GPUS=2 timeout 200 target/gpu/gpu_serving --test-threads=1 --nocapture \
     > "$LOGS/gpu_serving.log" 2>&1
   rc=$?
   echo "exit $rc after $(( ($(date +%s%N) - start) / 1000000 )) ms"
@@ -64,7 +68,7 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   step "pools benchmark: target/gpu/pools_gpu --requests $REQUESTS --steps $STEPS --link $LINK --latency-links $LATENCY_LINKS --text-layers $TEXT_LAYERS"
   start=$(date +%s%N)
-  timeout 420 target/gpu/pools_gpu --requests "$REQUESTS" --steps "$STEPS" --link "$LINK" \
+  timeout 380 target/gpu/pools_gpu --requests "$REQUESTS" --steps "$STEPS" --link "$LINK" \
     --latency-links "$LATENCY_LINKS" --text-layers "$TEXT_LAYERS" \
     > "$LOGS/pools_gpu.log" 2> "$LOGS/pools_gpu.err"
   rc=$?

@@ -39,7 +39,7 @@ use ditstream_kernels::{Device, Tensor};
 
 use crate::engine::{Event, Phase, Segment, Timings, ms};
 use crate::models::{self, DenoiserModels};
-use crate::ranks::{RankGroup, RankState, Ranks, Threads};
+use crate::ranks::{GroupStatus, RankGroup, RankState, Ranks, Threads};
 use crate::request::GenerateParams;
 
 /// Why the pipeline stopped a request early.
@@ -131,8 +131,12 @@ pub struct DenoiseStage {
 enum DenoiseRanks {
     /// One rank, on the calling thread.
     Single(Arc<DenoiserModels>),
-    /// A mesh of persistent rank threads (one request at a time: the lock).
-    Mesh(Mutex<Box<dyn Ranks<DenoiseJob, DenoiseOut>>>),
+    /// A mesh of persistent rank threads (one request at a time: the lock), and its status,
+    /// readable while a request holds the lock.
+    Mesh(
+        Mutex<Box<dyn Ranks<DenoiseJob, DenoiseOut>>>,
+        Arc<GroupStatus>,
+    ),
 }
 
 /// What every rank of a mesh needs for one request (shared, read-only).
@@ -297,7 +301,8 @@ impl DenoiseStage {
                     bail!("serving.device = cuda: this binary was built without CUDA")
                 }
             };
-            DenoiseRanks::Mesh(Mutex::new(group))
+            let status = group.status();
+            DenoiseRanks::Mesh(Mutex::new(group), status)
         };
         tracing::info!(%mesh, devices = ?devices, "denoiser stage ready");
         Ok(DenoiseStage {
@@ -325,15 +330,16 @@ impl DenoiseStage {
     pub fn connections(&self) -> u64 {
         match &self.ranks {
             DenoiseRanks::Single(_) => 0,
-            DenoiseRanks::Mesh(group) => lock(group).connections(),
+            DenoiseRanks::Mesh(_, status) => status.connections(),
         }
     }
 
-    /// Why the stage can serve nothing more, if it cannot (a rank thread is gone).
+    /// Why the stage can serve nothing more, if it cannot (a rank thread is gone). Never waits
+    /// for a running request.
     pub fn out_of_service(&self) -> Option<String> {
         match &self.ranks {
             DenoiseRanks::Single(_) => None,
-            DenoiseRanks::Mesh(group) => lock(group).out_of_service().map(str::to_string),
+            DenoiseRanks::Mesh(_, status) => status.out_of_service().map(str::to_string),
         }
     }
 
@@ -390,7 +396,7 @@ impl DenoiseStage {
                     on_step,
                 )
             }
-            DenoiseRanks::Mesh(group) => {
+            DenoiseRanks::Mesh(group, _) => {
                 let request = Arc::new(DenoiseRequest {
                     params,
                     noise,
@@ -471,8 +477,9 @@ enum VaeRanks {
     /// One rank: any number of requests decode at once on the calling threads.
     Single(Arc<WanVaeDecoder>),
     /// A parallel-VAE instance of persistent rank threads; one chunk at a time (the lock), so
-    /// every rank sees every request's steps in the same order.
-    Sharded(Mutex<Sharded>),
+    /// every rank sees every request's steps in the same order. Its status is readable while a
+    /// chunk holds the lock.
+    Sharded(Mutex<Sharded>, Arc<GroupStatus>),
 }
 
 /// A parallel-VAE instance and its session numbering.
@@ -702,10 +709,14 @@ impl DecodeStage {
                     bail!("serving.device = cuda: this binary was built without CUDA")
                 }
             };
-            VaeRanks::Sharded(Mutex::new(Sharded {
-                ranks,
-                next_session: 0,
-            }))
+            let status = ranks.status();
+            VaeRanks::Sharded(
+                Mutex::new(Sharded {
+                    ranks,
+                    next_session: 0,
+                }),
+                status,
+            )
         };
         tracing::info!(vae_ranks, devices = ?devices, "decoder stage ready");
         Ok(DecodeStage {
@@ -727,15 +738,16 @@ impl DecodeStage {
     pub fn connections(&self) -> u64 {
         match &self.vae {
             VaeRanks::Single(_) => 0,
-            VaeRanks::Sharded(sharded) => lock(sharded).ranks.connections(),
+            VaeRanks::Sharded(_, status) => status.connections(),
         }
     }
 
-    /// Why the stage can serve nothing more, if it cannot (a rank thread is gone).
+    /// Why the stage can serve nothing more, if it cannot (a rank thread is gone). Never waits
+    /// for a chunk in progress.
     pub fn out_of_service(&self) -> Option<String> {
         match &self.vae {
             VaeRanks::Single(_) => None,
-            VaeRanks::Sharded(sharded) => lock(sharded).ranks.out_of_service().map(str::to_string),
+            VaeRanks::Sharded(_, status) => status.out_of_service().map(str::to_string),
         }
     }
 
@@ -749,7 +761,7 @@ impl DecodeStage {
         let (lt, lh, lw) = latent_grid(p);
         let vae = match &self.vae {
             VaeRanks::Single(vae) => SessionVae::Single(vae.new_stream(lh, lw)?),
-            VaeRanks::Sharded(sharded) => {
+            VaeRanks::Sharded(sharded, _) => {
                 let mut sharded = lock(sharded);
                 let session = sharded.next_session;
                 sharded.next_session += 1;
@@ -831,7 +843,7 @@ impl DecodeSession<'_> {
                     session,
                     connections,
                 },
-                VaeRanks::Sharded(sharded),
+                VaeRanks::Sharded(sharded, _),
             ) => {
                 let mut sharded = lock(sharded);
                 if !sharded.ranks.is_connected() || sharded.ranks.connections() != *connections {
@@ -890,7 +902,7 @@ impl DecodeSession<'_> {
 
 impl Drop for DecodeSession<'_> {
     fn drop(&mut self) {
-        let (SessionVae::Sharded { session, .. }, VaeRanks::Sharded(sharded)) =
+        let (SessionVae::Sharded { session, .. }, VaeRanks::Sharded(sharded, _)) =
             (&self.vae, &self.stage.vae)
         else {
             return;

@@ -20,8 +20,9 @@
 //! group out of service ([`RankGroup::out_of_service`]).
 
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 use anyhow::{Context, anyhow, bail};
@@ -128,14 +129,33 @@ type Sent<B, S> = Msg<
     <S as RankState<<B as Backend>::World>>::Out,
 >;
 
+/// What others may read about a group while it runs a job (without waiting for it).
+#[derive(Debug, Default)]
+pub struct GroupStatus {
+    connections: AtomicU64,
+    out_of_service: OnceLock<String>,
+}
+
+impl GroupStatus {
+    /// How many times the communicators have been formed: 1 after start, one more before the
+    /// first job after each failed one.
+    pub fn connections(&self) -> u64 {
+        self.connections.load(Ordering::SeqCst)
+    }
+
+    /// Why the group can run nothing more (a rank thread is gone), if it cannot.
+    pub fn out_of_service(&self) -> Option<&str> {
+        self.out_of_service.get().map(String::as_str)
+    }
+}
+
 /// Persistent threads, one per rank, each running jobs on its [`RankState`].
 pub struct RankGroup<B: Backend, S: RankState<B::World>> {
     backend: Arc<B>,
     senders: Vec<Sender<Sent<B, S>>>,
     threads: Vec<JoinHandle<()>>,
     connected: bool,
-    connections: u64,
-    out_of_service: Option<String>,
+    status: Arc<GroupStatus>,
 }
 
 impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
@@ -149,8 +169,7 @@ impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
             senders: Vec::with_capacity(ranks),
             threads: Vec::with_capacity(ranks),
             connected: false,
-            connections: 0,
-            out_of_service: None,
+            status: Arc::default(),
         };
         for (rank, state) in states.into_iter().enumerate() {
             let (tx, rx) = channel::<Sent<B, S>>();
@@ -174,12 +193,17 @@ impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
     /// How many times the communicators have been formed: 1 after start, one more after every
     /// failed job that was followed by another job.
     pub fn connections(&self) -> u64 {
-        self.connections
+        self.status.connections()
     }
 
     /// Why the group can run nothing more (a rank thread is gone), if it cannot.
     pub fn out_of_service(&self) -> Option<&str> {
-        self.out_of_service.as_deref()
+        self.status.out_of_service()
+    }
+
+    /// The group's status, readable while it runs a job.
+    pub fn status(&self) -> Arc<GroupStatus> {
+        Arc::clone(&self.status)
     }
 
     /// Whether the communicators formed by the last connection are in use (no failure since).
@@ -189,7 +213,7 @@ impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
 
     /// Every rank joins a fresh world and connects; waits for all of them.
     fn connect(&mut self) -> anyhow::Result<()> {
-        if let Some(why) = &self.out_of_service {
+        if let Some(why) = self.status.out_of_service() {
             bail!("{why}");
         }
         let tickets = self.backend.tickets(self.size())?;
@@ -212,7 +236,7 @@ impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
                 first_error.get_or_insert(e);
             }
         }
-        self.connections += 1;
+        self.status.connections.fetch_add(1, Ordering::SeqCst);
         match first_error {
             None => {
                 self.connected = true;
@@ -272,7 +296,7 @@ impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
 
     fn gone(&mut self, rank: usize) -> anyhow::Error {
         let why = format!("rank {rank}'s thread has stopped; restart the process");
-        self.out_of_service.get_or_insert(why.clone());
+        let _ = self.status.out_of_service.set(why.clone()); // the first cause stays
         anyhow!(why)
     }
 }
@@ -290,8 +314,8 @@ pub trait Ranks<J, O>: Send {
     fn connections(&self) -> u64;
     /// See [`RankGroup::is_connected`].
     fn is_connected(&self) -> bool;
-    /// See [`RankGroup::out_of_service`].
-    fn out_of_service(&self) -> Option<&str>;
+    /// See [`RankGroup::status`].
+    fn status(&self) -> Arc<GroupStatus>;
 }
 
 impl<B: Backend, S: RankState<B::World>> Ranks<S::Job, S::Out> for RankGroup<B, S> {
@@ -310,8 +334,8 @@ impl<B: Backend, S: RankState<B::World>> Ranks<S::Job, S::Out> for RankGroup<B, 
     fn is_connected(&self) -> bool {
         RankGroup::is_connected(self)
     }
-    fn out_of_service(&self) -> Option<&str> {
-        RankGroup::out_of_service(self)
+    fn status(&self) -> Arc<GroupStatus> {
+        RankGroup::status(self)
     }
 }
 

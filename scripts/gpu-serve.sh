@@ -15,9 +15,8 @@
 # Expected total: ≈ 5–6 minutes, bounded by the timeouts (200 s + 380 s). If the 10-minute limit of
 # one device call is tight, run it as two calls: SKIP_BENCH=1, then SKIP_TEST=1. Logs go to $OUT
 # (the device runner's output folder) when set, else /tmp/ditstream-gpu. Exits non-zero if any step
-# failed (the table is printed anyway). The 2-GPU parallel-VAE test needs the halo exchange of
-# decoder/src/parallel on device tensors; until then it fails with a device-mismatch error.
-# Knobs: REQUESTS (4), STEPS (4), LINK (quic), LATENCY_LINKS (quic,ucx), TEXT_LAYERS (1), SKIP_TEST=1,
+# failed (the table is printed anyway).
+# Knobs: REQUESTS (4), STEPS (4), LINK (quic), LATENCY_LINKS (quic,ucx,nccl), SKIP_TEST=1,
 # SKIP_BENCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +25,7 @@ LOGS=${OUT:-/tmp/ditstream-gpu}
 REQUESTS=${REQUESTS:-4}
 STEPS=${STEPS:-4}
 LINK=${LINK:-quic}
-LATENCY_LINKS=${LATENCY_LINKS:-quic,ucx}
-TEXT_LAYERS=${TEXT_LAYERS:-1}
+LATENCY_LINKS=${LATENCY_LINKS:-quic,ucx,nccl}
 mkdir -p "$LOGS"
 
 # Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
@@ -66,10 +64,10 @@ if [ "${SKIP_TEST:-0}" != 1 ]; then
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  step "pools benchmark: target/gpu/pools_gpu --requests $REQUESTS --steps $STEPS --link $LINK --latency-links $LATENCY_LINKS --text-layers $TEXT_LAYERS"
+  step "pools benchmark: target/gpu/pools_gpu --requests $REQUESTS --steps $STEPS --link $LINK --latency-links $LATENCY_LINKS"
   start=$(date +%s%N)
   timeout 380 target/gpu/pools_gpu --requests "$REQUESTS" --steps "$STEPS" --link "$LINK" \
-    --latency-links "$LATENCY_LINKS" --text-layers "$TEXT_LAYERS" \
+    --latency-links "$LATENCY_LINKS" \
     > "$LOGS/pools_gpu.log" 2> "$LOGS/pools_gpu.err"
   rc=$?
   echo "exit $rc after $(( ($(date +%s%N) - start) / 1000000 )) ms"

@@ -14,9 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, bail};
-use ditstream_common::config::{
-    Config, DeviceKind, Dtype, Preset, UMT5_XXL_LAYERS, WeightSource as SourceKind,
-};
+use ditstream_common::config::{Config, DeviceKind, Dtype, Preset, WeightSource as SourceKind};
 use ditstream_decoder::vae::{VaeConfig, WanVaeDecoder};
 use ditstream_denoiser::model::{WanConfig, WanTransformer};
 use ditstream_denoiser::text::{PromptTokenizer, T5Config, T5Encoder, TextEncoder, WAN_MAX_LEN};
@@ -32,8 +30,8 @@ const LOW_EXPERT_SEED: u64 = 1;
 /// steps with t < 0.875·1000.
 const A14B_BOUNDARY_RATIO: f64 = 0.875;
 
-/// The built-in tokenizer (209 tokens; see `TextEncoder::tiny`), which the random real-size text
-/// encoder uses too: without a checkpoint there is no umT5 tokenizer.
+/// The built-in tokenizer (209 tokens; the one `TextEncoder::tiny` embeds), which the random
+/// real-size text encoder uses too: without a checkpoint there is no umT5 tokenizer.
 const BUILT_IN_TOKENIZER_JSON: &[u8] =
     include_bytes!("../denoiser/tests/fixtures/text_umt5/tokenizer/tokenizer.json");
 
@@ -151,36 +149,41 @@ pub fn denoiser_models(
     Ok(per_rank(devices, &distinct, copies))
 }
 
-/// The text encoder (on the host; its states are moved to each rank's device): the checkpoint's
-/// umT5 with its tokenizer, the built-in tiny one, or for a random real-size preset umT5-XXL's
-/// width with `model.text_encoder_layers` layers (see that key) and the built-in tokenizer.
-pub fn text_encoder(cfg: &Config) -> anyhow::Result<TextEncoder> {
+/// The text encoder, on `device` (the denoiser mesh's rank 0; each rank moves the states to its
+/// own device): the checkpoint's umT5 with its tokenizer; the built-in tiny one, which stays on
+/// the host in f32 whatever the device (it is tiny, and its states are then exactly the CPU run's);
+/// or for a random real-size preset (GPU only) umT5-XXL at its real size, drawn on the GPU
+/// ([`T5Encoder::random`]: well under a second there, minutes on one host core), with the built-in
+/// tokenizer, there being no umT5 tokenizer without a checkpoint.
+pub fn text_encoder(cfg: &Config, device: Device) -> anyhow::Result<TextEncoder> {
     let m = &cfg.model;
+    // The CPU computes in f32 (bf16 weights would be widened on every call).
+    let text_dtype = match device {
+        Device::Cpu => DType::F32,
+        Device::Cuda(_) => dtype(cfg),
+    };
     Ok(match (m.weights, &m.checkpoint, m.preset) {
         (SourceKind::Random, _, Some(Preset::Tiny)) => TextEncoder::tiny(WEIGHT_SEED)?,
-        (SourceKind::Random, _, Some(_)) => {
-            let layers = m.text_encoder_layers.unwrap_or(UMT5_XXL_LAYERS);
+        (SourceKind::Random, _, Some(preset)) => {
+            check_random_on(preset, &[device])?;
             let tokenizer = PromptTokenizer::from_json_bytes(
                 BUILT_IN_TOKENIZER_JSON,
                 WAN_MAX_LEN,
                 "<built-in tiny tokenizer>",
             )?;
-            let config = T5Config {
-                num_layers: layers,
-                vocab_size: T5Config::tiny().vocab_size,
-                ..T5Config::umt5_xxl()
-            };
             let started = std::time::Instant::now();
-            // f32 on the host: the CPU ops would widen bf16 weights on every call.
-            let encoder = T5Encoder::random(&config, WEIGHT_SEED, DType::F32)?;
+            let encoder =
+                T5Encoder::random(&T5Config::umt5_xxl(), WEIGHT_SEED, text_dtype, device)?;
             tracing::info!(
-                layers,
                 seconds = started.elapsed().as_secs_f64(),
-                "random text encoder of umT5-XXL width drawn"
+                %device,
+                "random umT5-XXL drawn"
             );
             TextEncoder::new(tokenizer, encoder)?
         }
-        (SourceKind::Checkpoint, Some(dir), _) => TextEncoder::from_pretrained(dir, WAN_MAX_LEN)?,
+        (SourceKind::Checkpoint, Some(dir), _) => {
+            TextEncoder::from_pretrained_on(dir, WAN_MAX_LEN, text_dtype, device)?
+        }
         _ => bail!("model: validation should have refused this combination"),
     })
 }

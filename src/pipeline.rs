@@ -20,6 +20,7 @@ use ditstream_common::collectives::CommWorld;
 #[cfg(feature = "cuda")]
 use ditstream_common::collectives::DEFAULT_TIMEOUT;
 use ditstream_common::collectives::cpu::CpuComm;
+use ditstream_common::collectives::wire::TensorWire;
 use ditstream_common::config::{
     Config, DeviceKind, EncoderKind, SamplerConfig, VaeSplitDim, WeightSource as SourceKind,
 };
@@ -33,7 +34,7 @@ use ditstream_decoder::vae::{DecodeStream, WanVaeDecoder};
 use ditstream_denoiser::denoise::{
     Control, DenoiseError, DenoiseParams, Experts, StepProgress, denoise, initial_noise,
 };
-use ditstream_denoiser::parallel::{self, MeshComms, ParallelError, TensorWire, check_mesh};
+use ditstream_denoiser::parallel::{self, MeshComms, ParallelError, check_mesh};
 use ditstream_denoiser::text::TextEncoder;
 use ditstream_kernels::{Device, Tensor};
 
@@ -102,6 +103,15 @@ pub fn model_name(cfg: &Config) -> String {
     }
 }
 
+/// The GPU of rank 0 (where the text states and, over an NCCL latent link, the latent leave
+/// from, or where chunks arrive), or 0 on the CPU, where no link uses it.
+fn first_gpu(devices: &[Device]) -> usize {
+    match devices.first() {
+        Some(Device::Cuda(g)) => *g,
+        _ => 0,
+    }
+}
+
 /// The GPU ordinals of `devices` (all `Device::Cuda` with `device: cuda`).
 #[cfg(feature = "cuda")]
 fn gpu_ordinals(devices: &[Device]) -> anyhow::Result<Vec<usize>> {
@@ -144,7 +154,8 @@ struct DenoiseRequest {
     params: DenoiseParams,
     /// Initial noise [1, C, T, H, W], f32, on the host.
     noise: Tensor,
-    /// Text states [1, S, text_dim] on the host; each rank moves them to its device once.
+    /// Text states [1, S, text_dim] where the text encoder left them; each rank moves them to its
+    /// device once.
     cond: Tensor,
     uncond: Tensor,
 }
@@ -254,10 +265,11 @@ impl DenoiseStage {
     pub fn from_config(cfg: &Config) -> anyhow::Result<DenoiseStage> {
         let mesh = cfg.validate(None)?;
         let devices = models::rank_devices(cfg, "the denoiser mesh", mesh.world_size())?;
-        // The text encoder draws on one core (random weights) while the transformer's weights
-        // are drawn on all of them.
+        // The text encoder is built (read from a checkpoint, or drawn on the GPU) while the
+        // transformer's weights are read or drawn on the host cores. It runs once per prompt, on
+        // rank 0's device; the ranks take its states from there.
         let (text, copies) = std::thread::scope(|scope| {
-            let text = scope.spawn(|| models::text_encoder(cfg));
+            let text = scope.spawn(|| models::text_encoder(cfg, devices[0]));
             let copies = models::denoiser_models(cfg, &devices);
             let text = text
                 .join()
@@ -325,6 +337,11 @@ impl DenoiseStage {
         &self.devices
     }
 
+    /// Rank 0's GPU (0 on the CPU): where an NCCL latent link sends from.
+    pub fn link_gpu(&self) -> usize {
+        first_gpu(&self.devices)
+    }
+
     /// How many times the mesh's communicators have been formed: 1 after start-up, one more
     /// before the first request after each failed one; 0 for a single rank (none needed).
     pub fn connections(&self) -> u64 {
@@ -349,7 +366,7 @@ impl DenoiseStage {
     }
 
     /// Prompt and negative prompt, encoded in one batch (repeats come from the cache):
-    /// each [1, 512, text_dim], on the host.
+    /// each [1, 512, text_dim], on the text encoder's device (rank 0's, or the host for `tiny`).
     pub fn text_states(&self, p: &GenerateParams) -> anyhow::Result<(Tensor, Tensor)> {
         let embeds = self.text.encode(&[&p.prompt, &p.negative_prompt])?;
         Ok((
@@ -539,7 +556,7 @@ impl<C> VaeRank<C> {
 impl<W> RankState<W> for VaeRank<W::Comm>
 where
     W: CommWorld,
-    W::Comm: Send + 'static,
+    W::Comm: TensorWire + Send + 'static,
 {
     type Job = VaeJob;
     type Out = VaeOut;
@@ -589,14 +606,11 @@ where
                 let mut step = || -> anyhow::Result<Option<Tensor>> {
                     let band = stream.band_of(&latent)?;
                     let frames = decoder.decode_chunk(stream, &band)?;
-                    // The encoding rank needs the frames on the host anyway; gathering there
-                    // also keeps the peers' host-staged bands and its own on one device.
-                    let frames = if decoder.rank() == 0 {
-                        frames.to_device(Device::Cpu)?
-                    } else {
-                        frames
-                    };
-                    Ok(decoder.gather_frames(stream, &frames)?)
+                    // Gathered device to device to rank 0, then to the host for encoding.
+                    match decoder.gather_frames(stream, &frames)? {
+                        Some(video) => Ok(Some(video.to_device(Device::Cpu)?)),
+                        None => Ok(None),
+                    }
                 };
                 match step() {
                     Ok(video) => VaeOut::Done(video),
@@ -754,6 +768,11 @@ impl DecodeStage {
     /// Rank r's device.
     pub fn devices(&self) -> &[Device] {
         &self.devices
+    }
+
+    /// Rank 0's GPU (0 on the CPU): where an NCCL latent link receives chunks.
+    pub fn link_gpu(&self) -> usize {
+        first_gpu(&self.devices)
     }
 
     /// Starts a request's decode; the init segment is ready at once.

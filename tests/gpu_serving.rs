@@ -27,8 +27,8 @@
 //!   (`mesh_serving.rs`), **max|Δ| ≤ 5e-5·max|want|**, which catches a wrong shard or a lost padding
 //!   mask (27 tokens pad on every 2-way mesh).
 //! - **Parallel VAE on 2 GPUs vs 1**: halo exchange reproduces the unsharded convolution's inputs
-//!   exactly and the GEMMs see the same columns, so only cuBLASLt's choice of algorithm for another
-//!   M can differ: the frames bound, **max|Δ| ≤ 1e-4**.
+//!   exactly, so only f32 summation order can differ (cuBLASLt's algorithm for another M): the
+//!   bound of `decoder/tests/parallel_vae_nccl.rs`, **max|Δ| ≤ 1e-4**.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
 
@@ -478,8 +478,8 @@ mod gpu {
         assert!(ok, "out of bounds (see the SERVEPARITY lines)");
     }
 
-    /// Needs the parallel VAE's halo exchange on device tensors (decoder/src/parallel): until then
-    /// the exchanged rows come back on the host and the concatenation refuses the mix of devices.
+    /// The stage's persistent 2-GPU instance (its communicator formed once) decodes what one GPU
+    /// does; `decoder/tests/parallel_vae_nccl.rs` checks the instance itself on more shapes.
     #[test]
     fn a_two_gpu_vae_instance_equals_one_gpu() {
         if !gpus(2) {

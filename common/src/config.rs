@@ -228,14 +228,6 @@ pub struct ModelConfig {
     /// Weight source.
     #[serde(default)]
     pub weights: WeightSource,
-    /// Random weights of a real-size preset only: the text encoder's depth. The random text
-    /// encoder has umT5-XXL's width (d_model 4096, 64 heads, FFN 10240, so its states have the
-    /// transformer's `text_dim`) with the built-in tokenizer's vocabulary (there is no umT5
-    /// tokenizer without a checkpoint); unset means umT5-XXL's 24 layers. Drawing 24 layers of
-    /// random weights takes minutes on one host core and encoding a prompt with them seconds
-    /// on the CPU, so benchmark configs set 1 or 2 here (README, "GPU serving").
-    #[serde(default)]
-    pub text_encoder_layers: Option<usize>,
 }
 
 /// Which dimension of the latent the parallel VAE splits.
@@ -424,9 +416,6 @@ impl Default for ServingConfig {
         }
     }
 }
-
-/// Encoder layers of umT5-XXL, Wan's text encoder.
-pub const UMT5_XXL_LAYERS: usize = 24;
 
 /// A validated size as a count; negative values (rejected by validation) count as 0.
 fn count(size: i64) -> usize {
@@ -676,28 +665,6 @@ impl Config {
                 "`weights: random` needs a preset to know the model's size",
             )),
             _ => Ok(()),
-        }?;
-        match (m.text_encoder_layers, m.weights, m.preset) {
-            (None, _, _) => Ok(()),
-            (Some(n), WeightSource::Random, Some(p)) if p != Preset::Tiny => {
-                if (1..=UMT5_XXL_LAYERS).contains(&n) {
-                    Ok(())
-                } else {
-                    Err(invalid(
-                        "model.text_encoder_layers",
-                        n,
-                        format!(
-                            "must be in 1..={UMT5_XXL_LAYERS} (umT5-XXL has {UMT5_XXL_LAYERS})"
-                        ),
-                    ))
-                }
-            }
-            (Some(n), _, _) => Err(invalid(
-                "model.text_encoder_layers",
-                n,
-                "only applies to a real-size preset with `weights: random` (a checkpoint brings \
-                 its own text encoder, and `tiny` has its built-in tiny umT5)",
-            )),
         }
     }
 
@@ -991,28 +958,6 @@ mod tests {
         );
         let c = parse("  device: cuda\n");
         assert_eq!(c.rank_gpus("the denoiser mesh", 3).unwrap(), vec![0, 1, 2]);
-    }
-
-    #[test]
-    fn text_encoder_layers_rules() {
-        let model = |m: &str| {
-            Config::parse(&format!("model:\n{m}"), "<t>")
-                .unwrap()
-                .validate(None)
-                .map(|_| ())
-                .map_err(|e| e.to_string())
-        };
-        model("  preset: wan2.1-t2v-1.3b\n  text_encoder_layers: 2\n").unwrap();
-        let e = model("  preset: wan2.1-t2v-1.3b\n  text_encoder_layers: 0\n").unwrap_err();
-        assert_eq!(
-            e,
-            "model.text_encoder_layers = 0: must be in 1..=24 (umT5-XXL has 24)"
-        );
-        let e = model("  preset: tiny\n  text_encoder_layers: 2\n").unwrap_err();
-        assert!(
-            e.starts_with("model.text_encoder_layers = 2: only applies to a real-size preset"),
-            "{e}"
-        );
     }
 
     #[test]

@@ -211,7 +211,8 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDec
         Arc::new(tokio::task::spawn_blocking(move || DecodeStage::from_config(&build)).await??);
     let identity = link_identity(cfg, config_dir)?;
     let pending: Pending = Arc::default();
-    let (link_addr, link_task) = link::listen(cfg, &identity, Arc::clone(&pending), 0).await?;
+    let (link_addr, link_task) =
+        link::listen(cfg, &identity, Arc::clone(&pending), stage.link_gpu()).await?;
     let listener =
         tokio::net::TcpListener::bind(addr("pools.decoder_listen", &cfg.pools.decoder_listen)?)
             .await?;

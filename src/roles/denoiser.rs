@@ -71,7 +71,8 @@ impl DenoiserService {
                 "decoder_link_address = {address:?}: not an address"
             ))
         })?;
-        let conn = link::Connection::connect(kind, target, host, &self.identity, 0)
+        let gpu = self.stage.link_gpu();
+        let conn = link::Connection::connect(kind, target, host, &self.identity, gpu)
             .await
             .map_err(|e| Status::unavailable(format!("{e:#}")))?;
         links.insert(address.to_string(), conn.clone());

@@ -17,9 +17,8 @@
 //!   81-frame latent (21 chunks: first and last chunk delivered), through the pools' own link code
 //!   (`ditstream::roles::link`), so a new kind in `pools.link` is measured by naming it.
 //!
-//! Model: `--preset` (Wan2.1-T2V-1.3B) with random weights in bf16, the text encoder at umT5-XXL's
-//! width with `--text-layers` layers (`model.text_encoder_layers`: the full 24 take minutes to draw
-//! on the host and seconds per prompt on the CPU). Each request has its own prompt and seed.
+//! Model: `--preset` (Wan2.1-T2V-1.3B) with random weights in bf16, the umT5-XXL text encoder at
+//! its real size (drawn on the GPU). Each request has its own prompt and seed.
 //! Lines starting with `RESULT` and `LINK` are for scripts/gpu-serve.sh's table.
 //!
 //! `pools_gpu --requests 4 --steps 4` (scripts/gpu-serve.sh runs it on 2× H200).
@@ -34,7 +33,6 @@ use ditstream::roles::link::{self, Pending};
 use ditstream::roles::{decoder, denoiser, gateway, write_certs};
 use ditstream_bench::median;
 use ditstream_common::config::{Config, LinkKind};
-use ditstream_common::link::LatentChunk;
 use ditstream_common::link::quic;
 use ditstream_kernels::Tensor;
 use ditstream_proto::v1 as pb;
@@ -59,9 +57,6 @@ struct Args {
     /// Model preset (random weights, bf16).
     #[arg(long, default_value = "wan2.1-t2v-1.3b")]
     preset: String,
-    /// Text encoder layers (umT5-XXL width).
-    #[arg(long, default_value_t = 1)]
-    text_layers: usize,
     /// GPU of the sequential engine and of the denoiser pool.
     #[arg(long, default_value_t = 0)]
     denoiser_gpu: usize,
@@ -72,7 +67,7 @@ struct Args {
     #[arg(long, default_value = "quic")]
     link: String,
     /// Latent links whose per-chunk latency is measured (comma-separated `pools.link` values).
-    #[arg(long, default_value = "quic,ucx", value_delimiter = ',')]
+    #[arg(long, default_value = "quic,ucx,nccl", value_delimiter = ',')]
     latency_links: Vec<String>,
     /// Samples per link for the one-frame latency.
     #[arg(long, default_value_t = 30)]
@@ -92,18 +87,13 @@ struct Args {
 impl Args {
     /// A config for one process: the model, the video size, `gpu`, the pools section.
     fn config(&self, gpu: usize, gateway: &str, link: &str) -> anyhow::Result<Config> {
-        let text_layers = if self.preset == "tiny" {
-            String::new()
-        } else {
-            format!("  text_encoder_layers: {}\n", self.text_layers)
-        };
         let gpus = if self.device == "cuda" {
             format!("  gpus: [{gpu}]\n")
         } else {
             String::new()
         };
         let yaml = format!(
-            "model:\n  preset: {preset}\n  weights: random\n  dtype: {dtype}\n{text_layers}sampler:\n  \
+            "model:\n  preset: {preset}\n  weights: random\n  dtype: {dtype}\nsampler:\n  \
              steps: {steps}\n  shift: 3.0\n  guidance_scale: 5.0\nserving:\n  device: {device}\n\
              {gpus}  width: {w}\n  height: {h}\n  num_frames: {f}\n  queue_depth: 64\npools:\n  \
              gateway: {gateway}\n  link: {link}\n  tls_ca: certs/ca.pem\n  tls_cert: certs/pool.pem\n  \
@@ -226,61 +216,84 @@ fn latent(frames: usize) -> anyhow::Result<Tensor> {
 }
 
 /// Registers request `id` with the decoder side and stamps each chunk's delivery; resolves to
-/// the delivery times once the last chunk has arrived.
-fn expect(pending: &Pending, id: &str) -> tokio::task::JoinHandle<Vec<Instant>> {
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<LatentChunk>(64);
+/// the delivery times once the last chunk has arrived (or the stream failed).
+fn expect(pending: &Pending, id: &str) -> tokio::task::JoinHandle<anyhow::Result<Vec<Instant>>> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<link::Delivery>(64);
     pending
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .insert(id.to_string(), tx);
     tokio::spawn(async move {
         let mut times = Vec::new();
-        while let Some(chunk) = rx.recv().await {
+        while let Some(delivery) = rx.recv().await {
             times.push(Instant::now());
-            if chunk.header.last {
+            if delivery?.header.last {
                 break;
             }
         }
-        times
+        Ok(times)
     })
 }
 
+/// GPUs of the two ends of a link: the denoiser's (sends) and the decoder's (receives).
+#[derive(Clone, Copy)]
+struct Ends {
+    denoiser_gpu: usize,
+    decoder_gpu: usize,
+}
+
 /// (one-frame latency median ms, whole latent: first chunk ms, last chunk ms) of one link kind.
+/// The latent starts where the denoiser leaves it: on the host for QUIC and UCX, on the
+/// denoiser's GPU for NCCL.
 async fn link_latency(
     base: &Config,
     kind: LinkKind,
     identity: &quic::Identity,
     samples: usize,
+    ends: Ends,
 ) -> anyhow::Result<(f64, f64, f64)> {
     let mut cfg = base.clone();
     cfg.pools.link = kind;
     cfg.pools.link_listen = "127.0.0.1:0".to_string();
     let pending: Pending = Arc::default();
-    let (addr, listener) = link::listen(&cfg, identity, Arc::clone(&pending)).await?;
-    let conn =
-        link::Connection::connect(link::kind_name(kind), addr, "localhost", identity).await?;
-    let one = latent(1)?;
+    let (addr, listener) =
+        link::listen(&cfg, identity, Arc::clone(&pending), ends.decoder_gpu).await?;
+    let conn = link::Connection::connect(
+        link::kind_name(kind),
+        addr,
+        "localhost",
+        identity,
+        ends.denoiser_gpu,
+    )
+    .await?;
+    let place = |t: Tensor| -> anyhow::Result<Tensor> {
+        Ok(match kind {
+            LinkKind::Nccl => t.to_device(ditstream_kernels::Device::Cuda(ends.denoiser_gpu))?,
+            _ => t,
+        })
+    };
+    let one = place(latent(1)?)?;
     let mut lat = Vec::new();
     for i in 0..samples + 1 {
         let id = format!("one-{i}");
         let arrived = expect(&pending, &id);
         let sent = Instant::now();
         conn.send_latent(&id, &one).await?;
-        let times = arrived.await?;
+        let times = arrived.await??;
         let at = times.first().context("no chunk delivered")?;
         if i > 0 {
             // The first is a warm-up (connection set-up, first stream).
             lat.push((*at - sent).as_secs_f64() * 1e3);
         }
     }
-    let whole = latent(21)?;
+    let whole = place(latent(21)?)?;
     let (mut first, mut last) = (Vec::new(), Vec::new());
     for i in 0..5 {
         let id = format!("whole-{i}");
         let arrived = expect(&pending, &id);
         let sent = Instant::now();
         conn.send_latent(&id, &whole).await?;
-        let times = arrived.await?;
+        let times = arrived.await??;
         if times.len() != 21 {
             bail!("{} of 21 chunks delivered", times.len());
         }
@@ -321,16 +334,20 @@ async fn main() -> anyhow::Result<()> {
         &["localhost".to_string(), "127.0.0.1".to_string()],
     )?;
     println!(
-        "model {} (random, {}, text encoder {} layer(s) of umT5-XXL width), {}x{} {} frames, {} \
-         steps, {} requests after a warm-up; sequential on GPU {}, pools: denoiser GPU {}, decoder \
-         GPU {}, link {}",
+        "model {} (random weights, {}; {}), \
+         {}x{} {} frames, {} steps, {} requests after a warm-up; sequential on GPU {}, pools: \
+         denoiser GPU {}, decoder GPU {}, link {}",
         args.preset,
         if args.device == "cuda" {
             "bf16"
         } else {
             "f32 on the CPU"
         },
-        args.text_layers,
+        if args.preset == "tiny" {
+            "the tiny text encoder"
+        } else {
+            "umT5-XXL text encoder at its real size on the first GPU"
+        },
         args.width,
         args.height,
         args.frames,
@@ -396,7 +413,13 @@ async fn main() -> anyhow::Result<()> {
     let identity = quic::PoolCa::generate("bench")?.issue("localhost")?;
     for name in &args.latency_links {
         let outcome = match link_kind(name) {
-            Ok(kind) => link_latency(&dc_cfg, kind, &identity, args.chunks).await,
+            Ok(kind) => {
+                let ends = Ends {
+                    denoiser_gpu: args.denoiser_gpu,
+                    decoder_gpu: args.decoder_gpu,
+                };
+                link_latency(&dc_cfg, kind, &identity, args.chunks, ends).await
+            }
             Err(e) => Err(e),
         };
         match outcome {

@@ -190,7 +190,11 @@ fn summary(name: &str, elapsed: Duration, outcomes: &[Outcome], pipelined: bool)
         _ => 0.0,
     };
     println!(
-        "{name:<12} {k} requests in {:.2} s ({spread:.2} s from first to last completion):          {overall:.3} req/s measured ({:.2} × 1/T_denoise), {steady:.3} req/s steady state from          the stage times ({:.2} × 1/T_denoise; target ≥ 0.95); T_denoise {t_denoise:.2} s, decode          + encode {t_decode:.2} s; first segment {after_loop:.0} ms after the loop (target ≤ 150);          decode {decode:.0} ms, encode {encode:.0} ms (medians)",
+        "{name:<12} {k} requests in {:.2} s ({spread:.2} s from first to last completion): \
+         {overall:.3} req/s measured ({:.2} × 1/T_denoise), {steady:.3} req/s steady state from \
+         the stage times ({:.2} × 1/T_denoise; target ≥ 0.95); T_denoise {t_denoise:.2} s, decode \
+         + encode {t_decode:.2} s; first segment {after_loop:.0} ms after the loop (target ≤ \
+         150); decode {decode:.0} ms, encode {encode:.0} ms (medians)",
         elapsed.as_secs_f64(),
         overall * t_denoise,
         steady * t_denoise,

@@ -9,20 +9,21 @@
 #   2. the pools benchmark: Wan2.1-1.3B random weights in bf16, 480p 81 frames, STEPS steps,
 #      REQUESTS requests at once after a warm-up, sequential `serve` engine on GPU 0 against a
 #      gateway + denoiser pool on GPU 0 + decoder instance on GPU 1 (LINK latent link), then the
-#      per-chunk latency of each of LATENCY_LINKS (≈ 3–4 min; the VAE's speed at 480p 81 frames on
-#      the GPU has not been measured yet, and it sets most of the sequential run);
+#      per-chunk latency of each of LATENCY_LINKS (≈ 2–3 min: a 4-step request is ≈ 7 s of denoising
+#      (bench/RESULTS.md: 0.82 s per 1.3B forward at 480p 81 frames, two per CFG step) and ≈ 1 s of
+#      VAE (35 ms per latent chunk, 21 chunks); both runs start with a warm-up request);
 #   3. a short table last.
 # Expected total: ≈ 5–6 minutes, bounded by the timeouts (200 s + 380 s). If the 10-minute limit of
 # one device call is tight, run it as two calls: SKIP_BENCH=1, then SKIP_TEST=1. Logs go to $OUT
 # (the device runner's output folder) when set, else /tmp/ditstream-gpu. Exits non-zero if any step
 # failed (the table is printed anyway).
-# Knobs: REQUESTS (4), STEPS (4), LINK (quic), LATENCY_LINKS (quic,ucx,nccl), SKIP_TEST=1,
+# Knobs: REQUESTS (6), STEPS (4), LINK (quic), LATENCY_LINKS (quic,ucx,nccl), SKIP_TEST=1,
 # SKIP_BENCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 LOGS=${OUT:-/tmp/ditstream-gpu}
-REQUESTS=${REQUESTS:-4}
+REQUESTS=${REQUESTS:-6}
 STEPS=${STEPS:-4}
 LINK=${LINK:-quic}
 LATENCY_LINKS=${LATENCY_LINKS:-quic,ucx,nccl}

@@ -5,7 +5,9 @@
 #      instead of skipping): `serve` over gRPC on GPU 0 against the CPU run of the same request (latent,
 #      frames, a playable MP4), a 2-GPU mesh (cfg 2, Ulysses 2) and a 2-GPU parallel-VAE instance
 #      against one GPU, clear errors for a GPU the machine lacks; tiny model, f32 (≈ 1–2 min, most of
-#      it NVRTC compiling every kernel once into the kernel cache);
+#      it NVRTC compiling every kernel once into the kernel cache); then the NCCL latent link between
+#      the two GPUs (tests/nccl_link.rs: exact transfer in f32 and bf16, a corrupted chunk fails its
+#      request; ≈ 5 s);
 #   2. the pools benchmark: Wan2.1-1.3B random weights in bf16, 480p 81 frames, STEPS steps,
 #      REQUESTS requests at once after a warm-up, sequential `serve` engine on GPU 0 against a
 #      gateway + denoiser pool on GPU 0 + decoder instance on GPU 1 (LINK latent link), then the
@@ -40,7 +42,7 @@ step() { echo; echo "=== $* ==="; }
 step "machine"
 date -u
 nvidia-smi -L 2>&1 || echo "nvidia-smi not available"
-for bin in target/gpu/gpu_serving target/gpu/pools_gpu; do
+for bin in target/gpu/gpu_serving target/gpu/nccl_link target/gpu/pools_gpu; do
   if [ ! -x "$bin" ]; then
     echo "missing $bin: run scripts/build-gpu-serve.sh on the build machine and carry target/gpu" >&2
     exit 2
@@ -62,6 +64,12 @@ if [ "${SKIP_TEST:-0}" != 1 ]; then
   echo "exit $rc after $(( ($(date +%s%N) - start) / 1000000 )) ms"
   grep -E "^test |panicked|SERVEPARITY|test result|serve on the GPU" "$LOGS/gpu_serving.log" | head -n 40
   [ "$rc" -eq 0 ] || { echo "serving tests FAILED (exit $rc)"; tail -n 30 "$LOGS/gpu_serving.log"; status=1; }
+
+  step "NCCL latent link test (DITSTREAM_REQUIRE_GPUS=2)"
+  DITSTREAM_REQUIRE_GPUS=2 timeout 120 target/gpu/nccl_link --nocapture > "$LOGS/nccl_link.log" 2>&1
+  rc=$?
+  grep -E "^test |panicked|test result" "$LOGS/nccl_link.log"
+  [ "$rc" -eq 0 ] || { echo "NCCL link test FAILED (exit $rc)"; tail -n 30 "$LOGS/nccl_link.log"; status=1; }
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

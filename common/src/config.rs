@@ -691,6 +691,13 @@ impl Config {
                 "must be at least 1",
             ));
         }
+        if p.link == LinkKind::Nccl && self.serving.device != DeviceKind::Cuda {
+            return Err(invalid(
+                "pools.link",
+                "nccl",
+                "moves latents GPU to GPU and needs serving.device = cuda (on the CPU use quic or ucx)",
+            ));
+        }
         Ok(())
     }
 
@@ -919,6 +926,20 @@ mod tests {
             "parallel_config.ulysses_size = 8: must divide the model's head count 12"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_nccl_link_needs_gpus() {
+        let parse = |text: &str| Config::parse(text, "<t>").unwrap().validate(None);
+        let e = parse("model: {preset: tiny}\npools: {link: nccl}\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "pools.link = nccl: moves latents GPU to GPU and needs serving.device = cuda (on the CPU \
+             use quic or ucx)"
+        );
+        parse("model: {preset: tiny}\nserving: {device: cuda}\npools: {link: nccl}\n").unwrap();
     }
 
     #[test]

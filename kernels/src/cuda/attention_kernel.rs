@@ -104,17 +104,18 @@ pub const FLASH_VARIANTS: &[FlashVariant] = &[
 /// The variant `Auto` runs at `head_dim`, if any: the fastest measured on the H200 (bench/RESULTS.md,
 /// 2026-11-30): at D = 128, 8 warps × 32 rows (Br 256), Bc 64, Q reloaded from shared memory
 /// (361–376 TFLOP/s at the DiT shapes, vs 281–352 for the others); at D = 64, 4 warps × 32 rows, Bc 64,
-/// Q in registers. At D = 256, 384, 512 (the Wan VAE's mid-block head is 384; not timed on the device
-/// yet) output-sliced variants, 128 output columns per block, Q reloaded from shared memory, chosen
-/// for no register spills (ptxas) and the fewest shared-memory loads per MMA: 4 warps × 32 rows with
-/// Bc 32 at 256 and 384 (each K fragment feeds both m-tiles); at 512 only 8 warps × 16 rows, Bc 32,
-/// compiles without spills.
+/// Q in registers. At D = 256, 384, 512 output-sliced variants, 128 output columns per block, Q
+/// reloaded from shared memory. At 384 (the Wan VAE's mid-block head) the measured choice: 8 warps × 16
+/// rows, Bc 64, 80.4 TFLOP/s on a 480p frame (6,240 tokens) against 62.5 for 4 warps × 32 rows, Bc 32
+/// (bench/RESULTS.md, VAE section). At 256 and 512 (not timed yet) the ones with no register spills
+/// (ptxas) and the fewest shared-memory loads per MMA: 4 warps × 32 rows, Bc 32 at 256; 8 warps × 16
+/// rows, Bc 32 at 512, the only one that compiles without spills.
 pub fn default_flash_variant(head_dim: usize) -> Option<usize> {
     let name = match head_dim {
         128 => "flash_fwd_d128_w8_m2_bc64_q0_mb1",
         64 => "flash_fwd_d64_w4_m2_bc64_q1_mb2",
         256 => "flash_fwd_d256_v128_w4_m2_bc32_q0_mb1",
-        384 => "flash_fwd_d384_v128_w4_m2_bc32_q0_mb1",
+        384 => "flash_fwd_d384_v128_w8_m1_bc64_q0_mb1",
         512 => "flash_fwd_d512_v128_w8_m1_bc32_q0_mb1",
         _ => return None,
     };

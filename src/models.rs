@@ -8,18 +8,16 @@
 //! then uploaded to each GPU, so every rank gets the same model. The CPU runs only the built-in
 //! `tiny` model this way; a GPU runs any preset.
 
-use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use ditstream_common::config::{Config, DeviceKind, Dtype, Preset, WeightSource as SourceKind};
 use ditstream_decoder::vae::{VaeConfig, WanVaeDecoder};
 use ditstream_denoiser::model::{WanConfig, WanTransformer};
 use ditstream_denoiser::text::{PromptTokenizer, T5Config, T5Encoder, TextEncoder, WAN_MAX_LEN};
-use ditstream_kernels::weights::{RandomWeights, WeightSource, WeightsError};
-use ditstream_kernels::{DType, Device, Tensor};
+use ditstream_kernels::weights::DrawnWeights;
+use ditstream_kernels::{DType, Device};
 
 /// Seed of every random weight (the tiny model's and the random real-size presets'): fixed, so
 /// every process of a deployment (gateway, denoiser and decoder pools) serves the same model.
@@ -107,11 +105,11 @@ pub fn denoiser_models(
         (SourceKind::Random, _, Some(preset)) => {
             check_random_on(preset, devices)?;
             let config = WanConfig::preset(preset);
-            let high = Drawn::draw(WEIGHT_SEED, |ws| {
+            let high = DrawnWeights::draw(WEIGHT_SEED, |ws| {
                 WanTransformer::new(config.clone(), ws, dtype, Device::Cpu).map(drop)
             })?;
             let low = match preset {
-                Preset::Wan22T2vA14b => Some(Drawn::draw(LOW_EXPERT_SEED, |ws| {
+                Preset::Wan22T2vA14b => Some(DrawnWeights::draw(LOW_EXPERT_SEED, |ws| {
                     WanTransformer::new(config.clone(), ws, dtype, Device::Cpu).map(drop)
                 })?),
                 _ => None,
@@ -204,7 +202,7 @@ pub fn vae_decoders(cfg: &Config, devices: &[Device]) -> anyhow::Result<Vec<Arc<
                 ),
                 _ => VaeConfig::wan21(),
             };
-            let drawn = Drawn::draw(WEIGHT_SEED, |ws| {
+            let drawn = DrawnWeights::draw(WEIGHT_SEED, |ws| {
                 WanVaeDecoder::from_weights_on(config.clone(), ws, Device::Cpu, dtype).map(drop)
             })?;
             on_each(&distinct, |device| {
@@ -316,100 +314,33 @@ fn per_rank<T>(devices: &[Device], distinct: &[Device], copies: Vec<T>) -> Vec<A
         .collect()
 }
 
-/// What a dry build asked for: (name, shape, dtype), in request order.
-type Requests = Vec<(String, Vec<usize>, DType)>;
-
-/// Records the weights a model asks for and hands out zeros (a dry build on the host).
-#[derive(Default)]
-struct Recorder(Mutex<Requests>);
-
-impl WeightSource for Recorder {
-    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, WeightsError> {
-        let mut requests = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        requests.push((name.to_string(), shape.to_vec(), dtype));
-        Ok(Tensor::zeros(shape, dtype, Device::Cpu)?)
-    }
-}
-
-/// [`RandomWeights`] drawn ahead on every host core and kept on the host, so that building the
-/// model (once per GPU) only uploads: the same values as drawing them one by one.
-struct Drawn(HashMap<String, Tensor>);
-
-impl Drawn {
-    /// Draws every weight that `dry_build` asks for, with `RandomWeights::new(seed)`.
-    fn draw<E>(
-        seed: u64,
-        dry_build: impl FnOnce(&dyn WeightSource) -> Result<(), E>,
-    ) -> anyhow::Result<Drawn>
-    where
-        E: std::error::Error + Send + Sync + 'static,
-    {
-        let recorder = Recorder::default();
-        dry_build(&recorder).context("listing the model's weights")?;
-        let requests = recorder.0.into_inner().unwrap_or_else(|e| e.into_inner());
-        let random = RandomWeights::new(seed);
-        let next = AtomicUsize::new(0);
-        let drawn = Mutex::new(HashMap::with_capacity(requests.len()));
-        let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
-        std::thread::scope(|scope| {
-            let workers: Vec<_> = (0..threads.min(requests.len().max(1)))
-                .map(|_| {
-                    scope.spawn(|| -> Result<(), WeightsError> {
-                        loop {
-                            let i = next.fetch_add(1, Ordering::Relaxed);
-                            let Some((name, shape, dtype)) = requests.get(i) else {
-                                return Ok(());
-                            };
-                            let t = random.tensor(name, shape, *dtype)?;
-                            let mut map = drawn.lock().unwrap_or_else(|e| e.into_inner());
-                            map.insert(name.clone(), t);
-                        }
-                    })
-                })
-                .collect();
-            workers.into_iter().try_for_each(|w| {
-                w.join()
-                    .map_err(|_| anyhow::anyhow!("a weight-drawing thread panicked"))?
-                    .map_err(anyhow::Error::from)
-            })
-        })?;
-        Ok(Drawn(drawn.into_inner().unwrap_or_else(|e| e.into_inner())))
-    }
-}
-
-impl WeightSource for Drawn {
-    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, WeightsError> {
-        match self.0.get(name) {
-            Some(t) if t.shape() == shape && t.dtype() == dtype => Ok(t.clone()),
-            _ => Err(WeightsError::Missing {
-                origin: "random weights drawn ahead".into(),
-                name: name.to_string(),
-            }),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use ditstream_kernels::Tensor;
+    use ditstream_kernels::weights::RandomWeights;
+
     use super::*;
 
     #[test]
     fn drawn_ahead_equals_drawn_one_by_one() {
         let cfg = WanConfig::preset(Preset::Tiny);
-        let drawn = Drawn::draw(3, |ws| {
+        let drawn = DrawnWeights::draw(3, |ws| {
             WanTransformer::new(cfg.clone(), ws, DType::F32, Device::Cpu).map(drop)
         })
         .unwrap();
-        let random = RandomWeights::new(3);
-        assert!(drawn.0.len() > 10);
-        for (name, t) in &drawn.0 {
-            let again = random.tensor(name, t.shape(), t.dtype()).unwrap();
-            assert_eq!(
-                t.to_vec_f32().unwrap(),
-                again.to_vec_f32().unwrap(),
-                "{name}"
-            );
-        }
+        let (a, b) = (
+            WanTransformer::new(cfg.clone(), &drawn, DType::F32, Device::Cpu).unwrap(),
+            WanTransformer::new(cfg.clone(), &RandomWeights::new(3), DType::F32, Device::Cpu)
+                .unwrap(),
+        );
+        let x = Tensor::randn(&[1, cfg.in_channels, 1, 4, 4], DType::F32, 1, Device::Cpu).unwrap();
+        let t = Tensor::from_vec(vec![500.0], &[1]).unwrap();
+        let ctx = Tensor::randn(&[1, 3, cfg.text_dim], DType::F32, 2, Device::Cpu).unwrap();
+        assert_eq!(
+            a.forward(&x, &t, &ctx).unwrap().to_vec_f32().unwrap(),
+            b.forward(&x, &t, &ctx).unwrap().to_vec_f32().unwrap(),
+            "a model from weights drawn ahead equals one drawn one by one"
+        );
     }
 
     #[test]

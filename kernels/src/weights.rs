@@ -285,6 +285,84 @@ impl RandomWeights {
     }
 }
 
+/// [`RandomWeights`] drawn ahead on every host core and kept on the host, so that building a big model
+/// (once per GPU, or once per mesh in a benchmark) only uploads: the same values as drawing them one
+/// by one, which for billions of weights on one core takes minutes.
+#[derive(Debug, Clone)]
+pub struct DrawnWeights(HashMap<String, Tensor>);
+
+/// Records the weights a model asks for and hands out zeros: a dry build on the host.
+#[derive(Default)]
+struct Recorder(std::sync::Mutex<Vec<(String, Vec<usize>, DType)>>);
+
+impl WeightSource for Recorder {
+    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, WeightsError> {
+        let mut requests = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        requests.push((name.to_string(), shape.to_vec(), dtype));
+        Ok(Tensor::zeros(shape, dtype, crate::Device::Cpu)?)
+    }
+}
+
+impl DrawnWeights {
+    /// Draws, with `RandomWeights::new(seed)`, every weight that `dry_build` asks for (it builds
+    /// the model on the host from the source it is given; the zeros it gets are dropped).
+    pub fn draw<E>(
+        seed: u64,
+        dry_build: impl FnOnce(&dyn WeightSource) -> Result<(), E>,
+    ) -> Result<DrawnWeights, E>
+    where
+        E: From<WeightsError>,
+    {
+        use std::sync::Mutex;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let recorder = Recorder::default();
+        dry_build(&recorder)?;
+        let requests = recorder.0.into_inner().unwrap_or_else(|e| e.into_inner());
+        let random = RandomWeights::new(seed);
+        let next = AtomicUsize::new(0);
+        let drawn = Mutex::new(HashMap::with_capacity(requests.len()));
+        let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads.min(requests.len().max(1)))
+                .map(|_| {
+                    scope.spawn(|| -> Result<(), WeightsError> {
+                        loop {
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            let Some((name, shape, dtype)) = requests.get(i) else {
+                                return Ok(());
+                            };
+                            let t = random.tensor(name, shape, *dtype)?;
+                            let mut map = drawn.lock().unwrap_or_else(|e| e.into_inner());
+                            map.insert(name.clone(), t);
+                        }
+                    })
+                })
+                .collect();
+            // A drawing thread only fails through `random.tensor` (its error is returned); one that
+            // panicked re-raises here, as a panic in the caller's own loop would.
+            workers.into_iter().try_for_each(|w| {
+                w.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+        })?;
+        Ok(DrawnWeights(
+            drawn.into_inner().unwrap_or_else(|e| e.into_inner()),
+        ))
+    }
+}
+
+impl WeightSource for DrawnWeights {
+    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, WeightsError> {
+        match self.0.get(name) {
+            Some(t) if t.shape() == shape && t.dtype() == dtype => Ok(t.clone()),
+            _ => Err(WeightsError::Missing {
+                origin: "random weights drawn ahead".into(),
+                name: name.to_string(),
+            }),
+        }
+    }
+}
+
 /// FNV-1a of the name, mixed with the seed.
 fn name_seed(seed: u64, name: &str) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);

@@ -17,9 +17,6 @@
 //! = 7,800 tokens (the portable attention makes 81 frames take ~35 s per forward on one GPU).
 //! Prints `RESULT` lines that `scripts/gpu-parallel.sh` tabulates.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -34,7 +31,7 @@ use ditstream_common::mesh::{CpLayout, Mesh};
 use ditstream_denoiser::denoise::{self, Control, DenoiseParams, Experts};
 use ditstream_denoiser::model::{WanConfig, WanTransformer};
 use ditstream_denoiser::parallel::{self, MeshComms};
-use ditstream_kernels::weights::{RandomWeights, WeightSource, WeightsError};
+use ditstream_kernels::weights::DrawnWeights;
 use ditstream_kernels::{DType, Device, Tensor};
 use half::bf16;
 
@@ -72,69 +69,6 @@ struct Args {
     /// Meshes to run on 2 GPUs (comma-separated from cfg2, ulysses2, ring2, attn2d_1x2, attn2d_2x1).
     #[arg(long, default_value = "cfg2,ulysses2,ring2,attn2d_1x2,attn2d_2x1")]
     meshes: String,
-}
-
-/// A recorder of the weights a model asks for (a dry build on the host, zeros).
-#[derive(Default)]
-struct Recorder(Mutex<Vec<(String, Vec<usize>, DType)>>);
-
-impl WeightSource for Recorder {
-    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, WeightsError> {
-        let mut r = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        r.push((name.to_string(), shape.to_vec(), dtype));
-        Ok(Tensor::zeros(shape, dtype, Device::Cpu)?)
-    }
-}
-
-/// `RandomWeights` drawn once on every host core and kept, so the three model copies (1 GPU, then
-/// one per rank) share them.
-struct Drawn(HashMap<String, Tensor>);
-
-impl Drawn {
-    fn new(cfg: &WanConfig, seed: u64) -> Result<Drawn> {
-        let recorder = Recorder::default();
-        WanTransformer::new(cfg.clone(), &recorder, DType::BF16, Device::Cpu)?;
-        let requests = recorder.0.into_inner().unwrap_or_else(|e| e.into_inner());
-        let random = RandomWeights::new(seed);
-        let next = AtomicUsize::new(0);
-        let out = Mutex::new(HashMap::new());
-        let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
-        std::thread::scope(|s| {
-            let workers: Vec<_> = (0..threads)
-                .map(|_| {
-                    s.spawn(|| -> Result<()> {
-                        loop {
-                            let i = next.fetch_add(1, Ordering::Relaxed);
-                            let Some((name, shape, dtype)) = requests.get(i) else {
-                                return Ok(());
-                            };
-                            let t = random.tensor(name, shape, *dtype)?;
-                            out.lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .insert(name.clone(), t);
-                        }
-                    })
-                })
-                .collect();
-            workers.into_iter().try_for_each(|w| {
-                w.join()
-                    .map_err(|_| anyhow::anyhow!("a weight-drawing thread panicked"))?
-            })
-        })?;
-        Ok(Drawn(out.into_inner().unwrap_or_else(|e| e.into_inner())))
-    }
-}
-
-impl WeightSource for Drawn {
-    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, WeightsError> {
-        match self.0.get(name) {
-            Some(t) if t.shape() == shape && t.dtype() == dtype => Ok(t.clone()),
-            _ => Err(WeightsError::Missing {
-                origin: "drawn random weights".into(),
-                name: name.to_string(),
-            }),
-        }
-    }
 }
 
 fn preset(name: &str) -> Result<Preset> {
@@ -375,7 +309,10 @@ fn main() -> Result<()> {
         args.text_len
     );
     let t0 = Instant::now();
-    let weights = Drawn::new(&cfg, 0)?;
+    // Drawn once on every host core and kept: the model copies (1 GPU, then one per rank) share them.
+    let weights = DrawnWeights::draw(0, |ws| {
+        WanTransformer::new(cfg.clone(), ws, DType::BF16, Device::Cpu).map(drop)
+    })?;
     println!("weights drawn in {:.1} s", t0.elapsed().as_secs_f64());
 
     // 1 GPU: the single-rank loop, branches batched.

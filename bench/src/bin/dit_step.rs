@@ -12,9 +12,6 @@
 //! compares the `RESULT` lines. `--device cpu` runs the same code on the CPU backend (wall clock) as
 //! a smoke test of the driver with `--preset tiny`.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -23,7 +20,7 @@ use cudarc::driver::sys::CUevent_flags;
 use ditstream_bench::median;
 use ditstream_common::config::Preset;
 use ditstream_denoiser::model::{WanConfig, WanTransformer};
-use ditstream_kernels::weights::{RandomWeights, WeightSource, WeightsError};
+use ditstream_kernels::weights::DrawnWeights;
 use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, linear};
 
 #[derive(Parser, Debug)]
@@ -104,78 +101,12 @@ impl Timer {
     }
 }
 
-/// What a dry build asked for: (name, shape, dtype) in request order.
-type Requests = Vec<(String, Vec<usize>, DType)>;
-
-/// Records the weights a model asks for and hands out zeros (a dry build on the host).
-#[derive(Default)]
-struct Recorder(Mutex<Requests>);
-
-impl WeightSource for Recorder {
-    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, WeightsError> {
-        let mut requests = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        requests.push((name.to_string(), shape.to_vec(), dtype));
-        Ok(Tensor::zeros(shape, dtype, Device::Cpu)?)
-    }
-}
-
-/// [`RandomWeights`] drawn ahead on every core: the draw is per tensor and single-threaded, ~1 min
-/// for 1.3B parameters, which would otherwise be spent with the GPU held idle.
-struct Prefetched {
-    drawn: Mutex<HashMap<String, Tensor>>,
-    random: RandomWeights,
-}
-
-impl Prefetched {
-    fn draw(random: RandomWeights, requests: Requests) -> Result<Prefetched> {
-        let next = AtomicUsize::new(0);
-        let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
-        let drawn = Mutex::new(HashMap::new());
-        std::thread::scope(|scope| {
-            let workers: Vec<_> = (0..threads)
-                .map(|_| {
-                    scope.spawn(|| -> Result<()> {
-                        loop {
-                            let i = next.fetch_add(1, Ordering::Relaxed);
-                            let Some((name, shape, dtype)) = requests.get(i) else {
-                                return Ok(());
-                            };
-                            let t = random.tensor(name, shape, *dtype)?;
-                            let mut map = drawn.lock().unwrap_or_else(|e| e.into_inner());
-                            map.insert(name.clone(), t);
-                        }
-                    })
-                })
-                .collect();
-            workers.into_iter().try_for_each(|w| {
-                w.join()
-                    .map_err(|_| anyhow::anyhow!("a weight-drawing thread panicked"))?
-            })
-        })?;
-        Ok(Prefetched {
-            drawn: Mutex::new(drawn.into_inner().unwrap_or_else(|e| e.into_inner())),
-            random,
-        })
-    }
-}
-
-impl WeightSource for Prefetched {
-    fn tensor(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, WeightsError> {
-        let mut drawn = self.drawn.lock().unwrap_or_else(|e| e.into_inner());
-        match drawn.remove(name) {
-            Some(t) if t.shape() == shape && t.dtype() == dtype => Ok(t),
-            _ => self.random.tensor(name, shape, dtype),
-        }
-    }
-}
-
 /// The model of `cfg` with `RandomWeights::new(seed)` in bf16 on `device`, the weights drawn on all
-/// host cores first.
+/// host cores first (one core would take ~1 min for 1.3B parameters, the GPU held idle meanwhile).
 fn random_model(cfg: &WanConfig, seed: u64, device: Device) -> Result<WanTransformer> {
-    let recorder = Recorder::default();
-    WanTransformer::new(cfg.clone(), &recorder, DType::BF16, Device::Cpu)?;
-    let requests = recorder.0.into_inner().unwrap_or_else(|e| e.into_inner());
-    let weights = Prefetched::draw(RandomWeights::new(seed), requests)?;
+    let weights = DrawnWeights::draw(seed, |ws| {
+        WanTransformer::new(cfg.clone(), ws, DType::BF16, Device::Cpu).map(drop)
+    })?;
     Ok(WanTransformer::new(
         cfg.clone(),
         &weights,

@@ -52,6 +52,64 @@ pub fn median(samples: &[f64]) -> Option<f64> {
     })
 }
 
+/// Seconds `f` takes on `device`: CUDA events recorded on the GPU's kernels stream before and after
+/// it (from the first op it queues to the last one finishing; GPU.md's method), or the wall clock on
+/// the CPU. `f`'s result is dropped after the end is recorded, so its freeing is not timed.
+pub fn time_on<T>(
+    device: ditstream_kernels::Device,
+    f: impl FnOnce() -> anyhow::Result<T>,
+) -> anyhow::Result<f64> {
+    match device {
+        #[cfg(feature = "cuda")]
+        ditstream_kernels::Device::Cuda(ordinal) => {
+            use anyhow::Context;
+            let stream = ditstream_kernels::cuda::cuda_stream(ordinal)?;
+            let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let start = stream.record_event(flags).context("cuEventRecord")?;
+            let out = f()?;
+            let end = stream.record_event(flags).context("cuEventRecord")?;
+            let ms = start.elapsed_ms(&end).context("cuEventElapsedTime")?;
+            drop(out);
+            Ok(f64::from(ms) / 1e3)
+        }
+        _ => {
+            let t0 = std::time::Instant::now();
+            let out = f()?;
+            let secs = t0.elapsed().as_secs_f64();
+            drop(out);
+            Ok(secs)
+        }
+    }
+}
+
+/// Median seconds per call of `f` on `device`: `warmup` untimed calls, then `batches` timed batches
+/// of `reps` back-to-back calls each ([`time_on`] around the batch, divided by `reps`: short calls
+/// are timed without an event pair each).
+pub fn median_per_call<T>(
+    device: ditstream_kernels::Device,
+    warmup: usize,
+    batches: usize,
+    reps: usize,
+    mut f: impl FnMut() -> anyhow::Result<T>,
+) -> anyhow::Result<f64> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let reps = reps.max(1);
+    let samples = (0..batches.max(1))
+        .map(|_| {
+            time_on(device, || {
+                for _ in 1..reps {
+                    f()?;
+                }
+                f()
+            })
+            .map(|secs| secs / reps as f64)
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    median(&samples).ok_or_else(|| anyhow::anyhow!("no timed batches"))
+}
+
 /// Collective kinds, for the bus-bandwidth factor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Collective {

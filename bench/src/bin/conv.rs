@@ -37,8 +37,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use cudarc::driver::sys::CUevent_flags;
-use ditstream_bench::{median, random_input};
+use ditstream_bench::{median_per_call, random_input};
 use ditstream_kernels::cuda::{
     ConvAlgo, auto_conv_algo, cudnn_conv_plans, cudnn_version, with_conv_algo,
 };
@@ -203,27 +202,13 @@ fn main() -> Result<()> {
         }
     }
     let dev = Device::Cuda(0);
-    let stream = ditstream_kernels::cuda::cuda_stream(0)?;
     println!(
         "conv bench: latent {lh}x{lw}, {}, cuDNN {}",
         args.dtype,
         cudnn_version(0).map_or_else(|e| format!("unavailable ({e})"), |v| v.to_string())
     );
     let time = |f: &mut dyn FnMut() -> Result<Tensor>| -> Result<f64> {
-        for _ in 0..args.warmup {
-            f()?;
-        }
-        let mut batches = Vec::with_capacity(args.iters);
-        for _ in 0..args.iters {
-            let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-            for _ in 0..args.reps {
-                f()?;
-            }
-            let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-            end.synchronize()?;
-            batches.push(f64::from(start.elapsed_ms(&end)?) / 1e3 / args.reps as f64);
-        }
-        median(&batches).context("no timed batches")
+        median_per_call(dev, args.warmup, args.iters, args.reps, f)
     };
     let mut totals = vec![0.0f64; paths.len()];
     for (ci, c) in cases.iter().enumerate() {

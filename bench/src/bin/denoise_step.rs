@@ -22,8 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use cudarc::driver::CudaSlice;
-use cudarc::driver::sys::CUevent_flags;
-use ditstream_bench::median;
+use ditstream_bench::{median, time_on};
 use ditstream_common::collectives::nccl::{NcclComm, NcclWorld};
 use ditstream_common::collectives::{CommWorld, Communicator, Pending, UlyssesExt, UlyssesShape};
 use ditstream_common::config::{Preset, SamplerKind};
@@ -112,14 +111,9 @@ fn step_inputs(
 
 /// (event seconds, wall seconds) of `f` on GPU `ordinal`'s kernel stream.
 fn timed(ordinal: usize, f: impl FnOnce() -> Result<()>) -> Result<(f64, f64)> {
-    let stream = ditstream_kernels::cuda::cuda_stream(ordinal)?;
-    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let t0 = Instant::now();
-    let start = stream.record_event(flags).context("cuEventRecord")?;
-    f()?;
-    let end = stream.record_event(flags).context("cuEventRecord")?;
-    let ms = start.elapsed_ms(&end).context("cuEventElapsedTime")?;
-    Ok((f64::from(ms) / 1e3, t0.elapsed().as_secs_f64()))
+    let events = time_on(Device::Cuda(ordinal), f)?;
+    Ok((events, t0.elapsed().as_secs_f64()))
 }
 
 fn mesh_of(name: &str) -> Result<Mesh> {

@@ -16,8 +16,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use cudarc::driver::sys::CUevent_flags;
-use ditstream_bench::median;
+use ditstream_bench::median_per_call;
 use ditstream_common::config::Preset;
 use ditstream_denoiser::model::{WanConfig, WanTransformer};
 use ditstream_kernels::weights::DrawnWeights;
@@ -55,52 +54,6 @@ struct Args {
     device: String,
 }
 
-/// Times closures on one device: CUDA events on its stream, or the wall clock on the CPU.
-struct Timer {
-    device: Device,
-}
-
-impl Timer {
-    /// Seconds `f` takes, from the first op it queues to the last one finishing.
-    fn time<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<f64> {
-        match self.device {
-            Device::Cuda(ordinal) => {
-                let stream = ditstream_kernels::cuda::cuda_stream(ordinal)?;
-                let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-                let start = stream.record_event(flags).context("cuEventRecord")?;
-                let out = f()?;
-                let end = stream.record_event(flags).context("cuEventRecord")?;
-                let ms = start.elapsed_ms(&end).context("cuEventElapsedTime")?;
-                drop(out);
-                Ok(f64::from(ms) / 1e3)
-            }
-            Device::Cpu => {
-                let t0 = Instant::now();
-                let out = f()?;
-                let s = t0.elapsed().as_secs_f64();
-                drop(out);
-                Ok(s)
-            }
-        }
-    }
-
-    /// Median seconds of `iters` timed calls after `warmup` untimed ones.
-    fn median<T>(
-        &self,
-        warmup: usize,
-        iters: usize,
-        mut f: impl FnMut() -> Result<T>,
-    ) -> Result<f64> {
-        for _ in 0..warmup {
-            self.time(&mut f)?;
-        }
-        let samples = (0..iters.max(1))
-            .map(|_| self.time(&mut f))
-            .collect::<Result<Vec<_>>>()?;
-        median(&samples).context("no samples")
-    }
-}
-
 /// The model of `cfg` with `RandomWeights::new(seed)` in bf16 on `device`, the weights drawn on all
 /// host cores first (one core would take ~1 min for 1.3B parameters, the GPU held idle meanwhile).
 fn random_model(cfg: &WanConfig, seed: u64, device: Device) -> Result<WanTransformer> {
@@ -118,7 +71,6 @@ fn random_model(cfg: &WanConfig, seed: u64, device: Device) -> Result<WanTransfo
 /// The block's other ops (what "rest" is made of) alone at one block's shapes, each × `n` blocks,
 /// with the bytes each must move and the bandwidth that implies, so the slow ones stand out.
 fn block_rest_ops(
-    timer: &Timer,
     [l, d, heads, hd, ffn]: [usize; 5],
     latent: [usize; 5],
     reps: usize,
@@ -140,7 +92,7 @@ fn block_rest_ops(
         (
             "norm+modulate, unfused (×2)",
             2.0,
-            timer.median(1, reps, || {
+            median_per_call(device, 1, reps, 1, || {
                 let f = k::layer_norm(&x.to_dtype(DType::F32)?, None, None, 1e-6)?;
                 Ok(k::modulate(&f, &m, &m)?.to_dtype(DType::BF16)?)
             })?,
@@ -148,41 +100,41 @@ fn block_rest_ops(
         (
             "layer_norm_modulate (×2)",
             2.0,
-            timer.median(1, reps, || {
+            median_per_call(device, 1, reps, 1, || {
                 Ok(k::layer_norm_modulate(&x, &m, &m, 1e-6, DType::BF16)?)
             })?,
         ),
         (
             "rms_norm q/k (×3)",
             3.0,
-            timer.median(1, reps, || Ok(k::rms_norm(&x, &w, 1e-6)?))?,
+            median_per_call(device, 1, reps, 1, || Ok(k::rms_norm(&x, &w, 1e-6)?))?,
         ),
         (
             "apply_rope (×2)",
             2.0,
-            timer.median(1, reps, || Ok(k::apply_rope(&q, &cos, &sin)?))?,
+            median_per_call(device, 1, reps, 1, || Ok(k::apply_rope(&q, &cos, &sin)?))?,
         ),
         (
             "gated_residual (×2)",
             3.0,
-            timer.median(1, reps, || Ok(k::gated_residual(&x, &y, &m)?))?,
+            median_per_call(device, 1, reps, 1, || Ok(k::gated_residual(&x, &y, &m)?))?,
         ),
         (
             "add (×1)",
             3.0,
-            timer.median(1, reps, || Ok(k::add(&x, &y)?))?,
+            median_per_call(device, 1, reps, 1, || Ok(k::add(&x, &y)?))?,
         ),
         (
             "layer_norm affine (×1)",
             2.0,
-            timer.median(1, reps, || {
+            median_per_call(device, 1, reps, 1, || {
                 Ok(k::layer_norm(&x, Some(&wb), Some(&wb), 1e-6)?)
             })?,
         ),
         (
             "gelu_tanh [L, FFN] (×1)",
             2.0 * ffn as f64 / d as f64,
-            timer.median(1, reps, || Ok(k::gelu_tanh(&up)?))?,
+            median_per_call(device, 1, reps, 1, || Ok(k::gelu_tanh(&up)?))?,
         ),
     ];
     let calls = [2.0, 2.0, 3.0, 2.0, 2.0, 1.0, 1.0, 1.0];
@@ -239,7 +191,6 @@ fn main() -> Result<()> {
     ];
     let l = latent[2] * (latent[3] / 2) * (latent[4] / 2);
     let s = args.text_len;
-    let timer = Timer { device };
 
     let t0 = Instant::now();
     let model = random_model(&cfg, 0, device)?;
@@ -258,7 +209,9 @@ fn main() -> Result<()> {
     let t = Tensor::from_vec(vec![500.0], &[1])?;
     let ctx = Tensor::randn(&[1, s, cfg.text_dim], DType::BF16, 2, device)?;
 
-    let forward = timer.median(args.warmup, args.iters, || Ok(model.forward(&x, &t, &ctx)?))?;
+    let forward = median_per_call(device, args.warmup, args.iters, 1, || {
+        Ok(model.forward(&x, &t, &ctx)?)
+    })?;
     let (lf, sf, df, ff) = (l as f64, s as f64, d as f64, ffn as f64);
     let flops = layers as f64
         * (2.0 * lf * df * df * 6.0
@@ -277,10 +230,10 @@ fn main() -> Result<()> {
         let reps = args.iters.max(3);
         let q = Tensor::randn(&[1, l, heads, hd], DType::BF16, 3, device)?;
         let kv_txt = Tensor::randn(&[1, s, heads, hd], DType::BF16, 4, device)?;
-        let self_attn = timer.median(1, reps, || {
+        let self_attn = median_per_call(device, 1, reps, 1, || {
             Ok(attention(&q, &q, &q, AttentionOptions::default())?)
         })?;
-        let cross_attn = timer.median(1, reps, || {
+        let cross_attn = median_per_call(device, 1, reps, 1, || {
             Ok(attention(
                 &q,
                 &kv_txt,
@@ -296,7 +249,7 @@ fn main() -> Result<()> {
         let w_down = Tensor::randn(&[d, ffn], DType::BF16, 10, device)?;
         let bias_d = Tensor::randn(&[d], DType::BF16, 11, device)?;
         let bias_f = Tensor::randn(&[ffn], DType::BF16, 12, device)?;
-        let linears = timer.median(1, reps, || {
+        let linears = median_per_call(device, 1, reps, 1, || {
             // self q/k/v/o and cross q/o over the video tokens, cross k/v over the text, the FFN.
             for _ in 0..6 {
                 linear(&h, &w_dd, Some(&bias_d))?;
@@ -309,7 +262,7 @@ fn main() -> Result<()> {
         })?;
         let n = layers as f64;
         let rest = forward - n * (self_attn + cross_attn + linears);
-        block_rest_ops(&timer, [l, d, heads, hd, ffn], latent, reps, n, device)?;
+        block_rest_ops([l, d, heads, hd, ffn], latent, reps, n, device)?;
         for (what, secs) in [
             ("self-attention", n * self_attn),
             ("cross-attention", n * cross_attn),

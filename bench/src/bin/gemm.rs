@@ -16,10 +16,9 @@
 //! after `--warmup` untimed calls, median of `--iters` batches. FLOPs = 2·M·K·N. Inputs: seeded normals
 //! (beyond 16 Mi elements one block repeated, `ditstream_bench::random_input`).
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Parser;
-use cudarc::driver::sys::CUevent_flags;
-use ditstream_bench::{median, random_input};
+use ditstream_bench::{median_per_call, random_input};
 use ditstream_kernels::{DType, Device, Tensor, linear, matmul};
 
 #[derive(Parser, Debug)]
@@ -63,22 +62,8 @@ fn main() -> Result<()> {
         bail!("--reps and --iters must be ≥ 1");
     }
     let dev = Device::Cuda(0);
-    let stream = ditstream_kernels::cuda::cuda_stream(0)?;
     let time = |f: &mut dyn FnMut() -> Result<Tensor>| -> Result<f64> {
-        for _ in 0..args.warmup {
-            f()?;
-        }
-        let mut batches = Vec::with_capacity(args.iters);
-        for _ in 0..args.iters {
-            let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-            for _ in 0..args.reps {
-                f()?;
-            }
-            let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-            end.synchronize()?;
-            batches.push(f64::from(start.elapsed_ms(&end)?) / 1e3 / args.reps as f64);
-        }
-        median(&batches).context("no timed batches")
+        median_per_call(dev, args.warmup, args.iters, args.reps, f)
     };
     for (si, &(label, m, k, n, _)) in SHAPES.iter().enumerate() {
         let seed = 10 * si as u64;

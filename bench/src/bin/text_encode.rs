@@ -19,10 +19,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use cudarc::driver::sys::CUevent_flags;
-use ditstream_bench::median;
+use ditstream_bench::{median, time_on};
 use ditstream_denoiser::text::{T5Config, T5Encoder};
-use ditstream_kernels::{DType, Device, Tensor};
+use ditstream_kernels::{DType, Device};
 
 #[derive(Parser, Debug)]
 #[command(about = "Time the umT5 encoder forward with random weights (bf16, one GPU)")]
@@ -45,27 +44,6 @@ struct Args {
     /// `cuda` (cuda:0) or `cpu` (a smoke test of the driver).
     #[arg(long, default_value = "cuda")]
     device: String,
-}
-
-/// Seconds of one call of `f` on `device`: CUDA events on its stream, or the wall clock on the CPU.
-fn time_once(device: Device, f: &mut impl FnMut() -> Result<Tensor>) -> Result<f64> {
-    match device {
-        Device::Cuda(ordinal) => {
-            let stream = ditstream_kernels::cuda::cuda_stream(ordinal)?;
-            let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-            let start = stream.record_event(flags).context("cuEventRecord")?;
-            let out = f()?;
-            let end = stream.record_event(flags).context("cuEventRecord")?;
-            let ms = start.elapsed_ms(&end).context("cuEventElapsedTime")?;
-            drop(out);
-            Ok(f64::from(ms) / 1e3)
-        }
-        Device::Cpu => {
-            let t0 = Instant::now();
-            drop(f()?);
-            Ok(t0.elapsed().as_secs_f64())
-        }
-    }
 }
 
 /// Waits for everything queued on `device`.
@@ -151,7 +129,7 @@ fn main() -> Result<()> {
     for (label, lens) in [("b1", vec![s]), ("b2", vec![s, args.negative_len])] {
         let batch = lens.len();
         let ids = token_ids(batch * s, config.vocab_size, 7);
-        let mut forward = || Ok(encoder.forward(&ids, [batch, s], &lens)?);
+        let forward = || Ok(encoder.forward(&ids, [batch, s], &lens)?);
         // One checked call first: the states have the pipeline's shape and are finite.
         let out = forward()?;
         let values = out.to_vec_f32()?;
@@ -164,10 +142,10 @@ fn main() -> Result<()> {
         let rms = (values.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / values.len() as f64)
             .sqrt();
         for _ in 0..args.warmup {
-            time_once(device, &mut forward)?;
+            time_on(device, forward)?;
         }
         let samples = (0..args.iters.max(1))
-            .map(|_| time_once(device, &mut forward))
+            .map(|_| time_on(device, forward))
             .collect::<Result<Vec<_>>>()?;
         let secs = median(&samples).context("no samples")?;
         let (lo, hi) = samples

@@ -1,7 +1,8 @@
 //! Which kernel CUDA [`attention`](crate::attention) runs: by default chosen automatically (the
 //! tensor-core FlashAttention-2-class kernel of `ops/attention/flash.cu` for bf16 at head dim 64, 128,
 //! 256, 384 or 512 with scale > 0 on sm_80+, the portable f32 CUDA-core kernel otherwise); tests and
-//! benchmarks can force one for the calls made inside [`with_attention_kernel`].
+//! benchmarks can force one for the calls made inside [`with_attention_kernel`], among them the Hopper
+//! wgmma kernel of `ops/attention/hopper.cu`, which `Auto` does not pick yet (it has no device run).
 
 use std::cell::Cell;
 
@@ -15,7 +16,14 @@ pub enum AttentionKernel {
     Portable,
     /// The tensor-core kernel, variant `FLASH_VARIANTS[i]` (an error if it does not apply to the call).
     Flash(usize),
+    /// The Hopper kernel ([`HOPPER_ATTENTION`]: wgmma, bf16, head dim 128, sm_90a only; an error if it
+    /// does not apply to the call).
+    Hopper,
 }
+
+/// Kernel name of [`AttentionKernel::Hopper`] in `ops/attention/hopper.cu` (also its label in tests and
+/// benchmarks): 2 warpgroups × 64 query rows, 128 keys per K/V block.
+pub const HOPPER_ATTENTION: &str = "hopper_fwd_d128_br128_bc128";
 
 /// One compiled tile configuration of the tensor-core kernel
 /// (`flash_fwd_d{D}_w{W}_m{MT}_bc{BC}_q{QREG}_mb{MIN_BLOCKS}`, or `flash_fwd_d{D}_v{DV}_w…` when a block

@@ -105,16 +105,19 @@ echo
 cat "$LOGS/attention_ours.log" "$LOGS/attention_hopper.log" "$LOGS/attention_torch.log" 2>/dev/null | grep '^RESULT' | awk -F'\t' '
   { key = $2 " " $3; s = $4; t[s, key] = $6; ms[s, key] = $5
     if (!(s in seen)) { seen[s] = 1; shapes[n++] = s }
-    if ($2 == "ours" && $3 != "auto" && ($6 + 0 > best[s] + 0)) { best[s] = $6; bestname[s] = $3 } }
+    if ($2 == "ours" && $3 != "auto" && ($6 + 0 > best[s] + 0)) { best[s] = $6; bestname[s] = $3 }
+    if ($2 == "ours" && $3 ~ /^hopper_/ && ($6 + 0 > hbest[s] + 0)) { hbest[s] = $6; hname[s] = $3 } }
   END {
     printf "%-20s %12s %12s %12s %12s %12s %12s %10s %10s %12s\n", "shape (B,H,S,D)", "ours auto", "ours best", "ours hopper", "torch dflt", "torch cudnn", "torch FA2", "auto/dflt", "auto/FA2", "hopper/dflt"
     for (i = 0; i < n; i++) { s = shapes[i]
       a = t[s, "ours auto"]; d = t[s, "torch default"]; c = t[s, "torch cudnn"]; f = t[s, "torch flash2"]
-      hp = t[s, "ours hopper_fwd_d128_br128_bc128"]
+      hp = hbest[s]
       printf "%-20s %12s %12s %12s %12s %12s %12s %10s %10s %12s\n", s, a, best[s], (hp != "" ? hp : "-"), d, c, f, (d > 0 ? sprintf("%.3f", a / d) : "-"), (f > 0 ? sprintf("%.3f", a / f) : "-"), (d > 0 && hp > 0 ? sprintf("%.3f", hp / d) : "-")
     }
     print "(TFLOP/s = 4·B·H·S²·D / median time; ours best = the fastest compiled variant:)"
     for (i = 0; i < n; i++) printf "  %s: %s\n", shapes[i], bestname[shapes[i]]
+    print "(ours hopper = the fastest Hopper wgmma variant:)"
+    for (i = 0; i < n; i++) printf "  %s: %s\n", shapes[i], (hname[shapes[i]] != "" ? hname[shapes[i]] : "-")
   }'
 echo
 [ "$status" -eq 0 ] && echo "gpu-attention: all steps passed" || echo "gpu-attention: SOME STEPS FAILED"

@@ -26,7 +26,7 @@
 #![cfg(feature = "cuda")]
 
 use ditstream_kernels::cuda::{
-    AttentionKernel, ConvAlgo, FLASH_VARIANTS, HOPPER_ATTENTION, with_attention_kernel,
+    AttentionKernel, ConvAlgo, FLASH_VARIANTS, HOPPER_VARIANTS, with_attention_kernel,
     with_conv_algo,
 };
 use ditstream_kernels::testing::{assert_close, max_abs_diff};
@@ -441,17 +441,21 @@ fn flash_attention_matches_cpu() -> Result<()> {
     Ok(())
 }
 
-/// The Hopper kernel (hopper.cu: wgmma with f32 accumulation, P rounded to bf16 for P·V, as flash.cu)
-/// on `flash_attention_matches_cpu`'s cases with its tolerances (derived there: the arithmetic is the
+/// The Hopper kernel, every variant (hopper.cu: wgmma with f32 accumulation, P rounded to bf16 for P·V,
+/// as flash.cu) on `flash_attention_matches_cpu`'s cases with its tolerances (derived there: the arithmetic is the
 /// same, only the instructions and shared-memory layout differ). Its own test so that a failure of the
 /// new kernel cannot hide or break the other variants' cases. Where the GPU is not sm_90a the kernel must
 /// refuse with an error naming the rule (checked here too), not run.
 #[test]
 fn hopper_attention_matches_cpu() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
-    let hopper = [(AttentionKernel::Hopper, HOPPER_ATTENTION)];
+    let hopper: Vec<_> = HOPPER_VARIANTS
+        .iter()
+        .enumerate()
+        .map(|(i, var)| (AttentionKernel::Hopper(i), var.name))
+        .collect();
     let probe = Tensor::zeros(&[1, 1, 1, 128], DType::BF16, dev)?;
-    let forced = with_attention_kernel(AttentionKernel::Hopper, || {
+    let forced = with_attention_kernel(AttentionKernel::Hopper(0), || {
         ditstream_kernels::attention(&probe, &probe, &probe, AttentionOptions::default())
     });
     if let Err(e) = forced {

@@ -1,7 +1,7 @@
 //! Attention forward speed on `cuda:0`: our tensor-core kernel (every compiled variant of the head dim
-//! and the automatic choice) and, at D = 128, the Hopper wgmma kernel (`AttentionKernel::Hopper`), at the
+//! and the automatic choice) and, at D = 128, the Hopper wgmma kernel's variants (`HOPPER_VARIANTS`), at the
 //! DiT self-attention shapes, bf16, non-causal, D = 128 by default. `--no-hopper` leaves the Hopper
-//! kernel out, `--hopper-only` times only it and the automatic choice: `scripts/gpu-attention.sh` runs
+//! kernel out, `--hopper-only` times only its variants and the automatic choice: `scripts/gpu-attention.sh` runs
 //! it in its own process, so a device fault of the new kernel cannot take the other timings with it.
 //!
 //! Timing follows GPU.md: CUDA events around each call on the one stream every op runs on (the output
@@ -21,7 +21,7 @@ use clap::Parser;
 use cudarc::driver::sys::CUevent_flags;
 use ditstream_bench::median;
 use ditstream_kernels::cuda::{
-    AttentionKernel, FLASH_VARIANTS, HOPPER_ATTENTION, with_attention_kernel,
+    AttentionKernel, FLASH_VARIANTS, HOPPER_VARIANTS, with_attention_kernel,
 };
 use ditstream_kernels::testing::max_abs_diff;
 use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention};
@@ -85,7 +85,9 @@ fn main() -> Result<()> {
         }
         // Last, so that a fault of the new kernel comes after every other timing of the shape.
         if d == 128 && !args.no_hopper && (!args.auto_only || args.hopper_only) {
-            kernels.push((AttentionKernel::Hopper, HOPPER_ATTENTION.to_string()));
+            for (i, v) in HOPPER_VARIANTS.iter().enumerate() {
+                kernels.push((AttentionKernel::Hopper(i), v.name.to_string()));
+            }
         }
         let label = format!("({b},{h},{s},{d})");
         let dims = [b, s, h, d];
@@ -109,7 +111,7 @@ fn main() -> Result<()> {
             // A kernel that refuses this GPU or shape (the Hopper one off sm_90a) is reported, not fatal.
             let (o, l) = match run(*kernel) {
                 Ok(r) => r,
-                Err(e) if *kernel == AttentionKernel::Hopper => {
+                Err(e) if matches!(kernel, AttentionKernel::Hopper(_)) => {
                     println!("SKIP\t{name}\t{label}\t{e}");
                     continue;
                 }

@@ -51,9 +51,9 @@ pub(super) fn attention(
     let backend = CudaBackend::get(q.cuda_storage(op)?.ordinal)?;
     let flash = match attention_kernel() {
         AttentionKernel::Portable => None,
-        AttentionKernel::Hopper => {
-            super::hopper::check(op, &backend, q.dtype(), dims, scale)?;
-            return super::hopper::attention(op, &backend, (q, k, v), dims, scale, kv_len);
+        AttentionKernel::Hopper(i) => {
+            let variant = super::hopper::check(op, &backend, q.dtype(), dims, scale, i)?;
+            return super::hopper::attention(op, &backend, (q, k, v), dims, scale, kv_len, variant);
         }
         AttentionKernel::Flash(i) => Some(super::flash::check(
             op,

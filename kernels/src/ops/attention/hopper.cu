@@ -6,19 +6,21 @@
 // Block = 256 threads = 2 warpgroups (WG), Br = 128 query rows (64 per WG, one wgmma M) of one
 // (batch, head); K/V blocks of Bc = 128 keys. Every thread both loads and computes (no warp
 // specialisation yet: that is stage c). Shared memory, 1024-aligned at run time (the dynamic base is not
-// guaranteed to be, hence 1 KB extra): Q [128 × 128], then 2 stages of K [128 × 128], then 2 of V, each
+// guaranteed to be, hence 1 KB extra): Q [128 × 128], then STAGES of K [128 × 128], then STAGES of V, each
 // tile stored as the 128B-swizzle layout wgmma reads: two halves (columns 0–63, then 64–127, each
 // 128 rows × 128 B), and in a half the 16-byte chunk c of row r at r·128 + ((c ⊕ (r & 7))·16). cp.async
 // writes that layout directly (16-byte chunks to swizzled addresses).
 // Per K/V block j:
 //   cp.async.wait_group 0 → fence.proxy.async (the cp.async writes are generic-proxy, wgmma reads
-//   through the async proxy) → barrier (block j is in; every WG is done with block j − 1) → cp.async of
-//   block j+1 into the other stage → S = Q·Kᵀ: 8 SS wgmma m64n128k16 (the first with scale-d = 0),
+//   through the async proxy) → barrier (block j is in; no WG still reads the stage block j+1 goes to) →
+//   cp.async of block j+1 into stage (j+1) mod STAGES → S = Q·Kᵀ: 8 SS wgmma m64n128k16 (the first with scale-d = 0),
 //   commit, wait 0 → mask keys ≥ kv_len (last block only) → online softmax in base 2 on raw scores
 //   (m running max, p = 2^(s·c − m·c), c = scale·log2 e, thread-partial sums l) → O·α (only when some
 //   row of the warp has a new max) → O += P·V: 8 RS wgmma m64n128k16 with P's bf16 A-fragments in
 //   registers (the S accumulator layout packs into them without shuffles) and V N-major (trans-b = 1),
-//   commit, wait 0.
+//   commit, then wait 0 (STAGES = 2) or not (STAGES = 3: P·V of block j runs on while the next
+//   iteration's barrier, loads and Q·Kᵀ are issued; its wait is the one after that Q·Kᵀ, so the K/V
+//   stage it reads is reloaded only 2 blocks later, hence the third stage).
 // End: quad-sum l, out = O / l (0 when l = 0), lse = m·scale + ln l (−∞ when l = 0).
 // Descriptors (brief §2.2): Q and K are K-major (D contiguous): swizzle 128B, SBO = 1024 (next 8 rows),
 // LBO unused (16), k-step k starts at half(k/4) + 32·(k mod 4) bytes, WG w's Q rows 64·w·128 bytes into
@@ -26,6 +28,8 @@
 // (16 keys) starts 2048·k bytes in. Every tile and half starts on a 1024-byte boundary, so the base
 // offset field is 0.
 // Requires scale > 0 (the max is taken on raw scores) and 16-byte aligned rows (H·D·2 % 16 == 0).
+// ptxas (checked with --ptxas-options=-v and the SASS): both variants issue their 8 + 8 HGMMAs back to
+// back (no C7515 serialisation), 198 / 224 registers, no spills.
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define HOPPER_WGMMA 1
@@ -136,14 +140,40 @@ __device__ __forceinline__ void load_tile(unsigned dst, const bf16* base, int ro
     }
 }
 
+// Final normalisation and stores of this thread's two rows (row0 + lane/4 and + 8; row0 is the warp's
+// first row in the sequence): out = O / l (0 when l = 0), lse = m·scale + ln l (−∞ when l = 0), written
+// by lane 0 of each quad, rows ≥ S_q dropped.
+__device__ __forceinline__ void store_rows(bf16* __restrict__ out, float* __restrict__ lse, const float* o,
+                                           const float* m, const float* l, int b, int h, int row0, int lane,
+                                           int seq_q, int heads, float scale) {
+    const i64 tok = (i64)heads * D;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        float sum = l[hf];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const int r = row0 + hf * 8 + (lane >> 2);
+        if (r < seq_q) {
+            bf16* orow = out + ((i64)b * seq_q + r) * tok + (i64)h * D + 2 * (lane & 3);
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt)
+                *(unsigned*)(orow + dt * 8) = pack_bf16(o[4 * dt + 2 * hf] * inv, o[4 * dt + 2 * hf + 1] * inv);
+            if ((lane & 3) == 0) lse[((i64)b * heads + h) * seq_q + r] = sum > 0.0f ? m[hf] * scale + logf(sum) : -INFINITY;
+        }
+    }
+}
+
+template <int STAGES>
 __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                     const bf16* __restrict__ v, bf16* __restrict__ out, float* __restrict__ lse,
                                     int seq_q, int seq_k, int heads, int kv_len, float scale) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const unsigned base = (smem_addr(smem) + 1023u) & ~1023u;
     const unsigned sq = base;             // Q
-    const unsigned sk = base + TILE;      // 2 stages of K
-    const unsigned sv = base + 3 * TILE;  // 2 stages of V
+    static_assert(STAGES == 2 || STAGES == 3, "2 stages (P·V waited in its iteration) or 3 (left in flight)");
+    const unsigned sk = base + TILE;                 // STAGES stages of K
+    const unsigned sv = base + (1 + STAGES) * TILE;  // STAGES stages of V
 
     const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * BR;
     // threadIdx.x / 128 is warp-uniform, so every .aligned wgmma below runs converged per warpgroup.
@@ -154,32 +184,42 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
     const bf16* vb = v + (i64)b * seq_k * tok + (i64)h * D;
     const float c = scale * 1.4426950408889634f;  // scale·log2 e
     const int nblk = (kv_len + BC - 1) / BC;
+    // Row statistics of this thread's rows r0 and r0 + 8.
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    if (nblk <= 0) {
+        // No valid key: out = 0, lse = −∞. Returning here (kv_len is uniform, no barrier has run) also
+        // keeps the path that skips the loop away from the wgmma wait after it: zeroing moves of O
+        // reaching that wait would make ptxas serialise every wgmma (C7515). Hence also the do-while below.
+        store_rows(out, lse, o, m, l, b, h, q0 + wg * 64 + warp * 16, lane, seq_q, heads, scale);
+        return;
+    }
 
     load_tile(sq, qb, q0, seq_q, tok);
-    if (nblk > 0) {
-        load_tile(sk, kb, 0, kv_len, tok);
-        load_tile(sv, vb, 0, kv_len, tok);
-    }
+    load_tile(sk, kb, 0, kv_len, tok);
+    load_tile(sv, vb, 0, kv_len, tok);
     cp_commit();
 
     // Accumulators in the wgmma m64nNk16 layout: register 4j + e holds row r0 = 16·warp + lane/4 (e < 2)
     // or r0 + 8 (e ≥ 2) of this WG's 64 rows, column 8j + 2·(lane % 4) + (e & 1).
-    float o[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
     float s[64];
-    // Row statistics of rows r0 and r0 + 8.
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    unsigned p[BC / 16][4];  // P as bf16 A-fragments; with 3 stages read by a P·V still in flight
     const unsigned q_wg = sq + wg * 64 * 128;  // this WG's 64 rows, in each half
 
-    for (int j = 0; j < nblk; ++j) {
-        const int stage = j & 1;
+    int j = 0;
+    do {
+        const int stage = j % STAGES, next = (j + 1) % STAGES;
         cp_wait_all();
         fence_proxy_async();
-        __syncthreads();  // block j is in; both WGs are done with block j − 1 (the other stage)
+        // Block j is in. Every thread has passed iteration j − 1's wgmma wait 0, which covered its reads of
+        // block j − 1 (2 stages) or j − 2 (3 stages: that wait came before P·V of j − 1 was issued); either
+        // way the stage `next` is no longer read.
+        __syncthreads();
         if (j + 1 < nblk) {
-            load_tile(sk + (stage ^ 1) * TILE, kb, (j + 1) * BC, kv_len, tok);
-            load_tile(sv + (stage ^ 1) * TILE, vb, (j + 1) * BC, kv_len, tok);
+            load_tile(sk + next * TILE, kb, (j + 1) * BC, kv_len, tok);
+            load_tile(sv + next * TILE, vb, (j + 1) * BC, kv_len, tok);
         }
         cp_commit();
         const unsigned kt = sk + stage * TILE, vt = sv + stage * TILE;
@@ -193,8 +233,12 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
             wgmma_ss(s, desc(q_wg + off, 16, 1024), desc(kt + off, 16, 1024), kk > 0);
         }
         wgmma_commit();
-        wgmma_wait0();
+        wgmma_wait0();  // with 3 stages this also completes P·V of block j − 1
         fence_regs(s);
+        if constexpr (STAGES == 3) {
+            fence_regs(o);
+            fence_regs(&p[0][0], BC / 4);
+        }
 
         if ((j + 1) * BC > kv_len) {  // the partial last block: mask keys ≥ kv_len
             const int lim = kv_len - j * BC;
@@ -227,7 +271,7 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
             l[hf] = l[hf] * alpha[hf] + rs;
         }
         // O·α only when some row of the warp has a new max (α = 1 exactly otherwise). The previous
-        // P·V has completed (wait 0), so the accumulators may be touched.
+        // P·V has completed (a wait 0 since), so the accumulators and P may be touched.
         if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
             for (int dt = 0; dt < D / 8; ++dt) {
@@ -239,7 +283,6 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
         }
 
         // P's A-fragment for keys 16kk…16kk+15 is S column groups 2kk and 2kk+1 (brief §2.3).
-        unsigned p[BC / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk) {
             p[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
@@ -254,38 +297,37 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs(o, p[kk], desc(vt + kk * 2048, HALF, 1024), 1);
         wgmma_commit();
-        wgmma_wait0();
-        fence_regs(o);
-    }
+        // 2 stages: wait here. 3 stages: leave P·V in flight over the next iteration's barrier, loads and
+        // Q·Kᵀ issue, so the tensor cores go from one GEMM to the next without the gap.
+        if constexpr (STAGES == 2) {
+            wgmma_wait0();
+            fence_regs(o);
+        }
+    } while (++j < nblk);
+    wgmma_wait0();
+    fence_regs(o);
     cp_wait_all();
 
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        float sum = l[hf];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        const int r = q0 + wg * 64 + warp * 16 + hf * 8 + (lane >> 2);
-        if (r < seq_q) {
-            bf16* orow = out + ((i64)b * seq_q + r) * tok + (i64)h * D + 2 * (lane & 3);
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt)
-                *(unsigned*)(orow + dt * 8) = pack_bf16(o[4 * dt + 2 * hf] * inv, o[4 * dt + 2 * hf + 1] * inv);
-            if ((lane & 3) == 0) lse[((i64)b * heads + h) * seq_q + r] = sum > 0.0f ? m[hf] * scale + logf(sum) : -INFINITY;
-        }
-    }
+    store_rows(out, lse, o, m, l, b, h, q0 + wg * 64 + warp * 16, lane, seq_q, heads, scale);
 }
 
 }  // namespace hopper
 
 #endif  // HOPPER_WGMMA
 
-// The one Hopper variant (kernels/src/ops/attention/hopper.rs launches it): 256 threads, grid
-// (⌈S_q/128⌉, H, B), dynamic shared memory 5 tiles of 32 KiB + 1 KiB for the run-time 1024 alignment.
-extern "C" __global__ void __launch_bounds__(256, 1) hopper_fwd_d128_br128_bc128(
-    const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int seq_q, int seq_k, int heads, int kv_len,
-    float scale) {
+// hopper_fwd_d128_br128_bc128_s<STAGES> (kernels/src/ops/attention/hopper.rs launches them, listed in
+// HOPPER_VARIANTS of kernels/src/cuda/attention_kernel.rs): 256 threads, grid (⌈S_q/128⌉, H, B), dynamic
+// shared memory (1 + 2·STAGES) tiles of 32 KiB + 1 KiB for the run-time 1024 alignment.
 #ifdef HOPPER_WGMMA
-    hopper::fwd(q, k, v, out, lse, seq_q, seq_k, heads, kv_len, scale);
+#define HOPPER_BODY(STAGES) hopper::fwd<STAGES>(q, k, v, out, lse, seq_q, seq_k, heads, kv_len, scale);
+#else
+#define HOPPER_BODY(STAGES)
 #endif
-}
+#define HOPPER_KERNEL(STAGES) \
+    extern "C" __global__ void __launch_bounds__(256, 1) hopper_fwd_d128_br128_bc128_s##STAGES( \
+        const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int seq_q, int seq_k, int heads, \
+        int kv_len, float scale) { \
+        HOPPER_BODY(STAGES) \
+    }
+HOPPER_KERNEL(2)
+HOPPER_KERNEL(3)

@@ -1,6 +1,7 @@
 //! Launch side of the Hopper attention kernel (`hopper.cu`: wgmma m64n128k16 with Q/K/V in 128B-swizzled
 //! shared memory, P in registers, cp.async double-buffered K/V; stage a of the implementer's brief
-//! `shared/reference/attention.md`): where it applies and the launch. It runs only when forced with
+//! `shared/reference/attention.md`): where it applies and the launch. The variants are
+//! `crate::cuda::HOPPER_VARIANTS`. It runs only when forced with
 //! [`AttentionKernel::Hopper`](crate::cuda::AttentionKernel::Hopper); anything it cannot run is a
 //! `KernelError` naming the rule, never a panic and never a silent empty launch (its body is compiled only
 //! for sm_90a, so the architecture is checked before the source is even compiled).
@@ -9,7 +10,7 @@ use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::cuda::int;
-use crate::cuda::{CudaBackend, HOPPER_ATTENTION, KernelSource};
+use crate::cuda::{CudaBackend, HOPPER_VARIANTS, HopperVariant, KernelSource};
 use crate::{DType, KernelError, Result, Tensor};
 
 pub(crate) const SOURCE: KernelSource = KernelSource {
@@ -21,11 +22,6 @@ pub(crate) const SOURCE: KernelSource = KernelSource {
 const HEAD_DIM: usize = 128;
 const BLOCK_Q: usize = 128;
 const THREADS: u32 = 256;
-/// Q, 2 stages of K, 2 of V, each [128 × 128] bf16, plus 1 KiB so the kernel can round its base up to
-/// the 1024-byte boundary the swizzled descriptors need (the dynamic base is not guaranteed to be).
-const SHARED_BYTES: usize = 5 * 128 * 128 * 2 + 1024;
-// 227 KiB is the most dynamic shared memory an sm_90 block may opt into.
-const _: () = assert!(SHARED_BYTES <= 227 * 1024);
 /// The only architecture with wgmma (an sm_90a CUBIN loads on sm_90 only; sm_100 has no wgmma).
 const ARCH: &str = "sm_90a";
 
@@ -57,26 +53,36 @@ fn unsupported(
     None
 }
 
-/// Ok if the Hopper kernel applies to this call, else an error saying why.
+/// Variant `i` if the Hopper kernel applies to this call, else an error saying why.
 pub(super) fn check(
     op: &'static str,
     backend: &CudaBackend,
     dtype: DType,
     dims: [usize; 5],
     scale: f32,
-) -> Result<()> {
+    i: usize,
+) -> Result<&'static HopperVariant> {
+    let v = HOPPER_VARIANTS.get(i).ok_or_else(|| {
+        KernelError::arg(
+            op,
+            "AttentionKernel::Hopper",
+            i,
+            format!("there are {} variants", HOPPER_VARIANTS.len()),
+        )
+    })?;
     match unsupported(&backend.arch, dtype, dims, scale) {
         Some(why) => Err(KernelError::arg(
             op,
             "AttentionKernel::Hopper",
-            HOPPER_ATTENTION,
+            v.name,
             format!("the Hopper attention does not apply: {why}"),
         )),
-        None => Ok(()),
+        None => Ok(v),
     }
 }
 
-/// q [B, S_q, H, 128], k/v [B, S_k, H, 128] bf16 → (out bf16, lse [B, H, S_q] f32); `check` passed.
+/// q [B, S_q, H, 128], k/v [B, S_k, H, 128] bf16 → (out bf16, lse [B, H, S_q] f32) with `variant`, which
+/// `check` returned.
 pub(super) fn attention(
     op: &'static str,
     backend: &CudaBackend,
@@ -84,14 +90,16 @@ pub(super) fn attention(
     [batch, seq_q, seq_k, heads, _]: [usize; 5],
     scale: f32,
     kv_len: usize,
+    variant: &HopperVariant,
 ) -> Result<(Tensor, Tensor)> {
     let out = backend.alloc(q.dtype(), q.numel())?;
     let lse = backend.alloc(DType::F32, batch * heads * seq_q)?;
     if batch * heads * seq_q > 0 {
-        let f = backend.function(&SOURCE, HOPPER_ATTENTION)?;
+        let f = backend.function(&SOURCE, variant.name)?;
+        let smem = variant.shared_bytes();
         f.set_attribute(
             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            SHARED_BYTES as i32,
+            smem as i32,
         )
         .map_err(|e| backend.err(op, "cuFuncSetAttribute", e))?;
         let cfg = LaunchConfig {
@@ -101,7 +109,7 @@ pub(super) fn attention(
                 batch as u32,
             ),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: SHARED_BYTES as u32,
+            shared_mem_bytes: smem as u32,
         };
         let (qp, kp, vp, op_ptr, lp) = (
             q.cuda_storage(op)?.ptr(),
@@ -124,8 +132,9 @@ pub(super) fn attention(
         launch.arg(&scale);
         // SAFETY: contiguous bf16 [B, S, H, 128] buffers of the shapes checked by the caller (allocations
         // 256-byte aligned, rows of 256 bytes, so every 16-byte cp.async is aligned); kv_len ≤ S_k; the
-        // dynamic shared memory is the kernel's carve-up (5 tiles of 32 KiB + 1 KiB of alignment slack),
-        // within the 227 KiB an sm_90 block may opt into; the architecture was checked to be sm_90a.
+        // dynamic shared memory is the variant's carve-up (Q and its K/V stages, 32 KiB tiles, + 1 KiB
+        // of alignment slack), within the 227 KiB an sm_90 block may opt into (checked by a unit test);
+        // the architecture was checked to be sm_90a.
         unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok((

@@ -26,7 +26,8 @@
 #![cfg(feature = "cuda")]
 
 use ditstream_kernels::cuda::{
-    AttentionKernel, ConvAlgo, FLASH_VARIANTS, with_attention_kernel, with_conv_algo,
+    AttentionKernel, ConvAlgo, FLASH_VARIANTS, HOPPER_VARIANTS, with_attention_kernel,
+    with_conv_algo,
 };
 use ditstream_kernels::testing::{assert_close, max_abs_diff};
 use ditstream_kernels::{AttentionOptions, DType, Device, Tensor};
@@ -427,6 +428,55 @@ fn attention_matches_cpu() -> Result<()> {
 #[test]
 fn flash_attention_matches_cpu() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
+    for head_dim in [128, 64] {
+        let choices: Vec<_> = FLASH_VARIANTS
+            .iter()
+            .enumerate()
+            .filter(|(_, var)| var.head_dim == head_dim)
+            .map(|(i, var)| (AttentionKernel::Flash(i), var.name))
+            .chain([(AttentionKernel::Auto, "auto")])
+            .collect();
+        tensor_core_attention_cases(dev, head_dim, &choices)?;
+    }
+    Ok(())
+}
+
+/// The Hopper kernel, every variant (hopper.cu: wgmma with f32 accumulation, P rounded to bf16 for P·V,
+/// as flash.cu) on `flash_attention_matches_cpu`'s cases with its tolerances (derived there: the arithmetic is the
+/// same, only the instructions and shared-memory layout differ). Its own test so that a failure of the
+/// new kernel cannot hide or break the other variants' cases. Where the GPU is not sm_90a the kernel must
+/// refuse with an error naming the rule (checked here too), not run.
+#[test]
+fn hopper_attention_matches_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let hopper: Vec<_> = HOPPER_VARIANTS
+        .iter()
+        .enumerate()
+        .map(|(i, var)| (AttentionKernel::Hopper(i), var.name))
+        .collect();
+    let probe = Tensor::zeros(&[1, 1, 1, 128], DType::BF16, dev)?;
+    let forced = with_attention_kernel(AttentionKernel::Hopper(0), || {
+        ditstream_kernels::attention(&probe, &probe, &probe, AttentionOptions::default())
+    });
+    if let Err(e) = forced {
+        let msg = e.to_string();
+        assert!(
+            msg.contains("needs sm_90a"),
+            "the Hopper kernel failed other than by refusing a non-sm_90a GPU: {msg}"
+        );
+        eprintln!("skipped: {msg}");
+        return Ok(());
+    }
+    tensor_core_attention_cases(dev, 128, &hopper)
+}
+
+/// Runs every case of `flash_attention_matches_cpu` at `head_dim` through each of `choices` and checks it
+/// against the CPU twin with the tensor-core tolerances documented there.
+fn tensor_core_attention_cases(
+    dev: Device,
+    head_dim: usize,
+    choices: &[(AttentionKernel, &str)],
+) -> Result<()> {
     use ditstream_kernels as k;
     // (B, S_q, S_k, H, kv_len): S not a multiple of any tile, partial last K/V blocks, kv_len 0, a
     // single key, kv_len on a 64/128-key boundary, and every key valid.
@@ -439,66 +489,59 @@ fn flash_attention_matches_cpu() -> Result<()> {
         (2, 257, 700, 2, Some(640)),
         (1, 129, 1000, 1, None),
     ];
-    for head_dim in [128, 64] {
-        for (ci, &(batch, seq_q, seq_k, heads, kv_len)) in cases.iter().enumerate() {
-            let seed = 60 + 3 * ci as u64;
-            let q = randn(&[batch, seq_q, heads, head_dim], DType::BF16, seed);
-            let kk = randn(&[batch, seq_k, heads, head_dim], DType::BF16, seed + 1);
-            let v = randn(&[batch, seq_k, heads, head_dim], DType::BF16, seed + 2);
-            // A non-default scale too, on one case.
-            let scale = (ci == 4).then_some(0.3);
-            let opts = AttentionOptions { scale, kv_len };
-            let (out, lse) = k::attention(&q, &kk, &v, opts)?;
-            let max_v = v.to_vec_f32()?.iter().fold(0.0f32, |a, x| a.max(x.abs()));
-            let atol = max_v / 256.0;
-            let (gq, gk, gv) = (q.to_device(dev)?, kk.to_device(dev)?, v.to_device(dev)?);
-            let choices = FLASH_VARIANTS
-                .iter()
-                .enumerate()
-                .filter(|(_, var)| var.head_dim == head_dim)
-                .map(|(i, var)| (AttentionKernel::Flash(i), var.name))
-                .chain([(AttentionKernel::Auto, "auto")]);
-            for (choice, label) in choices {
-                let (gout, glse) =
-                    with_attention_kernel(choice, || k::attention(&gq, &gk, &gv, opts))?;
-                let op = format!("flash_attention_out {label}");
-                check(&op, &gout, &out, atol, 1e-2);
-                let (g, c) = (gout.to_vec_f32()?, out.to_vec_f32()?);
-                let err: f64 = g
-                    .iter()
-                    .zip(&c)
-                    .map(|(a, b)| f64::from(a - b).powi(2))
-                    .sum();
-                let norm: f64 = c.iter().map(|b| f64::from(*b).powi(2)).sum();
-                let rel_rms = if norm > 0.0 {
-                    (err / norm).sqrt()
-                } else {
-                    err.sqrt()
-                };
-                println!(
-                    "PARITY\tflash_attention_rel_rms {label}\tbf16\t{:?}\t{rel_rms:.3e}\tbound 1e-2",
-                    out.shape()
+    for (ci, &(batch, seq_q, seq_k, heads, kv_len)) in cases.iter().enumerate() {
+        let seed = 60 + 3 * ci as u64;
+        let q = randn(&[batch, seq_q, heads, head_dim], DType::BF16, seed);
+        let kk = randn(&[batch, seq_k, heads, head_dim], DType::BF16, seed + 1);
+        let v = randn(&[batch, seq_k, heads, head_dim], DType::BF16, seed + 2);
+        // A non-default scale too, on one case.
+        let scale = (ci == 4).then_some(0.3);
+        let opts = AttentionOptions { scale, kv_len };
+        let (out, lse) = k::attention(&q, &kk, &v, opts)?;
+        let max_v = v.to_vec_f32()?.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+        let atol = max_v / 256.0;
+        let (gq, gk, gv) = (q.to_device(dev)?, kk.to_device(dev)?, v.to_device(dev)?);
+        for &(choice, label) in choices {
+            let (gout, glse) = with_attention_kernel(choice, || k::attention(&gq, &gk, &gv, opts))?;
+            // LSE first: it depends on the scores alone, so a failure there points at Q·Kᵀ (the Q/K
+            // operands), one in out alone at P·V (the P fragments or V operand).
+            check(
+                &format!("flash_attention_lse {label}"),
+                &glse,
+                &lse,
+                1e-4,
+                1e-5,
+            );
+            let (gl, cl) = (glse.to_vec_f32()?, lse.to_vec_f32()?);
+            for (a, b) in gl.iter().zip(&cl) {
+                assert_eq!(
+                    *a == f32::NEG_INFINITY,
+                    *b == f32::NEG_INFINITY,
+                    "{label}: lse −∞ where the CPU's is not (or the reverse): {a} vs {b}"
                 );
-                assert!(
-                    rel_rms <= 1e-2,
-                    "{op}: relative RMS error {rel_rms:.3e} > 1e-2"
-                );
-                check(
-                    &format!("flash_attention_lse {label}"),
-                    &glse,
-                    &lse,
-                    1e-4,
-                    1e-5,
-                );
-                let (gl, cl) = (glse.to_vec_f32()?, lse.to_vec_f32()?);
-                for (a, b) in gl.iter().zip(&cl) {
-                    assert_eq!(
-                        *a == f32::NEG_INFINITY,
-                        *b == f32::NEG_INFINITY,
-                        "{label}: lse −∞ where the CPU's is not (or the reverse): {a} vs {b}"
-                    );
-                }
             }
+            let op = format!("flash_attention_out {label}");
+            check(&op, &gout, &out, atol, 1e-2);
+            let (g, c) = (gout.to_vec_f32()?, out.to_vec_f32()?);
+            let err: f64 = g
+                .iter()
+                .zip(&c)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum();
+            let norm: f64 = c.iter().map(|b| f64::from(*b).powi(2)).sum();
+            let rel_rms = if norm > 0.0 {
+                (err / norm).sqrt()
+            } else {
+                err.sqrt()
+            };
+            println!(
+                "PARITY\tflash_attention_rel_rms {label}\tbf16\t{:?}\t{rel_rms:.3e}\tbound 1e-2",
+                out.shape()
+            );
+            assert!(
+                rel_rms <= 1e-2,
+                "{op}: relative RMS error {rel_rms:.3e} > 1e-2"
+            );
         }
     }
     Ok(())

@@ -1,5 +1,8 @@
 //! Attention forward speed on `cuda:0`: our tensor-core kernel (every compiled variant of the head dim
-//! and the automatic choice) at the DiT self-attention shapes, bf16, non-causal, D = 128 by default.
+//! and the automatic choice) and, at D = 128, the Hopper wgmma kernel's variants (`HOPPER_VARIANTS`), at the
+//! DiT self-attention shapes, bf16, non-causal, D = 128 by default. `--no-hopper` leaves the Hopper
+//! kernel out, `--hopper-only` times only its variants and the automatic choice: `scripts/gpu-attention.sh` runs
+//! it in its own process, so a device fault of the new kernel cannot take the other timings with it.
 //!
 //! Timing follows GPU.md: CUDA events around each call on the one stream every op runs on (the output
 //! allocation included, as a model step pays it), after `--warmup` untimed calls (the first compiles
@@ -17,7 +20,9 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use cudarc::driver::sys::CUevent_flags;
 use ditstream_bench::median;
-use ditstream_kernels::cuda::{AttentionKernel, FLASH_VARIANTS, with_attention_kernel};
+use ditstream_kernels::cuda::{
+    AttentionKernel, FLASH_VARIANTS, HOPPER_VARIANTS, with_attention_kernel,
+};
 use ditstream_kernels::testing::max_abs_diff;
 use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention};
 
@@ -43,6 +48,12 @@ struct Args {
     /// Only the automatic choice (not every variant).
     #[arg(long)]
     auto_only: bool,
+    /// Leave the Hopper kernel out.
+    #[arg(long, conflicts_with = "hopper_only")]
+    no_hopper: bool,
+    /// Only the automatic choice and the Hopper kernel.
+    #[arg(long)]
+    hopper_only: bool,
 }
 
 fn parse_shape(s: &str) -> Result<[usize; 4]> {
@@ -65,11 +76,17 @@ fn main() -> Result<()> {
     for (si, shape) in args.shapes.iter().enumerate() {
         let [b, h, s, d] = parse_shape(shape)?;
         let mut kernels = vec![(AttentionKernel::Auto, "auto".to_string())];
-        if !args.auto_only {
+        if !args.auto_only && !args.hopper_only {
             for (i, v) in FLASH_VARIANTS.iter().enumerate() {
                 if v.head_dim == d {
                     kernels.push((AttentionKernel::Flash(i), v.name.to_string()));
                 }
+            }
+        }
+        // Last, so that a fault of the new kernel comes after every other timing of the shape.
+        if d == 128 && !args.no_hopper && (!args.auto_only || args.hopper_only) {
+            for (i, v) in HOPPER_VARIANTS.iter().enumerate() {
+                kernels.push((AttentionKernel::Hopper(i), v.name.to_string()));
             }
         }
         let label = format!("({b},{h},{s},{d})");
@@ -81,7 +98,7 @@ fn main() -> Result<()> {
         let run =
             |kernel: AttentionKernel| with_attention_kernel(kernel, || attention(&q, &k, &v, opts));
         let (ref_out, ref_lse) = run(AttentionKernel::Auto)?;
-        if si == 0 && !args.no_portable_check {
+        if si == 0 && !args.no_portable_check && !args.hopper_only {
             let (po, pl) = run(AttentionKernel::Portable)?;
             println!(
                 "CHECK\tauto vs portable\t{label}\tout max|diff| {:.3e}\tlse max|diff| {:.3e}",
@@ -91,7 +108,15 @@ fn main() -> Result<()> {
         }
         let flops = 4.0 * (b * h * s * s * d) as f64;
         for (kernel, name) in &kernels {
-            let (o, l) = run(*kernel)?;
+            // A kernel that refuses this GPU or shape (the Hopper one off sm_90a) is reported, not fatal.
+            let (o, l) = match run(*kernel) {
+                Ok(r) => r,
+                Err(e) if matches!(kernel, AttentionKernel::Hopper(_)) => {
+                    println!("SKIP\t{name}\t{label}\t{e}");
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
             if *kernel != AttentionKernel::Auto {
                 println!(
                     "CHECK\t{name} vs auto\t{label}\tout max|diff| {:.3e}\tlse max|diff| {:.3e}",

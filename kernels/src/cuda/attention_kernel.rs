@@ -1,7 +1,8 @@
 //! Which kernel CUDA [`attention`](crate::attention) runs: by default chosen automatically (the
 //! tensor-core FlashAttention-2-class kernel of `ops/attention/flash.cu` for bf16 at head dim 64, 128,
 //! 256, 384 or 512 with scale > 0 on sm_80+, the portable f32 CUDA-core kernel otherwise); tests and
-//! benchmarks can force one for the calls made inside [`with_attention_kernel`].
+//! benchmarks can force one for the calls made inside [`with_attention_kernel`], among them the Hopper
+//! wgmma kernel of `ops/attention/hopper.cu`, which `Auto` does not pick yet (it has no device run).
 
 use std::cell::Cell;
 
@@ -15,7 +16,42 @@ pub enum AttentionKernel {
     Portable,
     /// The tensor-core kernel, variant `FLASH_VARIANTS[i]` (an error if it does not apply to the call).
     Flash(usize),
+    /// The Hopper kernel, variant `HOPPER_VARIANTS[i]` (wgmma, bf16, head dim 128, sm_90a only; an
+    /// error if it does not apply to the call).
+    Hopper(usize),
 }
+
+/// One compiled configuration of the Hopper kernel (`hopper_fwd_d128_br128_bc128_s{STAGES}` in
+/// `ops/attention/hopper.cu`): 2 warpgroups × 64 query rows, 128 keys per K/V block, `stages` K/V
+/// buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HopperVariant {
+    /// Kernel name in hopper.cu (also its label in tests and benchmarks).
+    pub name: &'static str,
+    /// K/V stages: 2 waits for P·V in its own iteration, 3 leaves it in flight into the next one.
+    pub stages: usize,
+}
+
+impl HopperVariant {
+    /// Dynamic shared memory: Q and `stages` × (K, V), each [128 × 128] bf16, plus 1 KiB the kernel uses
+    /// to round its base up to the 1024-byte boundary the swizzled wgmma operands need.
+    pub fn shared_bytes(&self) -> usize {
+        (1 + 2 * self.stages) * 128 * 128 * 2 + 1024
+    }
+}
+
+/// Every compiled Hopper variant (keep in step with the `HOPPER_KERNEL(...)` list at the end of
+/// hopper.cu).
+pub const HOPPER_VARIANTS: &[HopperVariant] = &[
+    HopperVariant {
+        name: "hopper_fwd_d128_br128_bc128_s2",
+        stages: 2,
+    },
+    HopperVariant {
+        name: "hopper_fwd_d128_br128_bc128_s3",
+        stages: 3,
+    },
+];
 
 /// One compiled tile configuration of the tensor-core kernel
 /// (`flash_fwd_d{D}_w{W}_m{MT}_bc{BC}_q{QREG}_mb{MIN_BLOCKS}`, or `flash_fwd_d{D}_v{DV}_w…` when a block
@@ -169,6 +205,11 @@ mod tests {
             assert_eq!(v, Some(d));
         }
         assert!(default_flash_variant(96).is_none());
+        for v in HOPPER_VARIANTS {
+            assert!(v.name.ends_with(&format!("_s{}", v.stages)), "{}", v.name);
+            // 227 KiB is the most dynamic shared memory an sm_90 block may opt into.
+            assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);
+        }
     }
 
     #[test]

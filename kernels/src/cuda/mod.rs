@@ -29,7 +29,10 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, sys as cu,
 };
 
-pub use attention_kernel::{AttentionKernel, FLASH_VARIANTS, FlashVariant, with_attention_kernel};
+pub use attention_kernel::{
+    AttentionKernel, FLASH_VARIANTS, FlashVariant, HOPPER_VARIANTS, HopperVariant,
+    with_attention_kernel,
+};
 pub use conv_algo::{
     AUTO_CONV_ALGO, AUTO_POINTWISE_CONV_ALGO, ConvAlgo, auto_conv_algo, conv_algo, with_conv_algo,
 };

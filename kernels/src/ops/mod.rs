@@ -41,7 +41,7 @@ use crate::{Device, KernelError, Result, Tensor};
 
 /// The `.cu` sources of the ops (the kernel compile test walks them).
 #[cfg(all(test, feature = "cuda"))]
-pub(crate) fn kernel_sources() -> [&'static crate::cuda::KernelSource; 8] {
+pub(crate) fn kernel_sources() -> [&'static crate::cuda::KernelSource; 9] {
     [
         &embedding::cuda::SOURCE,
         &random::cuda::SOURCE,
@@ -51,6 +51,7 @@ pub(crate) fn kernel_sources() -> [&'static crate::cuda::KernelSource; 8] {
         &norm::cuda::SOURCE,
         &rope::cuda::SOURCE,
         &attention::cuda::SOURCE,
+        &attention::hopper::SOURCE,
     ]
 }
 

@@ -3,7 +3,8 @@
 //! Two attention kernels: the tensor-core one of `flash.cu` (bf16, head dim 64/128/256/384/512, sm_80+;
 //! see `flash.rs`), picked automatically where it applies, and the portable one (f32 CUDA-core maths
 //! with online softmax over 32-key tiles staged in shared memory; any dtype, head dim ≤ 512, not fast),
-//! the fallback. `crate::cuda::with_attention_kernel` forces one (tests, benchmarks).
+//! the fallback. `crate::cuda::with_attention_kernel` forces one (tests, benchmarks), or the Hopper
+//! wgmma kernel of `hopper.cu` (bf16, head dim 128, sm_90a; see `hopper.rs`), not picked automatically.
 //!
 //! The portable kernel has two builds: accumulators for head dims ≤ 256 (`attention_fwd_*`), and for
 //! ≤ 512 (`attention_fwd_wide_*`: the Wan VAE's single head of 384 in f32). Its shared memory,
@@ -50,6 +51,10 @@ pub(super) fn attention(
     let backend = CudaBackend::get(q.cuda_storage(op)?.ordinal)?;
     let flash = match attention_kernel() {
         AttentionKernel::Portable => None,
+        AttentionKernel::Hopper(i) => {
+            let variant = super::hopper::check(op, &backend, q.dtype(), dims, scale, i)?;
+            return super::hopper::attention(op, &backend, (q, k, v), dims, scale, kv_len, variant);
+        }
         AttentionKernel::Flash(i) => Some(super::flash::check(
             op,
             &backend,

@@ -6,6 +6,8 @@ pub(crate) mod cpu;
 pub(super) mod cuda;
 #[cfg(feature = "cuda")]
 mod flash;
+#[cfg(feature = "cuda")]
+pub(super) mod hopper;
 #[cfg(test)]
 mod tests;
 

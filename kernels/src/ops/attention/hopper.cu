@@ -1,0 +1,333 @@
+// ---- Hopper attention forward (stage a of shared/reference/attention.md): wgmma, bf16 in, f32
+// accumulation, bf16 out plus f32 LSE, head dim 128, non-causal, optional valid-key length. sm_90a only
+// (wgmma exists on no other architecture); compiled for anything else the kernel body is empty and the
+// launch side (hopper.rs) refuses to run it.
+//
+// Block = 256 threads = 2 warpgroups (WG), Br = 128 query rows (64 per WG, one wgmma M) of one
+// (batch, head); K/V blocks of Bc = 128 keys. Every thread both loads and computes (no warp
+// specialisation yet: that is stage c). Shared memory, 1024-aligned at run time (the dynamic base is not
+// guaranteed to be, hence 1 KB extra): Q [128 × 128], then STAGES of K [128 × 128], then STAGES of V, each
+// tile stored as the 128B-swizzle layout wgmma reads: two halves (columns 0–63, then 64–127, each
+// 128 rows × 128 B), and in a half the 16-byte chunk c of row r at r·128 + ((c ⊕ (r & 7))·16). cp.async
+// writes that layout directly (16-byte chunks to swizzled addresses).
+// Per K/V block j:
+//   cp.async.wait_group 0 → fence.proxy.async (the cp.async writes are generic-proxy, wgmma reads
+//   through the async proxy) → barrier (block j is in; no WG still reads the stage block j+1 goes to) →
+//   cp.async of block j+1 into stage (j+1) mod STAGES → S = Q·Kᵀ: 8 SS wgmma m64n128k16 (the first with scale-d = 0),
+//   commit, wait 0 → mask keys ≥ kv_len (last block only) → online softmax in base 2 on raw scores
+//   (m running max, p = 2^(s·c − m·c), c = scale·log2 e, thread-partial sums l) → O·α (only when some
+//   row of the warp has a new max) → O += P·V: 8 RS wgmma m64n128k16 with P's bf16 A-fragments in
+//   registers (the S accumulator layout packs into them without shuffles) and V N-major (trans-b = 1),
+//   commit, then wait 0 (STAGES = 2) or not (STAGES = 3: P·V of block j runs on while the next
+//   iteration's barrier, loads and Q·Kᵀ are issued; its wait is the one after that Q·Kᵀ, so the K/V
+//   stage it reads is reloaded only 2 blocks later, hence the third stage).
+// End: quad-sum l, out = O / l (0 when l = 0), lse = m·scale + ln l (−∞ when l = 0).
+// Descriptors (brief §2.2): Q and K are K-major (D contiguous): swizzle 128B, SBO = 1024 (next 8 rows),
+// LBO unused (16), k-step k starts at half(k/4) + 32·(k mod 4) bytes, WG w's Q rows 64·w·128 bytes into
+// each half. V is N-major: SBO = 1024 (next 8 keys), LBO = 128·128 (the other 64-column half), k-step k
+// (16 keys) starts 2048·k bytes in. Every tile and half starts on a 1024-byte boundary, so the base
+// offset field is 0.
+// Requires scale > 0 (the max is taken on raw scores) and 16-byte aligned rows (H·D·2 % 16 == 0).
+// ptxas (checked with --ptxas-options=-v and the SASS): both variants issue their 8 + 8 HGMMAs back to
+// back (no C7515 serialisation), 198 / 224 registers, no spills.
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define HOPPER_WGMMA 1
+#endif
+
+#ifdef HOPPER_WGMMA
+
+namespace hopper {
+
+typedef unsigned long long u64;
+
+constexpr int D = 128;                // head dim
+constexpr int BR = 128;               // query rows per block (64 per warpgroup)
+constexpr int BC = 128;               // keys per K/V block
+constexpr int THREADS = 256;          // 2 warpgroups
+constexpr int HALF = 128 * 128;       // bytes of a tile half: 128 rows × 64 bf16
+constexpr int TILE = 2 * HALF;        // bytes of a [128 × 128] bf16 tile
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global → shared, zero-filled when !valid (no bytes are read then).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Makes this thread's generic-proxy shared-memory writes (cp.async) visible to the async proxy (wgmma).
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// The wait asm names no registers: without these the compiler may move reads of the accumulators above
+// it, or writes of the A-fragments below an issue (brief §2.1, "fence operand").
+__device__ __forceinline__ void fence_regs(float* d) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void fence_regs(unsigned* a, int n) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// Shared-memory matrix descriptor, 128B swizzle (brief §2.2): start, LBO, SBO in 16-byte units,
+// base offset 0 (1024-aligned patterns), swizzle mode 1 in bits 62–63.
+__device__ __forceinline__ u64 desc(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
+           ((u64)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+// d (+)= A·B over one k16 step, m64n128: A and B from shared memory through descriptors, both K-major
+// (trans 0/0). `accumulate` = 0 gives d = A·B (scale-d false), so the accumulator needs no zeroing.
+__device__ __forceinline__ void wgmma_ss(float* d, u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d (+)= A·B over one k16 step, m64n128: A from registers (four bf16x2 fragments, §2.3 of the brief), B
+// from shared memory through a descriptor, N-major (trans-b = 1).
+__device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// bf16x2 with lo in the low half (the lower column index), round to nearest even: cvt puts its first
+// source in the upper half.
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Byte offset of 16-byte chunk C (0–15: columns 8C…8C+7) of row r in a swizzled [128 × 128] tile.
+__device__ __forceinline__ unsigned tile_off(int r, int C) {
+    return (unsigned)((C >> 3) * HALF + r * 128 + (((C & 7) ^ (r & 7)) << 4));
+}
+
+// Issues the cp.async of rows [row0, row0 + 128) of a [rows, H, D] slice (token stride `tok`) into the
+// tile at `dst`; rows ≥ limit are zero-filled (so padded V rows are finite: their P is 0 and 0·0 = 0).
+__device__ __forceinline__ void load_tile(unsigned dst, const bf16* base, int row0, int limit, i64 tok) {
+    constexpr int CH = D / 8;
+#pragma unroll
+    for (int i = 0; i < 128 * CH / THREADS; ++i) {
+        const int idx = threadIdx.x + i * THREADS;
+        const int r = idx / CH, ch = idx % CH;
+        const int g = row0 + r;
+        const bool ok = g < limit;
+        cp_async16(dst + tile_off(r, ch), base + (i64)(ok ? g : 0) * tok + ch * 8, ok);
+    }
+}
+
+// Final normalisation and stores of this thread's two rows (row0 + lane/4 and + 8; row0 is the warp's
+// first row in the sequence): out = O / l (0 when l = 0), lse = m·scale + ln l (−∞ when l = 0), written
+// by lane 0 of each quad, rows ≥ S_q dropped.
+__device__ __forceinline__ void store_rows(bf16* __restrict__ out, float* __restrict__ lse, const float* o,
+                                           const float* m, const float* l, int b, int h, int row0, int lane,
+                                           int seq_q, int heads, float scale) {
+    const i64 tok = (i64)heads * D;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        float sum = l[hf];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const int r = row0 + hf * 8 + (lane >> 2);
+        if (r < seq_q) {
+            bf16* orow = out + ((i64)b * seq_q + r) * tok + (i64)h * D + 2 * (lane & 3);
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt)
+                *(unsigned*)(orow + dt * 8) = pack_bf16(o[4 * dt + 2 * hf] * inv, o[4 * dt + 2 * hf + 1] * inv);
+            if ((lane & 3) == 0) lse[((i64)b * heads + h) * seq_q + r] = sum > 0.0f ? m[hf] * scale + logf(sum) : -INFINITY;
+        }
+    }
+}
+
+template <int STAGES>
+__device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                    const bf16* __restrict__ v, bf16* __restrict__ out, float* __restrict__ lse,
+                                    int seq_q, int seq_k, int heads, int kv_len, float scale) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const unsigned base = (smem_addr(smem) + 1023u) & ~1023u;
+    const unsigned sq = base;             // Q
+    static_assert(STAGES == 2 || STAGES == 3, "2 stages (P·V waited in its iteration) or 3 (left in flight)");
+    const unsigned sk = base + TILE;                 // STAGES stages of K
+    const unsigned sv = base + (1 + STAGES) * TILE;  // STAGES stages of V
+
+    const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * BR;
+    // threadIdx.x / 128 is warp-uniform, so every .aligned wgmma below runs converged per warpgroup.
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const i64 tok = (i64)heads * D;
+    const bf16* qb = q + (i64)b * seq_q * tok + (i64)h * D;
+    const bf16* kb = k + (i64)b * seq_k * tok + (i64)h * D;
+    const bf16* vb = v + (i64)b * seq_k * tok + (i64)h * D;
+    const float c = scale * 1.4426950408889634f;  // scale·log2 e
+    const int nblk = (kv_len + BC - 1) / BC;
+    // Row statistics of this thread's rows r0 and r0 + 8.
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    if (nblk <= 0) {
+        // No valid key: out = 0, lse = −∞. Returning here (kv_len is uniform, no barrier has run) also
+        // keeps the path that skips the loop away from the wgmma wait after it: zeroing moves of O
+        // reaching that wait would make ptxas serialise every wgmma (C7515). Hence also the do-while below.
+        store_rows(out, lse, o, m, l, b, h, q0 + wg * 64 + warp * 16, lane, seq_q, heads, scale);
+        return;
+    }
+
+    load_tile(sq, qb, q0, seq_q, tok);
+    load_tile(sk, kb, 0, kv_len, tok);
+    load_tile(sv, vb, 0, kv_len, tok);
+    cp_commit();
+
+    // Accumulators in the wgmma m64nNk16 layout: register 4j + e holds row r0 = 16·warp + lane/4 (e < 2)
+    // or r0 + 8 (e ≥ 2) of this WG's 64 rows, column 8j + 2·(lane % 4) + (e & 1).
+    float s[64];
+    unsigned p[BC / 16][4];  // P as bf16 A-fragments; with 3 stages read by a P·V still in flight
+    const unsigned q_wg = sq + wg * 64 * 128;  // this WG's 64 rows, in each half
+
+    int j = 0;
+    do {
+        const int stage = j % STAGES, next = (j + 1) % STAGES;
+        cp_wait_all();
+        fence_proxy_async();
+        // Block j is in. Every thread has passed iteration j − 1's wgmma wait 0, which covered its reads of
+        // block j − 1 (2 stages) or j − 2 (3 stages: that wait came before P·V of j − 1 was issued); either
+        // way the stage `next` is no longer read.
+        __syncthreads();
+        if (j + 1 < nblk) {
+            load_tile(sk + next * TILE, kb, (j + 1) * BC, kv_len, tok);
+            load_tile(sv + next * TILE, vb, (j + 1) * BC, kv_len, tok);
+        }
+        cp_commit();
+        const unsigned kt = sk + stage * TILE, vt = sv + stage * TILE;
+
+        // S = Q·Kᵀ over D = 128: 8 k-steps of 16; step kk reads 32 bytes of each 128-byte row in half kk/4.
+        fence_regs(s);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned off = (kk >> 2) * HALF + (kk & 3) * 32;
+            wgmma_ss(s, desc(q_wg + off, 16, 1024), desc(kt + off, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait0();  // with 3 stages this also completes P·V of block j − 1
+        fence_regs(s);
+        if constexpr (STAGES == 3) {
+            fence_regs(o);
+            fence_regs(&p[0][0], BC / 4);
+        }
+
+        if ((j + 1) * BC > kv_len) {  // the partial last block: mask keys ≥ kv_len
+            const int lim = kv_len - j * BC;
+#pragma unroll
+            for (int i = 0; i < 64; ++i)
+                if ((i / 4) * 8 + 2 * (lane & 3) + (i & 1) >= lim) s[i] = -INFINITY;
+        }
+
+        // Online softmax. Key j·BC < kv_len, so each row has a finite score and the new max is finite.
+        float alpha[2];
+        bool rescale = false;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            float mx = m[hf];
+#pragma unroll
+            for (int nt = 0; nt < BC / 8; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            alpha[hf] = ex2((m[hf] - mx) * c);  // 0 on the first block (m = −∞), 1 when the max stays
+            rescale |= mx != m[hf];
+            m[hf] = mx;
+            const float mc = mx * c;
+            float rs = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < BC / 8; ++nt) {
+                s[4 * nt + 2 * hf] = ex2(fmaf(s[4 * nt + 2 * hf], c, -mc));
+                s[4 * nt + 2 * hf + 1] = ex2(fmaf(s[4 * nt + 2 * hf + 1], c, -mc));
+                rs += s[4 * nt + 2 * hf] + s[4 * nt + 2 * hf + 1];
+            }
+            l[hf] = l[hf] * alpha[hf] + rs;
+        }
+        // O·α only when some row of the warp has a new max (α = 1 exactly otherwise). The previous
+        // P·V has completed (a wait 0 since), so the accumulators and P may be touched.
+        if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                o[4 * dt] *= alpha[0];
+                o[4 * dt + 1] *= alpha[0];
+                o[4 * dt + 2] *= alpha[1];
+                o[4 * dt + 3] *= alpha[1];
+            }
+        }
+
+        // P's A-fragment for keys 16kk…16kk+15 is S column groups 2kk and 2kk+1 (brief §2.3).
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            p[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
+            p[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+            p[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+            p[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        // O += P·V: 8 k-steps of 16 keys; V N-major, step kk starts 16 keys = 2048 bytes in.
+        fence_regs(o);
+        fence_regs(&p[0][0], BC / 4);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs(o, p[kk], desc(vt + kk * 2048, HALF, 1024), 1);
+        wgmma_commit();
+        // 2 stages: wait here. 3 stages: leave P·V in flight over the next iteration's barrier, loads and
+        // Q·Kᵀ issue, so the tensor cores go from one GEMM to the next without the gap.
+        if constexpr (STAGES == 2) {
+            wgmma_wait0();
+            fence_regs(o);
+        }
+    } while (++j < nblk);
+    wgmma_wait0();
+    fence_regs(o);
+    cp_wait_all();
+
+    store_rows(out, lse, o, m, l, b, h, q0 + wg * 64 + warp * 16, lane, seq_q, heads, scale);
+}
+
+}  // namespace hopper
+
+#endif  // HOPPER_WGMMA
+
+// hopper_fwd_d128_br128_bc128_s<STAGES> (kernels/src/ops/attention/hopper.rs launches them, listed in
+// HOPPER_VARIANTS of kernels/src/cuda/attention_kernel.rs): 256 threads, grid (⌈S_q/128⌉, H, B), dynamic
+// shared memory (1 + 2·STAGES) tiles of 32 KiB + 1 KiB for the run-time 1024 alignment.
+#ifdef HOPPER_WGMMA
+#define HOPPER_BODY(STAGES) hopper::fwd<STAGES>(q, k, v, out, lse, seq_q, seq_k, heads, kv_len, scale);
+#else
+#define HOPPER_BODY(STAGES)
+#endif
+#define HOPPER_KERNEL(STAGES) \
+    extern "C" __global__ void __launch_bounds__(256, 1) hopper_fwd_d128_br128_bc128_s##STAGES( \
+        const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int seq_q, int seq_k, int heads, \
+        int kv_len, float scale) { \
+        HOPPER_BODY(STAGES) \
+    }
+HOPPER_KERNEL(2)
+HOPPER_KERNEL(3)

@@ -18,8 +18,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use cudarc::driver::sys::CUevent_flags;
-use ditstream_bench::median;
+use ditstream_bench::median_per_call;
 use ditstream_kernels::cuda::{
     AttentionKernel, FLASH_VARIANTS, HOPPER_VARIANTS, with_attention_kernel,
 };
@@ -72,7 +71,6 @@ fn parse_shape(s: &str) -> Result<[usize; 4]> {
 fn main() -> Result<()> {
     let args = Args::parse();
     let dev = Device::Cuda(0);
-    let stream = ditstream_kernels::cuda::cuda_stream(0)?;
     for (si, shape) in args.shapes.iter().enumerate() {
         let [b, h, s, d] = parse_shape(shape)?;
         let mut kernels = vec![(AttentionKernel::Auto, "auto".to_string())];
@@ -124,18 +122,7 @@ fn main() -> Result<()> {
                     max_abs_diff(&l, &ref_lse)?
                 );
             }
-            for _ in 0..args.warmup {
-                run(*kernel)?;
-            }
-            let mut times = Vec::with_capacity(args.iters);
-            for _ in 0..args.iters {
-                let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-                run(*kernel)?;
-                let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-                end.synchronize()?;
-                times.push(f64::from(start.elapsed_ms(&end)?) / 1e3);
-            }
-            let t = median(&times).context("no timed iterations")?;
+            let t = median_per_call(dev, args.warmup, args.iters, 1, || Ok(run(*kernel)?))?;
             println!(
                 "RESULT\tours\t{name}\t{label}\t{:.3}\t{:.1}",
                 t * 1e3,

@@ -14,10 +14,26 @@
 //! `conv3d`: the output is the rank's band, with no rows computed and thrown away, and every output
 //! pixel sees the very values the unsharded conv gives it (the same im2col column, the same GEMM).
 //!
-//! **Exchange order.** Each neighbour pair swaps rows with one `send_recv` (send my edge, receive
-//! theirs). Even ranks swap with their next neighbour first, odd ranks with their previous one first,
-//! so the pairs (0, 1), (2, 3), … run together, then (1, 2), (3, 4), …: a backend whose `send_recv`
-//! blocks on its peer (NCCL enqueues them in order on one stream) never waits in a cycle or a chain.
+//! **Exchange order.** One [`TensorWire::exchange`] per conv swaps the edge rows with both
+//! neighbours (send my edge, receive theirs). Where it runs as one waited `send_recv` per neighbour
+//! (the thread backend, and NCCL for a conv shape's first run, below), even ranks swap with their
+//! next neighbour first, odd ranks with their previous one first, so the pairs (0, 1), (2, 3), … run
+//! together, then (1, 2), (3, 4), …: a backend whose `send_recv` blocks on its peer never waits in a
+//! cycle or a chain. Stream-ordered, both swaps are one NCCL group, where order does not matter.
+//!
+//! **No host wait per conv (NCCL).** A waited exchange blocks the host until the transfer is done,
+//! i.e. until the GPU has run every kernel before it: the GPU drains before each of the ~30 3×3
+//! convs of a chunk, and every kernel after it is queued only then (at the low-resolution stages
+//! those kernels are shorter than their launches, so the GPU idles behind the host). The exchange is
+//! therefore stream-ordered (common's `wire` docs): queued on the communicator's stream between two
+//! events, the host going on at once. The host's deadline moves to the end of the chunk
+//! ([`ParallelVaeDecoder::decode_chunk`](super::ParallelVaeDecoder::decode_chunk) waits for the
+//! communicator, with its timeout, before returning frames), with one exception: the first run of a
+//! conv shape on a decoder ([`WarmShapes`]) waits as before, because the kernels crate may wait on
+//! the GPU during it (cuDNN's algorithm search, once per shape), and a host wait on the kernels'
+//! stream behind a transfer whose peer is gone would have no timeout. So the first chunks of a
+//! decoder's first stream (new shapes: no cache, then growing caches) wait per conv, and the rest
+//! do not. The values are the same either way (the same tensors reach the same kernels).
 //!
 //! **Attention.** The mid block attends each frame's tokens over the whole frame. Each rank
 //! all-gathers (uneven `all_gather_v`) the keys and values of its band, puts them back into the
@@ -27,9 +43,10 @@
 //!
 //! **Transfers** go through common's [`TensorWire`] in the tensors' own dtype: with
 //! NCCL and the decoder on the rank's GPU, halo rows and keys/values move device to device (NCCL reads
-//! the edge rows' storage and writes a fresh device tensor; no host copy, no host sync beyond the
-//! collective's own completion); with the thread backend they are host copies.
+//! the edge rows' storage and writes a fresh device tensor; no host copy, and for halos no host
+//! wait either, see above); with the thread backend they are host copies.
 
+use std::collections::HashSet;
 use std::sync::{Mutex, MutexGuard};
 
 use ditstream_common::collectives::CollectiveError;
@@ -46,12 +63,42 @@ use crate::vae::{Result, SpatialOps, Unsharded, VaeError};
 pub struct HaloOps<'a, C> {
     comm: &'a Mutex<C>,
     shard: Shard,
+    /// Conv shapes whose exchange may be stream-ordered; `None`: every exchange waits.
+    warm: Option<&'a WarmShapes>,
+}
+
+/// The conv shapes a decoder has already run once with a waited halo exchange (module docs, "No
+/// host wait per conv"): (input shape, cached frames, weight shape, dtype), flattened. Its first
+/// run may have waited on the GPU (cuDNN's per-shape algorithm search); later runs do not.
+#[derive(Debug, Default)]
+pub(crate) struct WarmShapes(Mutex<HashSet<Vec<usize>>>);
+
+impl WarmShapes {
+    fn set(&self) -> MutexGuard<'_, HashSet<Vec<usize>>> {
+        // A poisoned lock means a panic while inserting a key; the set is still a valid set.
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
 }
 
 impl<'a, C: TensorWire> HaloOps<'a, C> {
     /// The ops of `shard`'s rank; `comm` is the instance's communicator (group rank = shard rank).
+    /// Every halo exchange waits for its transfer.
     pub fn new(comm: &'a Mutex<C>, shard: Shard) -> Self {
-        HaloOps { comm, shard }
+        HaloOps {
+            comm,
+            shard,
+            warm: None,
+        }
+    }
+
+    /// Stream-ordered halo exchanges for the conv shapes in `warm`; each other shape waits once and
+    /// joins `warm` (module docs). The caller waits for the communicator (its timeout) before it
+    /// reads any result on the host.
+    pub(crate) fn stream_ordered(mut self, warm: &'a WarmShapes) -> Self {
+        self.warm = Some(warm);
+        self
     }
 
     fn comm(&self) -> MutexGuard<'a, C> {
@@ -87,11 +134,19 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
         if plain || halo == 0 || kernel.iter().any(|k| k % 2 == 0) || cached >= kernel[0] {
             return Unsharded.causal_conv3d(x, weight, bias, cache);
         }
+        let shape_key: Vec<usize> = x
+            .shape()
+            .iter()
+            .copied()
+            .chain([cached, usize::from(x.dtype() == DType::BF16)])
+            .chain(ws.iter().copied())
+            .collect();
+        let ordered = self.warm.is_some_and(|w| w.set().contains(&shape_key));
         let joined = match cache {
             Some(cache) => Tensor::concat(&[cache, x], 2)?,
             None => x.clone(),
         };
-        let haloed = exchange_halo(&*self.comm(), &self.shard, &joined, halo)?;
+        let haloed = exchange_halo(&*self.comm(), &self.shard, &joined, halo, ordered)?;
         // Causal front padding (kt − 1 frames, less the cached ones) as explicit zero frames.
         let front = kernel[0] - 1 - cached;
         let input = if front > 0 {
@@ -104,7 +159,11 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
         };
         let mut padding = [0, kernel[1] / 2, kernel[2] / 2];
         padding[axis - 2] = 0;
-        Ok(conv3d(&input, weight, bias, [1, 1, 1], padding)?)
+        let out = conv3d(&input, weight, bias, [1, 1, 1], padding)?;
+        if let Some(warm) = self.warm.filter(|_| !ordered) {
+            warm.set().insert(shape_key); // its first run (and any GPU wait in it) is over
+        }
+        Ok(out)
     }
 
     /// See the trait; q, k, v hold this rank's tokens (its band of each frame, row-major), and so
@@ -122,12 +181,14 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
 }
 
 /// x [B, C, T, H, W] (this rank's band along the shard's axis) → x with `halo` rows of each
-/// neighbour's band before and after it along that axis (zeros where there is no neighbour).
+/// neighbour's band before and after it along that axis (zeros where there is no neighbour);
+/// `ordered`: stream-ordered where the backend can ([`TensorWire::exchange`]).
 fn exchange_halo<C: TensorWire>(
     comm: &C,
     shard: &Shard,
     x: &Tensor,
     halo: usize,
+    ordered: bool,
 ) -> Result<Tensor> {
     let axis = shard.axis();
     let extent = x.shape()[axis];
@@ -143,10 +204,13 @@ fn exchange_halo<C: TensorWire>(
     } else {
         [before, after]
     };
+    let swaps: Vec<(usize, &Tensor)> = order
+        .into_iter()
+        .filter_map(|(peer, edge)| peer.map(|peer| (peer, edge)))
+        .collect();
+    let received = comm.exchange(&swaps, ordered)?;
     let (mut from_prev, mut from_next) = (None, None);
-    for (peer, edge) in order {
-        let Some(peer) = peer else { continue };
-        let rows = swap(comm, peer, edge)?;
+    for (&(peer, _), rows) in swaps.iter().zip(received) {
         if Some(peer) == prev {
             from_prev = Some(rows);
         } else {
@@ -198,12 +262,6 @@ fn device_zeros(shape: &[usize], dtype: DType, ordinal: usize) -> Result<Tensor>
         detail: format!("{e:?}"),
     })?;
     Ok(t)
-}
-
-/// Sends `edge` to group rank `peer` and returns the same-shaped rows `peer` sends back (edge's
-/// dtype, on edge's device).
-fn swap<C: TensorWire>(comm: &C, peer: usize, edge: &Tensor) -> Result<Tensor> {
-    Ok(wire::send_recv(comm, edge, peer, edge.shape(), peer)?)
 }
 
 /// kv [N, S_r, H, C] (this rank's tokens of N frames: its band, row-major) → [N, S, H, C] with every

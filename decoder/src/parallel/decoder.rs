@@ -29,7 +29,7 @@ use ditstream_common::config::VaeSplitDim;
 use ditstream_kernels::Tensor;
 
 use super::error::{ParallelVaeError, Result};
-use super::halo::{HaloOps, WarmShapes};
+use super::halo::HaloOps;
 use super::shard::Shard;
 use crate::vae::{DecodeStream, VaeError, WanVaeDecoder};
 
@@ -44,8 +44,6 @@ pub struct ParallelVaeDecoder<C> {
     rank: usize,
     size: usize,
     ranks: Vec<usize>,
-    /// Conv shapes run once already: their halo exchanges are stream-ordered (`halo`).
-    warm: Arc<WarmShapes>,
 }
 
 /// Per-request state of one rank, owned by the caller: the band geometry and the decode stream of
@@ -96,7 +94,6 @@ impl<C: TensorWire + Send> ParallelVaeDecoder<C> {
             ranks: comm.ranks().to_vec(),
             comm: Some(comm),
             split_dim,
-            warm: Arc::default(),
         }
     }
 
@@ -166,9 +163,8 @@ impl<C: TensorWire + Send> ParallelVaeDecoder<C> {
         self.agree(stream, latent)?;
         let decoder = self.decoder.clone();
         let shard = stream.shard;
-        let warm = self.warm.clone();
         let frames = self.communicate(|comm| {
-            let ops = HaloOps::new(comm, shard).stream_ordered(&warm);
+            let ops = HaloOps::new(comm, shard).stream_ordered();
             let frames = decoder
                 .decode_chunk_with(&mut stream.inner, latent, &ops)
                 .map_err(ParallelVaeError::from)?;

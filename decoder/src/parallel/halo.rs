@@ -29,11 +29,13 @@
 //! events, the host going on at once. The host's deadline moves to the end of the chunk
 //! ([`ParallelVaeDecoder::decode_chunk`](super::ParallelVaeDecoder::decode_chunk) waits for the
 //! communicator, with its timeout, before returning frames), with one exception: the first run of a
-//! conv shape on a decoder ([`WarmShapes`]) waits as before, because the kernels crate may wait on
-//! the GPU during it (cuDNN's algorithm search, once per shape), and a host wait on the kernels'
-//! stream behind a transfer whose peer is gone would have no timeout. So the first chunks of a
-//! decoder's first stream (new shapes: no cache, then growing caches) wait per conv, and the rest
-//! do not. The values are the same either way (the same tensors reach the same kernels).
+//! conv shape on a GPU in this process ([`WARM_SHAPES`]) waits as before, because the kernels crate
+//! may wait on the GPU during it (cuDNN's algorithm search, once per shape and GPU), and a host wait
+//! on the kernels' stream behind a transfer whose peer is gone would have no timeout. A waited
+//! exchange also waits for every transfer queued before it (one communicator stream, in order), so
+//! such a search never waits behind a pending one either. So the first chunks of the first request
+//! of a size (new shapes: no cache, then growing caches) wait per conv, and the rest do not. The
+//! values are the same either way (the same tensors reach the same kernels).
 //!
 //! **Attention.** The mid block attends each frame's tokens over the whole frame. Each rank
 //! all-gathers (uneven `all_gather_v`) the keys and values of its band, puts them back into the
@@ -47,7 +49,7 @@
 //! wait either, see above); with the thread backend they are host copies.
 
 use std::collections::HashSet;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{LazyLock, Mutex, MutexGuard};
 
 use ditstream_common::collectives::CollectiveError;
 use ditstream_common::collectives::wire::{self, TensorWire};
@@ -63,23 +65,21 @@ use crate::vae::{Result, SpatialOps, Unsharded, VaeError};
 pub struct HaloOps<'a, C> {
     comm: &'a Mutex<C>,
     shard: Shard,
-    /// Conv shapes whose exchange may be stream-ordered; `None`: every exchange waits.
-    warm: Option<&'a WarmShapes>,
+    /// Whether exchanges of conv shapes in [`WARM_SHAPES`] are stream-ordered.
+    ordered: bool,
 }
 
-/// The conv shapes a decoder has already run once with a waited halo exchange (module docs, "No
-/// host wait per conv"): (input shape, cached frames, weight shape, dtype), flattened. Its first
-/// run may have waited on the GPU (cuDNN's per-shape algorithm search); later runs do not.
-#[derive(Debug, Default)]
-pub(crate) struct WarmShapes(Mutex<HashSet<Vec<usize>>>);
+/// The conv shapes run once already, per GPU, in this process, with a waited halo exchange (module
+/// docs, "No host wait per conv"): (device, input shape, cached frames, dtype, weight shape),
+/// flattened. A shape's first run may wait on the GPU (cuDNN's algorithm search, kept per GPU for
+/// the process, like this set); its later runs do not.
+static WARM_SHAPES: LazyLock<Mutex<HashSet<Vec<usize>>>> = LazyLock::new(Default::default);
 
-impl WarmShapes {
-    fn set(&self) -> MutexGuard<'_, HashSet<Vec<usize>>> {
-        // A poisoned lock means a panic while inserting a key; the set is still a valid set.
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
+fn warm_shapes() -> MutexGuard<'static, HashSet<Vec<usize>>> {
+    // A poisoned lock means a panic while inserting a key; the set is still a valid set.
+    WARM_SHAPES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl<'a, C: TensorWire> HaloOps<'a, C> {
@@ -89,15 +89,15 @@ impl<'a, C: TensorWire> HaloOps<'a, C> {
         HaloOps {
             comm,
             shard,
-            warm: None,
+            ordered: false,
         }
     }
 
-    /// Stream-ordered halo exchanges for the conv shapes in `warm`; each other shape waits once and
-    /// joins `warm` (module docs). The caller waits for the communicator (its timeout) before it
-    /// reads any result on the host.
-    pub(crate) fn stream_ordered(mut self, warm: &'a WarmShapes) -> Self {
-        self.warm = Some(warm);
+    /// Stream-ordered halo exchanges for the conv shapes run before; each other shape waits once
+    /// (module docs). The caller waits for the communicator (its timeout) before it, or anyone,
+    /// waits for a result on the GPU.
+    pub(crate) fn stream_ordered(mut self) -> Self {
+        self.ordered = true;
         self
     }
 
@@ -134,14 +134,17 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
         if plain || halo == 0 || kernel.iter().any(|k| k % 2 == 0) || cached >= kernel[0] {
             return Unsharded.causal_conv3d(x, weight, bias, cache);
         }
-        let shape_key: Vec<usize> = x
-            .shape()
-            .iter()
-            .copied()
+        let device = match x.device() {
+            Device::Cpu => 0,
+            Device::Cuda(ordinal) => ordinal + 1,
+        };
+        let shape_key: Vec<usize> = [device]
+            .into_iter()
+            .chain(x.shape().iter().copied())
             .chain([cached, usize::from(x.dtype() == DType::BF16)])
             .chain(ws.iter().copied())
             .collect();
-        let ordered = self.warm.is_some_and(|w| w.set().contains(&shape_key));
+        let ordered = self.ordered && warm_shapes().contains(&shape_key);
         let joined = match cache {
             Some(cache) => Tensor::concat(&[cache, x], 2)?,
             None => x.clone(),
@@ -160,8 +163,8 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
         let mut padding = [0, kernel[1] / 2, kernel[2] / 2];
         padding[axis - 2] = 0;
         let out = conv3d(&input, weight, bias, [1, 1, 1], padding)?;
-        if let Some(warm) = self.warm.filter(|_| !ordered) {
-            warm.set().insert(shape_key); // its first run (and any GPU wait in it) is over
+        if self.ordered && !ordered {
+            warm_shapes().insert(shape_key); // its first run (and any GPU wait in it) is over
         }
         Ok(out)
     }

@@ -10,9 +10,13 @@
 //! with the previous chunk) but keeps the ops stateless; it adds ≤ 2 frames of one row per message.
 //! At a true image border the "halo" is zero rows, which is exactly the unsharded conv's zero padding.
 //! The conv then runs with padding 0 on the split axis (the halo is the padding), kw/2 on the other
-//! spatial axis, and the causal front padding as explicit zero frames, through the kernels crate's
-//! `conv3d`: the output is the rank's band, with no rows computed and thrown away, and every output
-//! pixel sees the very values the unsharded conv gives it (the same im2col column, the same GEMM).
+//! spatial axis, and the causal front padding, through the kernels crate's `conv3d_cached` on the
+//! haloed cache and x: the output is the rank's band, with no rows computed and thrown away, and
+//! every output pixel sees the very values the unsharded conv gives it (the same im2col column, the
+//! same GEMM). Copies: x and the cache once each, to put the halo rows around them; the kernels
+//! crate joins cache, x and the front zero frames the way it does for `causal_conv3d` (in the one
+//! channels-last copy its cuDNN path makes anyway), where joining them here first cost one more full
+//! copy of the input per conv, and the zero frames another on the first chunk.
 //!
 //! **Exchange order.** One [`TensorWire::exchange`] per conv swaps the edge rows with both
 //! neighbours (send my edge, receive theirs). Where it runs as one waited `send_recv` per neighbour
@@ -54,7 +58,7 @@ use std::sync::{LazyLock, Mutex, MutexGuard};
 use ditstream_common::collectives::CollectiveError;
 use ditstream_common::collectives::wire::{self, TensorWire};
 use ditstream_common::config::VaeSplitDim;
-use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, conv3d};
+use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, conv3d_cached};
 
 use super::shard::Shard;
 use crate::vae::{Result, SpatialOps, Unsharded, VaeError};
@@ -145,24 +149,14 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
             .chain(ws.iter().copied())
             .collect();
         let ordered = self.ordered && warm_shapes().contains(&shape_key);
-        let joined = match cache {
-            Some(cache) => Tensor::concat(&[cache, x], 2)?,
-            None => x.clone(),
-        };
-        let haloed = exchange_halo(&*self.comm(), &self.shard, &joined, halo, ordered)?;
-        // Causal front padding (kt − 1 frames, less the cached ones) as explicit zero frames.
-        let front = kernel[0] - 1 - cached;
-        let input = if front > 0 {
-            let mut shape = haloed.shape().to_vec();
-            shape[2] = front;
-            let zeros = zeros(&shape, haloed.dtype(), haloed.device())?;
-            Tensor::concat(&[&zeros, &haloed], 2)?
-        } else {
-            haloed
-        };
-        let mut padding = [0, kernel[1] / 2, kernel[2] / 2];
-        padding[axis - 2] = 0;
-        let out = conv3d(&input, weight, bias, [1, 1, 1], padding)?;
+        let cache = cache.filter(|_| cached > 0);
+        let (cache, x) = exchange_halo(&*self.comm(), &self.shard, cache, x, halo, ordered)?;
+        // Causal front padding: kt − 1 frames, less the cached ones; none on the split axis.
+        let mut front = [kernel[0] - 1 - cached, kernel[1] / 2, kernel[2] / 2];
+        let mut back = [0, kernel[1] / 2, kernel[2] / 2];
+        front[axis - 2] = 0;
+        back[axis - 2] = 0;
+        let out = conv3d_cached(&x, weight, bias, cache.as_ref(), front, back)?;
         if self.ordered && !ordered {
             warm_shapes().insert(shape_key); // its first run (and any GPU wait in it) is over
         }
@@ -183,20 +177,31 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
     }
 }
 
-/// x [B, C, T, H, W] (this rank's band along the shard's axis) → x with `halo` rows of each
-/// neighbour's band before and after it along that axis (zeros where there is no neighbour);
-/// `ordered`: stream-ordered where the backend can ([`TensorWire::exchange`]).
+/// cache [B, C, T_c, H, W] (optional, T_c > 0) and x [B, C, T, H, W] (this rank's band along the
+/// shard's axis) → both with `halo` rows of each neighbour's band (of its cache and x) before and
+/// after them along that axis (zeros where there is no neighbour); `ordered`: stream-ordered where
+/// the backend can ([`TensorWire::exchange`]). One message per neighbour carries the edge rows of
+/// cache ++ x (joined along T: a copy of the rows only), and each side is copied once, with its
+/// halo rows around it.
 fn exchange_halo<C: TensorWire>(
     comm: &C,
     shard: &Shard,
+    cache: Option<&Tensor>,
     x: &Tensor,
     halo: usize,
     ordered: bool,
-) -> Result<Tensor> {
+) -> Result<(Option<Tensor>, Tensor)> {
     let axis = shard.axis();
     let extent = x.shape()[axis];
-    let first = x.narrow(axis, 0, halo)?; // fails (a shape error) if the band is thinner than the halo
-    let last = x.narrow(axis, extent - halo, halo)?;
+    let edge = |start: usize| -> Result<Tensor> {
+        let rows = x.narrow(axis, start, halo)?;
+        Ok(match cache {
+            Some(cache) => Tensor::concat(&[&cache.narrow(axis, start, halo)?, &rows], 2)?,
+            None => rows,
+        })
+    };
+    let first = edge(0)?; // fails (a shape error) if the band is thinner than the halo
+    let last = edge(extent - halo)?;
     let edge_shape = first.shape().to_vec();
     let (prev, next) = shard.neighbours();
     // (peer, rows I send it) in the deadlock-free order of the module docs.
@@ -223,7 +228,29 @@ fn exchange_halo<C: TensorWire>(
     let border = || zeros(&edge_shape, x.dtype(), x.device());
     let from_prev = from_prev.map_or_else(border, Ok)?;
     let from_next = from_next.map_or_else(border, Ok)?;
-    Ok(Tensor::concat(&[&from_prev, x, &from_next], axis)?)
+    // Each received edge: the cache's frames first, then x's.
+    let cached = cache.map_or(0, |c| c.shape()[2]);
+    let frames = x.shape()[2];
+    let haloed_x = Tensor::concat(
+        &[
+            &from_prev.narrow(2, cached, frames)?,
+            x,
+            &from_next.narrow(2, cached, frames)?,
+        ],
+        axis,
+    )?;
+    let haloed_cache = match cache {
+        Some(cache) => Some(Tensor::concat(
+            &[
+                &from_prev.narrow(2, 0, cached)?,
+                cache,
+                &from_next.narrow(2, 0, cached)?,
+            ],
+            axis,
+        )?),
+        None => None,
+    };
+    Ok((haloed_cache, haloed_x))
 }
 
 /// Zeros of `shape` on `device`, filled there. `Tensor::zeros` builds them on the host and uploads them

@@ -18,7 +18,9 @@
 //! then it calls `ncclCommAbort` and returns an error (the communicator is unusable afterwards,
 //! and the peers' own operations time out or fail the same way). Initialisation and splits,
 //! which block inside NCCL until every rank arrives, run on a helper thread that is abandoned
-//! on timeout. A missing `libcuda`/`libnccl` is an error ([`probe`]), not a panic.
+//! on timeout. A missing `libcuda`/`libnccl` is an error ([`probe`]), not a panic. The one
+//! exception is [`NcclComm::post_p2p`], which only queues (the parallel VAE's stream-ordered halos):
+//! its wait, and so its timeout, comes at the communicator's next operation.
 //!
 //! Memory: buffers come from each device's default memory pool (`cuMemAllocAsync`), which
 //! [`NcclWorld::init`] shares with the peer GPUs (`cuMemPoolSetAccess`): ranks of one process
@@ -595,6 +597,65 @@ impl NcclComm {
         })
     }
 
+    /// Posts grouped point-to-point transfers, every `(send, to)` and every `(recv, from)` in one NCCL
+    /// group, on [`Self::stream`] and returns **without waiting**: the stream-ordered exchange of
+    /// [`TensorWire::exchange`](super::wire::TensorWire::exchange). It is the one operation that
+    /// breaks the "returns when complete" contract, on purpose, so the caller takes over what the
+    /// other operations do: it orders [`Self::stream`] after the buffers' producers, orders their
+    /// consumers after an event recorded on [`Self::stream`] after this call, keeps every buffer alive
+    /// and unreused until the stream has passed the transfers, and bounds the wait later with
+    /// [`Communicator::synchronize`] (or any other operation), whose timeout aborts the communicator
+    /// and so unblocks a transfer whose peer never came. NCCL errors already reported are checked
+    /// here (no wait), so a broken group fails at the next post.
+    pub fn post_p2p<T: Element>(
+        &self,
+        sends: &[(&CudaSlice<T>, usize)],
+        recvs: &mut [(&mut CudaSlice<T>, usize)],
+    ) -> Result<()> {
+        self.guarded("post_p2p", || {
+            for &(_, to) in sends {
+                check::peer("post_p2p", "to", to, self.size())?;
+            }
+            for (_, from) in recvs.iter() {
+                check::peer("post_p2p", "from", *from, self.size())?;
+            }
+            // The guards record nothing (event tracking is off on the context); the caller's borrows
+            // keep the buffers alive, and its events order them (see above).
+            let send_ptrs: Vec<_> = sends
+                .iter()
+                .map(|&(buf, to)| (buf.device_ptr(&self.stream).0, buf.len(), to))
+                .collect();
+            let recv_ptrs: Vec<_> = recvs
+                .iter_mut()
+                .map(|(buf, from)| {
+                    let len = buf.len();
+                    (buf.device_ptr_mut(&self.stream).0, len, *from)
+                })
+                .collect();
+            self.grouped_p2p(dtype(T::DTYPE), &send_ptrs, &recv_ptrs)?;
+            self.async_error()
+        })
+    }
+
+    /// An error NCCL has reported for this communicator (a failed peer connection, an abort), if
+    /// any; no wait.
+    fn async_error(&self) -> Result<()> {
+        let mut async_err = ncclResult_t::ncclSuccess;
+        // SAFETY: `comm` is live; `async_err` is a valid out-pointer.
+        let code = unsafe { nccl::ncclCommGetAsyncError(self.comm, &mut async_err) };
+        let bad = [code, async_err]
+            .into_iter()
+            .find(|c| !matches!(c, ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress));
+        match bad {
+            Some(c) => Err(CollectiveError::Nccl {
+                call: "ncclCommGetAsyncError",
+                ranks: self.ranks.clone(),
+                detail: nccl_detail(c, Some(self.comm)),
+            }),
+            None => Ok(()),
+        }
+    }
+
     fn ensure_usable(&self) -> Result<()> {
         match self.broken.borrow().as_ref() {
             Some(reason) => Err(CollectiveError::Poisoned {
@@ -665,19 +726,7 @@ impl NcclComm {
                 e => return Err(cuda_err("cuStreamQuery", e)),
             }
             if polls & 63 == 0 {
-                let mut async_err = ncclResult_t::ncclSuccess;
-                // SAFETY: `comm` is live; `async_err` is a valid out-pointer.
-                let code = unsafe { nccl::ncclCommGetAsyncError(self.comm, &mut async_err) };
-                let bad = [code, async_err].into_iter().find(|c| {
-                    !matches!(c, ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress)
-                });
-                if let Some(c) = bad {
-                    return Err(CollectiveError::Nccl {
-                        call: "ncclCommGetAsyncError",
-                        ranks: self.ranks.clone(),
-                        detail: nccl_detail(c, Some(self.comm)),
-                    });
-                }
+                self.async_error()?;
                 if Instant::now() >= deadline {
                     return Err(CollectiveError::Timeout {
                         op,

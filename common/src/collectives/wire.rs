@@ -32,6 +32,20 @@
 //!   stream when its last clone goes, which is after the collective has completed on the host's
 //!   clock, so the pool never hands the memory to a kernel while NCCL still uses it.
 //!
+//! Stream-ordered exchange ([`TensorWire::exchange`] with `ordered`, NCCL only). The one transfer
+//! that does not wait on the host: the parallel VAE swaps a halo before every 3×3 convolution (~30
+//! per chunk), and a host wait there drains the GPU each time and stops the host from queueing the
+//! kernels after it. Instead the communicator's stream waits on an event of the kernels' stream
+//! (as above), the grouped send/recv is queued (`NcclComm::post_p2p`), and the kernels' stream
+//! waits on an event recorded on the communicator's stream after it: every kernel queued afterwards
+//! reads complete halos, and the frees of the staged and received tensors (on the kernels' stream,
+//! queued after that wait) come after the transfers too. What the host gives up: it learns of a
+//! failure or a vanished peer only at the communicator's next waiting operation
+//! (`synchronize`, any collective), whose timeout aborts the communicator and so ends the
+//! stuck transfer (and the kernels' stream's wait). A caller must therefore reach such an operation
+//! before it waits on the kernels' stream itself (a host read, a cuDNN algorithm search): a host
+//! wait on the kernels' stream behind a transfer whose peer is gone has no timeout.
+//!
 //! Failures are [`WireError`]s; the model crates fold them into their own errors (a collective
 //! failure stays a collective failure there), so their call sites use `?`.
 
@@ -130,6 +144,32 @@ pub trait TensorWire: Communicator + Sized {
         shape: &[usize],
         device: Device,
     ) -> Result<Tensor>;
+
+    /// Swaps tensors with several peers in one step: `swaps[i] = (peer, t)` sends `t` to group rank
+    /// `peer` and receives a tensor of t's shape and dtype, on t's device, from it; the received
+    /// tensors come back in the order of `swaps`. Each peer makes the matching call (its entry for
+    /// this rank has the same shape). The parallel VAE's halo exchange.
+    ///
+    /// The default, and every call with `ordered` false: one waited [`send_recv`] per entry, in the
+    /// given order (a backend whose `send_recv` blocks on its peer needs a deadlock-free order from
+    /// the caller), complete on return. The NCCL backend with `ordered` true and device tensors
+    /// instead *queues* the exchange (module docs, "stream-ordered exchange") and returns at once:
+    /// the received tensors are complete for every op queued afterwards on the kernels' stream,
+    /// and the host learns about a failure or a timeout only at the communicator's next waiting
+    /// operation ([`Communicator::synchronize`](super::Communicator::synchronize), a collective),
+    /// which the caller must reach before reading results on the host.
+    fn exchange(&self, swaps: &[(usize, &Tensor)], ordered: bool) -> Result<Vec<Tensor>> {
+        let _ = ordered; // no stream ordering here: every transfer completes before the next
+        exchange_waited(self, swaps)
+    }
+}
+
+/// [`TensorWire::exchange`], each entry a waited [`send_recv`] in the given order.
+fn exchange_waited<C: TensorWire>(comm: &C, swaps: &[(usize, &Tensor)]) -> Result<Vec<Tensor>> {
+    swaps
+        .iter()
+        .map(|&(peer, t)| send_recv(comm, t, peer, t.shape(), peer))
+        .collect()
 }
 
 /// `t` travels as `T` only if that is its dtype: a bf16 tensor staged as f32 would silently
@@ -195,9 +235,11 @@ mod device {
     use super::super::nccl::NcclComm;
     use super::super::{CollectiveError, Communicator, Element};
     use super::{
-        Result, TensorWire, WireElement, WireError, check_dtype, host_receive, host_stage,
-        host_tensor,
+        Result, TensorWire, WireElement, WireError, check_dtype, exchange_waited, host_receive,
+        host_stage, host_tensor,
     };
+    use ditstream_kernels::DType as TensorDType;
+    use half::bf16;
 
     /// A buffer of the NCCL backend: its own allocation (host-path tensors, empty buffers), or a
     /// view of a device tensor's storage.
@@ -279,6 +321,19 @@ mod device {
         // Dropping the event is fine: the wait captured it, and CUDA frees it once it completes.
     }
 
+    /// The kernels' stream of GPU `ordinal` waits (on the GPU; the host does not block) for
+    /// everything queued so far on the communicator's stream: the reverse of [`after_compute`].
+    fn before_compute(comm: &NcclComm, ordinal: usize) -> Result<()> {
+        let kernels = cuda_stream(ordinal)?;
+        let event = comm
+            .stream()
+            .record_event(None)
+            .map_err(|e| cuda_error("cuEventRecord", e))?;
+        kernels
+            .wait(&event)
+            .map_err(|e| cuda_error("cuStreamWaitEvent", e))
+    }
+
     /// A view of `t`'s storage as a `CudaSlice<T>` on the communicator's stream, ordered after the
     /// kernels that produced it.
     fn view<T: WireElement>(comm: &NcclComm, t: &Tensor, ordinal: usize) -> Result<DeviceBuf<T>> {
@@ -286,17 +341,69 @@ mod device {
         if t.numel() == 0 {
             return Ok(DeviceBuf::Owned(comm.alloc::<T>(0)?));
         }
-        let ptr = tensor_device_ptr(t)?;
+        let view = raw_view(comm, t)?;
         after_compute(comm, ordinal)?;
+        Ok(DeviceBuf::View(view))
+    }
+
+    /// A view of `t`'s storage (non-empty, dtype T checked) as a `CudaSlice<T>`, not yet ordered
+    /// after anything: the caller records [`after_compute`] before NCCL touches it.
+    fn raw_view<T: WireElement>(comm: &NcclComm, t: &Tensor) -> Result<TensorView<T>> {
+        check_dtype::<T>(t)?;
+        let ptr = tensor_device_ptr(t)?;
         // SAFETY: `ptr` is the start of `t`'s live device storage on this communicator's GPU (the
-        // same primary context), holding at least numel elements of T (dtype checked above); the
-        // view keeps a clone of `t` so the storage outlives the slice, and the slice is leaked, never
-        // freed (TensorView::drop). The context has event tracking off, so no events are created.
+        // same primary context), holding numel elements of T (dtype checked above); the view keeps
+        // a clone of `t` so the storage outlives the slice, and the slice is leaked, never freed
+        // (TensorView::drop). The context has event tracking off, so no events are created.
         let slice = unsafe { comm.stream().upgrade_device_ptr::<T>(ptr, t.numel()) };
-        Ok(DeviceBuf::View(TensorView {
+        Ok(TensorView {
             slice: ManuallyDrop::new(slice),
             tensor: t.clone(),
-        }))
+        })
+    }
+
+    /// The stream-ordered [`TensorWire::exchange`] (module docs) of non-empty tensors of dtype T on
+    /// GPU `ordinal`.
+    fn exchange_ordered<T: WireElement>(
+        comm: &NcclComm,
+        swaps: &[(usize, &Tensor)],
+        ordinal: usize,
+    ) -> Result<Vec<Tensor>> {
+        let mut sends = Vec::with_capacity(swaps.len());
+        let mut recvs = Vec::with_capacity(swaps.len());
+        for &(_, t) in swaps {
+            sends.push(raw_view::<T>(comm, t)?);
+            // Allocated (stream-ordered) on the kernels' stream, before the event below.
+            let into = uninit_tensor(t.shape(), T::TENSOR_DTYPE, ordinal)?;
+            recvs.push(raw_view::<T>(comm, &into)?);
+        }
+        // One event: the transfers wait for the edges' producers and the receive allocations.
+        after_compute(comm, ordinal)?;
+        let send_bufs: Vec<_> = sends
+            .iter()
+            .zip(swaps)
+            .map(|(v, &(peer, _))| (&*v.slice, peer))
+            .collect();
+        let mut recv_bufs: Vec<_> = recvs
+            .iter_mut()
+            .zip(swaps)
+            .map(|(v, &(peer, _))| (&mut *v.slice, peer))
+            .collect();
+        let posted = comm.post_p2p(&send_bufs, &mut recv_bufs);
+        // Even after a failed post (the communicator is aborted then) the kernels' stream waits for
+        // whatever was queued, so the frees below never hand NCCL's buffers to a kernel early.
+        let back = before_compute(comm, ordinal);
+        posted?;
+        back?;
+        let out = recvs
+            .iter()
+            .zip(swaps)
+            .map(|(v, (_, t))| Ok(v.tensor.reshape(t.shape())?))
+            .collect();
+        // Dropping the views now frees (stream-ordered, on the kernels' stream) only behind the wait
+        // just queued there: after the transfers, whatever the host does next.
+        drop(sends);
+        out
     }
 
     impl TensorWire for NcclComm {
@@ -328,6 +435,25 @@ mod device {
             match buf {
                 DeviceBuf::View(v) => Ok(v.tensor.reshape(shape)?.to_device(device)?),
                 DeviceBuf::Owned(s) => host_tensor(self, s, shape, device),
+            }
+        }
+
+        /// Stream-ordered when `ordered` and every tensor is a non-empty device tensor of one dtype
+        /// on this communicator's GPU; otherwise the waited default.
+        fn exchange(&self, swaps: &[(usize, &Tensor)], ordered: bool) -> Result<Vec<Tensor>> {
+            let Some(&(_, first)) = swaps.first() else {
+                return Ok(Vec::new());
+            };
+            let ordinal = gpu_of(self, first.device())?;
+            let alike = swaps.iter().all(|(_, t)| {
+                t.device() == first.device() && t.dtype() == first.dtype() && t.numel() > 0
+            });
+            match ordinal {
+                Some(ordinal) if ordered && alike => match first.dtype() {
+                    TensorDType::F32 => exchange_ordered::<f32>(self, swaps, ordinal),
+                    TensorDType::BF16 => exchange_ordered::<bf16>(self, swaps, ordinal),
+                },
+                _ => exchange_waited(self, swaps),
             }
         }
     }

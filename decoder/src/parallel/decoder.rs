@@ -11,7 +11,10 @@
 //! **Failure inside a step that communicates** (a peer died, timed out, a kernel failed half-way):
 //! the rank drops its communicator, which fails the same step on every peer at once (the
 //! [`Communicator`](ditstream_common::collectives::Communicator) contract), and the decoder is unusable afterwards ([`ParallelVaeError::Broken`]).
-//! Never a hang: the worst case is the communicator's timeout.
+//! Never a hang: the worst case is the communicator's timeout. Halo exchanges under NCCL do not wait
+//! on the host (`halo`'s "No host wait per conv"), so before `decode_chunk` returns frames it waits
+//! for the communicator (`synchronize`, with its timeout): a transfer stuck on a vanished peer fails
+//! the chunk there, never a later host read of the frames.
 //!
 //! **Gather to rank 0 only.** Each other rank sends its band with one point-to-point `send_recv`
 //! (the return direction is empty), so only the encoding rank receives the video ((P − 1)/P of
@@ -161,10 +164,15 @@ impl<C: TensorWire + Send> ParallelVaeDecoder<C> {
         let decoder = self.decoder.clone();
         let shard = stream.shard;
         let frames = self.communicate(|comm| {
-            let ops = HaloOps::new(comm, shard);
-            decoder
+            let ops = HaloOps::new(comm, shard).stream_ordered();
+            let frames = decoder
                 .decode_chunk_with(&mut stream.inner, latent, &ops)
-                .map_err(ParallelVaeError::from)
+                .map_err(ParallelVaeError::from)?;
+            // The chunk's last halo transfers are done (or failed, or timed out) before anyone can
+            // wait for the frames on the GPU (module docs).
+            let comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+            comm.synchronize()?;
+            Ok(frames)
         })?;
         stream.batch = Some(latent.shape()[0]);
         Ok(frames)

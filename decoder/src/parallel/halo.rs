@@ -10,14 +10,36 @@
 //! with the previous chunk) but keeps the ops stateless; it adds ≤ 2 frames of one row per message.
 //! At a true image border the "halo" is zero rows, which is exactly the unsharded conv's zero padding.
 //! The conv then runs with padding 0 on the split axis (the halo is the padding), kw/2 on the other
-//! spatial axis, and the causal front padding as explicit zero frames, through the kernels crate's
-//! `conv3d`: the output is the rank's band, with no rows computed and thrown away, and every output
-//! pixel sees the very values the unsharded conv gives it (the same im2col column, the same GEMM).
+//! spatial axis, and the causal front padding, through the kernels crate's `conv3d_cached` on the
+//! haloed cache and x: the output is the rank's band, with no rows computed and thrown away, and
+//! every output pixel sees the very values the unsharded conv gives it (the same im2col column, the
+//! same GEMM). Copies: x and the cache once each, to put the halo rows around them; the kernels
+//! crate joins cache, x and the front zero frames the way it does for `causal_conv3d` (in the one
+//! channels-last copy its cuDNN path makes anyway), where joining them here first cost one more full
+//! copy of the input per conv, and the zero frames another on the first chunk.
 //!
-//! **Exchange order.** Each neighbour pair swaps rows with one `send_recv` (send my edge, receive
-//! theirs). Even ranks swap with their next neighbour first, odd ranks with their previous one first,
-//! so the pairs (0, 1), (2, 3), … run together, then (1, 2), (3, 4), …: a backend whose `send_recv`
-//! blocks on its peer (NCCL enqueues them in order on one stream) never waits in a cycle or a chain.
+//! **Exchange order.** One [`TensorWire::exchange`] per conv swaps the edge rows with both
+//! neighbours (send my edge, receive theirs). Where it runs as one waited `send_recv` per neighbour
+//! (the thread backend, and NCCL for a conv shape's first run, below), even ranks swap with their
+//! next neighbour first, odd ranks with their previous one first, so the pairs (0, 1), (2, 3), … run
+//! together, then (1, 2), (3, 4), …: a backend whose `send_recv` blocks on its peer never waits in a
+//! cycle or a chain. Stream-ordered, both swaps are one NCCL group, where order does not matter.
+//!
+//! **No host wait per conv (NCCL).** A waited exchange blocks the host until the transfer is done,
+//! i.e. until the GPU has run every kernel before it: the GPU drains before each of the ~30 3×3
+//! convs of a chunk, and every kernel after it is queued only then (at the low-resolution stages
+//! those kernels are shorter than their launches, so the GPU idles behind the host). The exchange is
+//! therefore stream-ordered (common's `wire` docs): queued on the communicator's stream between two
+//! events, the host going on at once. The host's deadline moves to the end of the chunk
+//! ([`ParallelVaeDecoder::decode_chunk`](super::ParallelVaeDecoder::decode_chunk) waits for the
+//! communicator, with its timeout, before returning frames), with one exception: the first run of a
+//! conv shape on a GPU in this process ([`WARM_SHAPES`]) waits as before, because the kernels crate
+//! may wait on the GPU during it (cuDNN's algorithm search, once per shape and GPU), and a host wait
+//! on the kernels' stream behind a transfer whose peer is gone would have no timeout. A waited
+//! exchange also waits for every transfer queued before it (one communicator stream, in order), so
+//! such a search never waits behind a pending one either. So the first chunks of the first request
+//! of a size (new shapes: no cache, then growing caches) wait per conv, and the rest do not. The
+//! values are the same either way (the same tensors reach the same kernels).
 //!
 //! **Attention.** The mid block attends each frame's tokens over the whole frame. Each rank
 //! all-gathers (uneven `all_gather_v`) the keys and values of its band, puts them back into the
@@ -27,15 +49,16 @@
 //!
 //! **Transfers** go through common's [`TensorWire`] in the tensors' own dtype: with
 //! NCCL and the decoder on the rank's GPU, halo rows and keys/values move device to device (NCCL reads
-//! the edge rows' storage and writes a fresh device tensor; no host copy, no host sync beyond the
-//! collective's own completion); with the thread backend they are host copies.
+//! the edge rows' storage and writes a fresh device tensor; no host copy, and for halos no host
+//! wait either, see above); with the thread backend they are host copies.
 
-use std::sync::{Mutex, MutexGuard};
+use std::collections::HashSet;
+use std::sync::{LazyLock, Mutex, MutexGuard};
 
 use ditstream_common::collectives::CollectiveError;
 use ditstream_common::collectives::wire::{self, TensorWire};
 use ditstream_common::config::VaeSplitDim;
-use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, conv3d};
+use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, conv3d_cached};
 
 use super::shard::Shard;
 use crate::vae::{Result, SpatialOps, Unsharded, VaeError};
@@ -46,12 +69,40 @@ use crate::vae::{Result, SpatialOps, Unsharded, VaeError};
 pub struct HaloOps<'a, C> {
     comm: &'a Mutex<C>,
     shard: Shard,
+    /// Whether exchanges of conv shapes in [`WARM_SHAPES`] are stream-ordered.
+    ordered: bool,
+}
+
+/// The conv shapes run once already, per GPU, in this process, with a waited halo exchange (module
+/// docs, "No host wait per conv"): (device, input shape, cached frames, dtype, weight shape),
+/// flattened. A shape's first run may wait on the GPU (cuDNN's algorithm search, kept per GPU for
+/// the process, like this set); its later runs do not.
+static WARM_SHAPES: LazyLock<Mutex<HashSet<Vec<usize>>>> = LazyLock::new(Default::default);
+
+fn warm_shapes() -> MutexGuard<'static, HashSet<Vec<usize>>> {
+    // A poisoned lock means a panic while inserting a key; the set is still a valid set.
+    WARM_SHAPES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl<'a, C: TensorWire> HaloOps<'a, C> {
     /// The ops of `shard`'s rank; `comm` is the instance's communicator (group rank = shard rank).
+    /// Every halo exchange waits for its transfer.
     pub fn new(comm: &'a Mutex<C>, shard: Shard) -> Self {
-        HaloOps { comm, shard }
+        HaloOps {
+            comm,
+            shard,
+            ordered: false,
+        }
+    }
+
+    /// Stream-ordered halo exchanges for the conv shapes run before; each other shape waits once
+    /// (module docs). The caller waits for the communicator (its timeout) before it, or anyone,
+    /// waits for a result on the GPU.
+    pub(crate) fn stream_ordered(mut self) -> Self {
+        self.ordered = true;
+        self
     }
 
     fn comm(&self) -> MutexGuard<'a, C> {
@@ -87,24 +138,29 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
         if plain || halo == 0 || kernel.iter().any(|k| k % 2 == 0) || cached >= kernel[0] {
             return Unsharded.causal_conv3d(x, weight, bias, cache);
         }
-        let joined = match cache {
-            Some(cache) => Tensor::concat(&[cache, x], 2)?,
-            None => x.clone(),
+        let device = match x.device() {
+            Device::Cpu => 0,
+            Device::Cuda(ordinal) => ordinal + 1,
         };
-        let haloed = exchange_halo(&*self.comm(), &self.shard, &joined, halo)?;
-        // Causal front padding (kt − 1 frames, less the cached ones) as explicit zero frames.
-        let front = kernel[0] - 1 - cached;
-        let input = if front > 0 {
-            let mut shape = haloed.shape().to_vec();
-            shape[2] = front;
-            let zeros = zeros(&shape, haloed.dtype(), haloed.device())?;
-            Tensor::concat(&[&zeros, &haloed], 2)?
-        } else {
-            haloed
-        };
-        let mut padding = [0, kernel[1] / 2, kernel[2] / 2];
-        padding[axis - 2] = 0;
-        Ok(conv3d(&input, weight, bias, [1, 1, 1], padding)?)
+        let shape_key: Vec<usize> = [device]
+            .into_iter()
+            .chain(x.shape().iter().copied())
+            .chain([cached, usize::from(x.dtype() == DType::BF16)])
+            .chain(ws.iter().copied())
+            .collect();
+        let ordered = self.ordered && warm_shapes().contains(&shape_key);
+        let cache = cache.filter(|_| cached > 0);
+        let (cache, x) = exchange_halo(&*self.comm(), &self.shard, cache, x, halo, ordered)?;
+        // Causal front padding: kt − 1 frames, less the cached ones; none on the split axis.
+        let mut front = [kernel[0] - 1 - cached, kernel[1] / 2, kernel[2] / 2];
+        let mut back = [0, kernel[1] / 2, kernel[2] / 2];
+        front[axis - 2] = 0;
+        back[axis - 2] = 0;
+        let out = conv3d_cached(&x, weight, bias, cache.as_ref(), front, back)?;
+        if self.ordered && !ordered {
+            warm_shapes().insert(shape_key); // its first run (and any GPU wait in it) is over
+        }
+        Ok(out)
     }
 
     /// See the trait; q, k, v hold this rank's tokens (its band of each frame, row-major), and so
@@ -121,18 +177,31 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
     }
 }
 
-/// x [B, C, T, H, W] (this rank's band along the shard's axis) → x with `halo` rows of each
-/// neighbour's band before and after it along that axis (zeros where there is no neighbour).
+/// cache [B, C, T_c, H, W] (optional, T_c > 0) and x [B, C, T, H, W] (this rank's band along the
+/// shard's axis) → both with `halo` rows of each neighbour's band (of its cache and x) before and
+/// after them along that axis (zeros where there is no neighbour); `ordered`: stream-ordered where
+/// the backend can ([`TensorWire::exchange`]). One message per neighbour carries the edge rows of
+/// cache ++ x (joined along T: a copy of the rows only), and each side is copied once, with its
+/// halo rows around it.
 fn exchange_halo<C: TensorWire>(
     comm: &C,
     shard: &Shard,
+    cache: Option<&Tensor>,
     x: &Tensor,
     halo: usize,
-) -> Result<Tensor> {
+    ordered: bool,
+) -> Result<(Option<Tensor>, Tensor)> {
     let axis = shard.axis();
     let extent = x.shape()[axis];
-    let first = x.narrow(axis, 0, halo)?; // fails (a shape error) if the band is thinner than the halo
-    let last = x.narrow(axis, extent - halo, halo)?;
+    let edge = |start: usize| -> Result<Tensor> {
+        let rows = x.narrow(axis, start, halo)?;
+        Ok(match cache {
+            Some(cache) => Tensor::concat(&[&cache.narrow(axis, start, halo)?, &rows], 2)?,
+            None => rows,
+        })
+    };
+    let first = edge(0)?; // fails (a shape error) if the band is thinner than the halo
+    let last = edge(extent - halo)?;
     let edge_shape = first.shape().to_vec();
     let (prev, next) = shard.neighbours();
     // (peer, rows I send it) in the deadlock-free order of the module docs.
@@ -143,10 +212,13 @@ fn exchange_halo<C: TensorWire>(
     } else {
         [before, after]
     };
+    let swaps: Vec<(usize, &Tensor)> = order
+        .into_iter()
+        .filter_map(|(peer, edge)| peer.map(|peer| (peer, edge)))
+        .collect();
+    let received = comm.exchange(&swaps, ordered)?;
     let (mut from_prev, mut from_next) = (None, None);
-    for (peer, edge) in order {
-        let Some(peer) = peer else { continue };
-        let rows = swap(comm, peer, edge)?;
+    for (&(peer, _), rows) in swaps.iter().zip(received) {
         if Some(peer) == prev {
             from_prev = Some(rows);
         } else {
@@ -156,7 +228,29 @@ fn exchange_halo<C: TensorWire>(
     let border = || zeros(&edge_shape, x.dtype(), x.device());
     let from_prev = from_prev.map_or_else(border, Ok)?;
     let from_next = from_next.map_or_else(border, Ok)?;
-    Ok(Tensor::concat(&[&from_prev, x, &from_next], axis)?)
+    // Each received edge: the cache's frames first, then x's.
+    let cached = cache.map_or(0, |c| c.shape()[2]);
+    let frames = x.shape()[2];
+    let haloed_x = Tensor::concat(
+        &[
+            &from_prev.narrow(2, cached, frames)?,
+            x,
+            &from_next.narrow(2, cached, frames)?,
+        ],
+        axis,
+    )?;
+    let haloed_cache = match cache {
+        Some(cache) => Some(Tensor::concat(
+            &[
+                &from_prev.narrow(2, 0, cached)?,
+                cache,
+                &from_next.narrow(2, 0, cached)?,
+            ],
+            axis,
+        )?),
+        None => None,
+    };
+    Ok((haloed_cache, haloed_x))
 }
 
 /// Zeros of `shape` on `device`, filled there. `Tensor::zeros` builds them on the host and uploads them
@@ -198,12 +292,6 @@ fn device_zeros(shape: &[usize], dtype: DType, ordinal: usize) -> Result<Tensor>
         detail: format!("{e:?}"),
     })?;
     Ok(t)
-}
-
-/// Sends `edge` to group rank `peer` and returns the same-shaped rows `peer` sends back (edge's
-/// dtype, on edge's device).
-fn swap<C: TensorWire>(comm: &C, peer: usize, edge: &Tensor) -> Result<Tensor> {
-    Ok(wire::send_recv(comm, edge, peer, edge.shape(), peer)?)
 }
 
 /// kv [N, S_r, H, C] (this rank's tokens of N frames: its band, row-major) → [N, S, H, C] with every

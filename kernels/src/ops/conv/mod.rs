@@ -214,39 +214,17 @@ pub fn causal_conv3d(
     }
     let front_frames = kernel[0] - 1; // 2·p_t with p_t = kt/2
     let [p_h, p_w] = [kernel[1] / 2, kernel[2] / 2];
+    let cached_frames = cache_frames(OP, x, cache)?;
+    if cached_frames > front_frames {
+        return Err(KernelError::arg(
+            OP,
+            "cache frames",
+            cached_frames,
+            format!("at most kt − 1 = {front_frames} frames can be cached"),
+        ));
+    }
     let mut input_shape = x.shape().to_vec();
-    let cached_frames = match cache {
-        None => 0,
-        Some(cache) => {
-            expect_rank(OP, "cache [B, C_in, T_c, H, W]", cache, 5)?;
-            let (cs, xs) = (cache.shape(), x.shape());
-            if x.rank() != 5 || [cs[0], cs[1], cs[3], cs[4]] != [xs[0], xs[1], xs[3], xs[4]] {
-                return Err(KernelError::shape(
-                    OP,
-                    "cache [B, C_in, T_c, H, W] must match x [B, C_in, T, H, W] except in T",
-                    &[xs, cs],
-                ));
-            }
-            if cs[2] > front_frames {
-                return Err(KernelError::arg(
-                    OP,
-                    "cache frames",
-                    cs[2],
-                    format!("at most kt − 1 = {front_frames} frames can be cached"),
-                ));
-            }
-            if cache.dtype() != x.dtype() {
-                return Err(KernelError::DTypeMismatch {
-                    op: OP,
-                    name: "cache",
-                    expected: x.dtype(),
-                    got: cache.dtype(),
-                });
-            }
-            input_shape[2] += cs[2];
-            cs[2]
-        }
-    };
+    input_shape[2] += cached_frames;
     let geometry = geometry(
         OP,
         &input_shape,
@@ -255,6 +233,63 @@ pub fn causal_conv3d(
         [1, 1, 1],
         [front_frames - cached_frames, p_h, p_w],
         [0, p_h, p_w],
+    )?;
+    run(OP, cache, x, w, bias, &geometry)
+}
+
+/// The frames of `cache` [B, C_in, T_c, H, W] (0 without one), checked against x [B, C_in, T, H, W]:
+/// the same sizes except in T, the same dtype.
+fn cache_frames(op: &'static str, x: &Tensor, cache: Option<&Tensor>) -> Result<usize> {
+    let Some(cache) = cache else {
+        return Ok(0);
+    };
+    expect_rank(op, "cache [B, C_in, T_c, H, W]", cache, 5)?;
+    let (cs, xs) = (cache.shape(), x.shape());
+    if x.rank() != 5 || [cs[0], cs[1], cs[3], cs[4]] != [xs[0], xs[1], xs[3], xs[4]] {
+        return Err(KernelError::shape(
+            op,
+            "cache [B, C_in, T_c, H, W] must match x [B, C_in, T, H, W] except in T",
+            &[xs, cs],
+        ));
+    }
+    if cache.dtype() != x.dtype() {
+        return Err(KernelError::DTypeMismatch {
+            op,
+            name: "cache",
+            expected: x.dtype(),
+            got: cache.dtype(),
+        });
+    }
+    Ok(cs[2])
+}
+
+/// Conv3d, stride 1, of `cache` [B, C_in, T_c, H, W] (frames in front, optional) followed by
+/// x [B, C_in, T, H, W] along T, zero-padded by `pad_front` before and `pad_back` after each of
+/// T, H, W: → [B, C_out, T_c + T + front + back − kt + 1, …] in x's dtype. [`causal_conv3d`] is the
+/// case front = (kt − 1 − T_c, kh/2, kw/2), back = (0, kh/2, kw/2); the parallel VAE passes its
+/// halo rows joined to x and cache, with no padding on the split axis. The frames are joined as
+/// [`causal_conv3d`] joins them (read in place, or in the one copy a cuDNN path makes anyway), so
+/// equal inputs give the bits that concatenating them and calling [`conv3d`] gives.
+pub fn conv3d_cached(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    cache: Option<&Tensor>,
+    pad_front: [usize; 3],
+    pad_back: [usize; 3],
+) -> Result<Tensor> {
+    const OP: &str = "conv3d_cached";
+    expect_rank(OP, "x [B, C_in, T, H, W]", x, 5)?;
+    let mut input_shape = x.shape().to_vec();
+    input_shape[2] += cache_frames(OP, x, cache)?;
+    let geometry = geometry(
+        OP,
+        &input_shape,
+        w.shape(),
+        bias,
+        [1, 1, 1],
+        pad_front,
+        pad_back,
     )?;
     run(OP, cache, x, w, bias, &geometry)
 }

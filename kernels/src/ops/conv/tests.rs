@@ -169,6 +169,31 @@ fn causal_conv3d_with_cache_equals_full_sequence() -> Result<()> {
 }
 
 #[test]
+fn conv3d_cached_pads_each_side_as_asked() -> Result<()> {
+    // The parallel VAE's form: cache ++ x along T, one zero frame in front, none behind, no padding
+    // along H (the halo rows are part of the input), one column each side along W; against the
+    // naive conv of the explicitly padded concatenation.
+    let cache = randn(&[1, 3, 1, 6, 5], 60);
+    let x = randn(&[1, 3, 4, 6, 5], 61);
+    let w = randn(&[2, 3, 3, 3, 3], 62);
+    let bias = randn(&[2], 63);
+    let (front, back) = ([1, 0, 1], [0, 0, 1]);
+    let out = conv3d_cached(&x, &w, Some(&bias), Some(&cache), front, back)?;
+    assert_eq!(out.shape(), [1, 2, 4, 4, 5]);
+    let (padded, dims) = pad(&Tensor::concat(&[&cache, &x], 2)?, front, back)?;
+    let (expect, _) = naive_valid_conv3d((&padded, dims), &w, Some(&bias), [1, 1, 1])?;
+    assert_close_slices(&out.to_vec_f32()?, &expect, ATOL, 0.0);
+    // Without a cache it is the plain conv of the padded x; a cache of another size is an error.
+    let out = conv3d_cached(&x, &w, None, None, [2, 1, 0], [0, 1, 0])?;
+    let (padded, dims) = pad(&x, [2, 1, 0], [0, 1, 0])?;
+    let (expect, _) = naive_valid_conv3d((&padded, dims), &w, None, [1, 1, 1])?;
+    assert_close_slices(&out.to_vec_f32()?, &expect, ATOL, 0.0);
+    let wrong = randn(&[1, 3, 1, 5, 5], 64);
+    assert!(conv3d_cached(&x, &w, None, Some(&wrong), front, back).is_err());
+    Ok(())
+}
+
+#[test]
 fn conv3d_channels_last_matches_naive() -> Result<()> {
     // x [B, T, H, W, C] and w [C_out, kt, kh, kw, C_in]: the naive loop runs on the channels-first
     // copies, and its output is read back channels-last.

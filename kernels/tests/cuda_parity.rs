@@ -1003,3 +1003,60 @@ fn wide_head_attention_matches_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+// ---- The VAE's fused elementwise paths (vfuse) ----
+
+/// `rms_norm_channels_silu` on the GPU is bit-identical to the GPU's own norm then SiLU (the two
+/// kernels it replaces: the decoder's numerics must not move), and matches its CPU twin.
+///
+/// Tolerance against the CPU: the norm y differs by a few f32 ulps (as `rms_norm_channels`, atol 1e-4
+/// at these sizes); in bf16 that can round y to a neighbouring bf16, |Δy| ≤ 2⁻⁸·|y|, so before the
+/// SiLU's own rounding the outputs differ by ≤ max|SiLU′|·|Δy| ≤ 1.1·2⁻⁸·max|y| (SiLU′ ∈ [−0.1, 1.1]);
+/// the final rounding adds one bf16 ulp of the output, rtol. In f32 the SiLU passes the norm's error
+/// through scaled by ≤ 1.1, plus a few ulps: atol 1.1·1e-4 plus rtol.
+#[test]
+fn rms_norm_channels_silu_matches_unfused_and_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    for dtype in [DType::F32, DType::BF16] {
+        // Odd sizes (a ragged grid tail) and a VAE-like width.
+        let x = randn(&[2, 96, 2, 5, 7], dtype, 51);
+        let gamma = randn(&[96, 1, 1, 1], dtype, 52);
+        let (gx, gg) = (x.to_device(dev)?, gamma.to_device(dev)?);
+        let fused = k::rms_norm_channels_silu(&gx, &gg, None)?;
+        let unfused = k::silu(&k::rms_norm_channels(&gx, &gg, None)?)?;
+        let (fused_host, unfused_host) = (
+            fused.to_device(Device::Cpu)?.to_vec_f32()?,
+            unfused.to_device(Device::Cpu)?.to_vec_f32()?,
+        );
+        let differing = fused_host
+            .iter()
+            .zip(&unfused_host)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        println!(
+            "PARITY\trms_norm_channels_silu vs unfused gpu\t{}\t{:?}\t{differing} differing\texact",
+            name(dtype),
+            x.shape()
+        );
+        assert_eq!(differing, 0, "{dtype:?}: fused differs from norm then silu");
+
+        let normed = k::rms_norm_channels(&x, &gamma, None)?;
+        let max_y = normed
+            .to_vec_f32()?
+            .iter()
+            .fold(0.0f32, |m, v| m.max(v.abs()));
+        let atol = match dtype {
+            DType::F32 => 1.1 * 1e-4,
+            DType::BF16 => 1.1 * (max_y / 256.0) + 1.1 * 1e-4,
+        };
+        check(
+            "rms_norm_channels_silu",
+            &fused,
+            &k::rms_norm_channels_silu(&x, &gamma, None)?,
+            atol,
+            rtol(dtype),
+        );
+    }
+    Ok(())
+}

@@ -15,7 +15,7 @@
 //! after that one only (chunk 1 pads with zeros: chunk 0 is not history).
 
 use ditstream_kernels::{
-    Tensor, add, channels_to_frames, rms_norm_channels, silu, upsample_nearest2x,
+    Tensor, add, channels_to_frames, rms_norm_channels, rms_norm_channels_silu, upsample_nearest2x,
 };
 
 use super::config::{UpBlockLayout, UpsampleMode};
@@ -147,6 +147,12 @@ impl RmsNorm {
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(rms_norm_channels(x, &self.gamma, None)?)
     }
+
+    /// SiLU(norm(x)) in one pass, bit-identical to `silu(&self.forward(x)?)` (the norm is rounded to
+    /// x's dtype in between, as when stored): the normalised tensor is never written to memory.
+    pub(crate) fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(rms_norm_channels_silu(x, &self.gamma, None)?)
+    }
 }
 
 /// diffusers `WanResidualBlock` (dropout 0): conv2(SiLU(norm2(conv1(SiLU(norm1(x)))))) + shortcut(x),
@@ -185,9 +191,9 @@ impl ResidualBlock {
             Some(conv) => conv.forward(pass, x)?,
             None => x.clone(),
         };
-        let h = silu(&self.norm1.forward(x)?)?;
+        let h = self.norm1.forward_silu(x)?;
         let h = self.conv1.forward(pass, &h)?;
-        let h = silu(&self.norm2.forward(&h)?)?;
+        let h = self.norm2.forward_silu(&h)?;
         let h = self.conv2.forward(pass, &h)?;
         Ok(add(&h, &residual)?)
     }

@@ -28,7 +28,9 @@ pub use elementwise::{
 };
 pub use embedding::{Indices, embedding};
 pub use matmul::{linear, matmul};
-pub use norm::{layer_norm, layer_norm_modulate, rms_norm, rms_norm_channels};
+pub use norm::{
+    layer_norm, layer_norm_modulate, rms_norm, rms_norm_channels, rms_norm_channels_silu,
+};
 pub use random::random_normal;
 pub use rope::{apply_rope, rope_band_dims, rope_tables_3d};
 pub use softmax::position_bias_softmax;

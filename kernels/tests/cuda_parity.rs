@@ -1060,3 +1060,82 @@ fn rms_norm_channels_silu_matches_unfused_and_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// `causal_conv3d_upsampled` on the GPU is bit-identical to the GPU's own upsample then causal conv
+/// on every path (the channels-last path reads the upsampling in place in `conv_to_ndhwc_up2`, so its
+/// cuDNN input holds the same bits; the others upsample first), and matches the CPU twin with
+/// `convolutions_match_cpu`'s tolerance (atol 1e-5 per tap, plus 4·2⁻⁹ in bf16 for the bias added
+/// after the sum's own rounding). Cases: the upsamplers' 1×3×3 kernel at even sizes (word pairs in
+/// the transposes) and odd channels (single elements), a 3×3×3 kernel with 2 cached frames, and a
+/// batch of 2 spanning several 64-wide tiles with ragged edges.
+#[test]
+fn causal_conv3d_upsampled_matches_unfused_and_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    let paths = [
+        (ConvAlgo::Im2col, "im2col"),
+        (ConvAlgo::Cudnn, "cudnn"),
+        (ConvAlgo::CudnnNdhwc, "cudnn_ndhwc"),
+        (ConvAlgo::Auto, "auto"),
+    ];
+    for dtype in [DType::F32, DType::BF16] {
+        for (ws, cached, hw, batch) in [
+            ([8, 16, 1, 3, 3], 0, [6, 10], 1),
+            ([6, 5, 1, 3, 3], 0, [5, 7], 1),
+            ([6, 4, 3, 3, 3], 2, [6, 10], 1),
+            ([33, 66, 1, 3, 3], 0, [9, 37], 2),
+        ] {
+            let x = randn(&[batch, ws[1], 2, hw[0], hw[1]], dtype, 120);
+            let w = randn(&ws, dtype, 121);
+            let b = randn(&[ws[0]], DType::F32, 122);
+            let cache =
+                (cached > 0).then(|| randn(&[batch, ws[1], cached, hw[0], hw[1]], dtype, 123));
+            let (gx, gw, gb) = (x.to_device(dev)?, w.to_device(dev)?, b.to_device(dev)?);
+            let gcache = cache.as_ref().map(|c| c.to_device(dev)).transpose()?;
+            let gup_cache = gcache.as_ref().map(k::upsample_nearest2x).transpose()?;
+            let cpu = k::causal_conv3d_upsampled(&x, &w, Some(&b), cache.as_ref())?;
+            let taps = ws[1] * ws[2] * ws[3] * ws[4];
+            let atol = 1e-5 * taps as f32
+                + match dtype {
+                    DType::BF16 => 4.0 * 2f32.powi(-9),
+                    DType::F32 => 0.0,
+                };
+            for (algo, label) in paths {
+                let fused = with_conv_algo(algo, || {
+                    k::causal_conv3d_upsampled(&gx, &gw, Some(&gb), gcache.as_ref())
+                })?;
+                let unfused = with_conv_algo(algo, || {
+                    k::causal_conv3d(
+                        &k::upsample_nearest2x(&gx)?,
+                        &gw,
+                        Some(&gb),
+                        gup_cache.as_ref(),
+                    )
+                })?;
+                let (a, b) = (
+                    fused.to_device(Device::Cpu)?.to_vec_f32()?,
+                    unfused.to_device(Device::Cpu)?.to_vec_f32()?,
+                );
+                let differing = a
+                    .iter()
+                    .zip(&b)
+                    .filter(|(p, q)| p.to_bits() != q.to_bits())
+                    .count();
+                println!(
+                    "PARITY\tcausal_conv3d_upsampled {label} vs unfused gpu\t{}\t{:?}\t{differing} differing\texact",
+                    name(dtype),
+                    x.shape()
+                );
+                assert_eq!(differing, 0, "{label} {dtype:?} {ws:?}: fused differs");
+                check(
+                    &format!("causal_conv3d_upsampled {label}"),
+                    &fused,
+                    &cpu,
+                    atol,
+                    rtol(dtype),
+                );
+            }
+        }
+    }
+    Ok(())
+}

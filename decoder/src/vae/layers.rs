@@ -113,6 +113,19 @@ impl CausalConv {
         pass.caches[slot] = Some(last_frames(cache.as_ref(), x, self.history)?);
         Ok(out)
     }
+
+    /// `forward(pass, &upsample_nearest2x(x)?)`, bit for bit, for a conv without a time extent (the
+    /// upsamplers' per-frame 3×3 conv): x [B, C_in, T, H, W] → [B, C_out, T, 2H, 2W] with the
+    /// upsampling read in place by the conv where the ops can (see
+    /// [`SpatialOps::causal_conv3d_upsampled`]); a conv with a cache slot upsamples first.
+    pub(crate) fn forward_upsampled(&self, pass: &mut Pass, x: &Tensor) -> Result<Tensor> {
+        match self.slot {
+            None => pass
+                .ops
+                .causal_conv3d_upsampled(x, &self.weight, Some(&self.bias)),
+            Some(_) => self.forward(pass, &upsample_nearest2x(x)?),
+        }
+    }
 }
 
 /// The last min(keep, frames available) frames of cache ++ x, along T (axis 2).
@@ -297,7 +310,7 @@ impl Upsampler {
                 }
             }
         };
-        self.conv.forward(pass, &upsample_nearest2x(&x)?)
+        self.conv.forward_upsampled(pass, &x)
     }
 }
 

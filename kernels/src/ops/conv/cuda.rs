@@ -167,6 +167,10 @@ fn choose(backend: &CudaBackend, op: &'static str, g: &ConvGeometry, dtype: DTyp
 /// Conv3d on the GPU: `cache` [B, C_in, T_c, H, W] (optional) followed by x [B, C_in, T, H, W] along T
 /// is the input `g` describes (g.input[0] = T_c + T); w [C_out, C_in, kt, kh, kw], bias [C_out] →
 /// [B, C_out, T_out, H_out, W_out] in x's dtype.
+///
+/// With `upsampled`, the input `g` describes is the nearest ×2 upsampling (in H and W) of cache ++ x,
+/// whose frames are [H/2, W/2]: on the channels-last cuDNN path `conv_to_ndhwc_up2` reads it in place
+/// (the upsampled tensor is never written); the other paths upsample x and the cache first.
 pub(super) fn conv3d(
     op: &'static str,
     cache: Option<&Tensor>,
@@ -174,6 +178,7 @@ pub(super) fn conv3d(
     w: &Tensor,
     bias: Option<&Tensor>,
     g: &ConvGeometry,
+    upsampled: bool,
 ) -> Result<Tensor> {
     let dtype = common_dtype(x, w);
     let out_shape = g.output_shape();
@@ -189,17 +194,33 @@ pub(super) fn conv3d(
             None => Ok(zeros),
         };
     }
-    let xc = x.to_dtype(dtype)?;
-    let cache = cache.map(|c| c.to_dtype(dtype)).transpose()?;
+    let mut xc = x.to_dtype(dtype)?;
+    let mut cache = cache.map(|c| c.to_dtype(dtype)).transpose()?;
     let backend = CudaBackend::get(xc.cuda_storage(op)?.ordinal)?;
-    let out = match choose(&backend, op, g, dtype)? {
+    let path = choose(&backend, op, g, dtype)?;
+    let in_place = matches!(&path, Path::Cudnn { key, .. } if key.layout == DnnLayout::Ndhwc);
+    if upsampled && !in_place {
+        // Only the channels-last transpose reads the upsampling in place: materialise it for the rest.
+        xc = crate::upsample_nearest2x(&xc)?;
+        cache = cache.map(|c| crate::upsample_nearest2x(&c)).transpose()?;
+    }
+    let up = upsampled && in_place;
+    let out = match path {
         Path::Im2col => {
             let wc = w.to_dtype(dtype)?;
             im2col_conv3d(&backend, op, cache.as_ref(), &xc, &wc, bias, g, dtype)?
         }
-        Path::Cudnn { key, zeros } if key.layout == DnnLayout::Ndhwc => {
-            ndhwc_conv3d(&backend, op, cache.as_ref(), &xc, w, bias, g, (&key, zeros))?
-        }
+        Path::Cudnn { key, zeros } if key.layout == DnnLayout::Ndhwc => ndhwc_conv3d(
+            &backend,
+            op,
+            cache.as_ref(),
+            &xc,
+            w,
+            bias,
+            g,
+            (&key, zeros),
+            up,
+        )?,
         Path::Cudnn { key, zeros } => {
             let wc = w.to_dtype(dtype)?;
             cudnn_conv3d(
@@ -264,7 +285,9 @@ fn cudnn_conv3d(
 /// and sum; `key.layout` is NDHWC): `conv_to_ndhwc` writes `zeros[0]` zero frames, the cache, x and
 /// `zeros[1]` zero frames as one [B, F, H, W, C_in] buffer, cuDNN convolves it with w's channels-last
 /// filter, and `conv_from_ndhwc` writes the [B, C_out, T_out, H_out, W_out] result in `key.dtype` with
-/// the bias added. `w` is the caller's weight (any dtype): its filter is made once and kept.
+/// the bias added. `w` is the caller's weight (any dtype): its filter is made once and kept. With
+/// `upsampled`, x and the cache hold frames of [H/2, W/2] whose nearest ×2 upsampling is the input
+/// `g` describes, read in place by `conv_to_ndhwc_up2`.
 #[allow(clippy::too_many_arguments)]
 fn ndhwc_conv3d(
     backend: &CudaBackend,
@@ -275,6 +298,7 @@ fn ndhwc_conv3d(
     bias: Option<&Tensor>,
     g: &ConvGeometry,
     (key, zeros): (&DnnConvKey, [usize; 2]),
+    upsampled: bool,
 ) -> Result<CudaStorage> {
     let cached = cache.map_or(0, |c| c.shape()[2]);
     let cache_ptr = match cache {
@@ -289,7 +313,7 @@ fn ndhwc_conv3d(
         (xc.cuda_storage(op)?.ptr(), cache_ptr),
         (g.batch, g.in_channels),
         frames,
-        g.input[1] * g.input[2],
+        (g.input[1] * g.input[2], upsampled.then_some(g.input[2] / 2)),
     )?;
     let filter = ndhwc_filter(op, w, key.dtype)?;
     let pixels: usize = key.output().iter().product();
@@ -387,9 +411,11 @@ fn transpose_grid(tiles: (usize, usize), slabs: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// `conv_to_ndhwc`'s instance for `dtype` (a bit copy: named by element size) and `pack`.
-fn to_ndhwc_kernel(dtype: DType, pack: usize) -> String {
-    format!("conv_to_ndhwc_e{}_p{pack}", dtype.size_in_bytes())
+/// `conv_to_ndhwc`'s instance for `dtype` (a bit copy: named by element size) and `pack`, or that of
+/// `conv_to_ndhwc_up2` (upsampling on the fly) when `upsampled`.
+fn to_ndhwc_kernel(dtype: DType, pack: usize, upsampled: bool) -> String {
+    let up = if upsampled { "_up2" } else { "" };
+    format!("conv_to_ndhwc{up}_e{}_p{pack}", dtype.size_in_bytes())
 }
 
 /// `conv_from_ndhwc`'s instance for data `dtype`, bias `bias_dtype` and `pack`.
@@ -404,6 +430,8 @@ fn from_ndhwc_kernel(dtype: DType, bias_dtype: DType, pack: usize) -> String {
 /// [B, F, plane, C] in `dtype` holding, along F, `frames[0]` zero frames, the `frames[1]` frames of the
 /// cache [B, C, frames[1], plane] at `cache_ptr`, the `frames[2]` frames of x [B, C, frames[2], plane]
 /// at `x_ptr` and `frames[3]` zero frames: the frame join and the NCDHW → NDHWC transpose in one kernel.
+/// With `src_w` = Some(w), the cache and x hold frames of [plane / 4] = [H, w] pixels and the join is of
+/// their nearest ×2 upsampling ([2H, 2w] = plane pixels), made on the fly.
 fn to_ndhwc(
     backend: &CudaBackend,
     op: &'static str,
@@ -411,7 +439,7 @@ fn to_ndhwc(
     (x_ptr, cache_ptr): (u64, u64),
     (batch, channels): (usize, usize),
     frames: [usize; 4],
-    plane: usize,
+    (plane, src_w): (usize, Option<usize>),
 ) -> Result<CudaStorage> {
     let total: usize = frames.iter().sum();
     let out = backend.alloc(dtype, batch * total * plane * channels)?;
@@ -419,7 +447,7 @@ fn to_ndhwc(
         return Ok(out);
     }
     let pack = transpose_pack(plane, channels);
-    let f = backend.function(&SOURCE, &to_ndhwc_kernel(dtype, pack))?;
+    let f = backend.function(&SOURCE, &to_ndhwc_kernel(dtype, pack, src_w.is_some()))?;
     let tile = 32 * pack;
     let cfg = transpose_grid(
         (plane.div_ceil(tile), channels.div_ceil(tile)),
@@ -428,6 +456,7 @@ fn to_ndhwc(
     let out_ptr = out.ptr();
     let [zf, cached, x_frames, zb] = frames.map(|v| v as i64);
     let (b, c, p) = (batch as i64, channels as i64, plane as i64);
+    let src_w_i = src_w.unwrap_or(0) as i64;
     let mut launch = backend.stream.launch_builder(&f);
     launch
         .arg(&x_ptr)
@@ -439,8 +468,10 @@ fn to_ndhwc(
         .arg(&cached)
         .arg(&x_frames)
         .arg(&zb)
-        .arg(&p);
+        .arg(&p)
+        .arg(&src_w_i);
     // SAFETY: x holds B·C·x_frames·plane elements and cache B·C·cached·plane (read only when cached > 0),
+    // or a quarter of that with src_w (the caller's geometry is the upsampled one: plane = 4·H·src_w),
     // out B·F·plane·C, all of `dtype` (whose size the kernel's element type has); with pack 2, plane and C
     // are even, so every word access is aligned (buffers start 256-byte aligned).
     unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
@@ -819,7 +850,12 @@ mod tests {
         let has = |name: &str| cubin.windows(name.len()).any(|w| w == name.as_bytes());
         for dtype in [DType::F32, DType::BF16] {
             for pack in [1, 2] {
-                assert!(has(&to_ndhwc_kernel(dtype, pack)), "{dtype:?} {pack}");
+                for up in [false, true] {
+                    assert!(
+                        has(&to_ndhwc_kernel(dtype, pack, up)),
+                        "{dtype:?} {pack} {up}"
+                    );
+                }
                 for bias in [DType::F32, DType::BF16] {
                     assert!(
                         has(&from_ndhwc_kernel(dtype, bias, pack)),

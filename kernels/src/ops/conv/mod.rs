@@ -90,7 +90,8 @@ fn geometry(
 }
 
 /// Runs a checked geometry on the operands' device; output in x's dtype. The input the geometry
-/// describes is `cache` (frames in front, optional, x's dtype) followed by x along T.
+/// describes is `cache` (frames in front, optional, x's dtype) followed by x along T, nearest ×2
+/// upsampled in H and W when `upsampled` (then x and the cache hold frames of half the geometry's H, W).
 fn run(
     op: &'static str,
     cache: Option<&Tensor>,
@@ -98,6 +99,7 @@ fn run(
     w: &Tensor,
     bias: Option<&Tensor>,
     geometry: &ConvGeometry,
+    upsampled: bool,
 ) -> Result<Tensor> {
     let mut operands = vec![x, w];
     operands.extend(bias);
@@ -107,6 +109,12 @@ fn run(
             let input = match cache {
                 Some(cache) => Tensor::concat(&[cache, x], 2)?,
                 None => x.clone(),
+            };
+            // The definition: upsample, then convolve (the CUDA path reads the upsampling in place).
+            let input = if upsampled {
+                upsample_nearest2x(&input)?
+            } else {
+                input
             };
             let bias = bias.map(|b| b.cpu_f32(op)).transpose()?;
             let out = cpu::conv3d(
@@ -118,9 +126,12 @@ fn run(
             Tensor::from_f32_cpu(out, &geometry.output_shape(), x.dtype())
         }
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => cuda::conv3d(op, cache, x, w, bias, geometry),
+        Device::Cuda(_) => cuda::conv3d(op, cache, x, w, bias, geometry, upsampled),
         #[cfg(not(feature = "cuda"))]
-        device @ Device::Cuda(_) => unsupported(op, device),
+        device @ Device::Cuda(_) => {
+            let _ = upsampled;
+            unsupported(op, device)
+        }
     }
 }
 
@@ -144,7 +155,7 @@ pub fn conv3d(
         padding,
         padding,
     )?;
-    run("conv3d", None, x, w, bias, &geometry)
+    run("conv3d", None, x, w, bias, &geometry, false)
 }
 
 /// [`conv3d`] on channels-last tensors: x [B, T, H, W, C_in], w [C_out, kt, kh, kw, C_in], bias
@@ -201,12 +212,38 @@ pub fn causal_conv3d(
     bias: Option<&Tensor>,
     cache: Option<&Tensor>,
 ) -> Result<Tensor> {
-    const OP: &str = "causal_conv3d";
-    expect_rank(OP, "w [C_out, C_in, kt, kh, kw]", w, 5)?;
+    causal("causal_conv3d", x, w, bias, cache, false)
+}
+
+/// [`causal_conv3d`] of the nearest ×2 upsampling of x (and of the cache) in H and W:
+/// `causal_conv3d(&upsample_nearest2x(x)?, w, bias, upsampled cache)`, x [B, C_in, T, H, W] →
+/// [B, C_out, T, 2H, 2W], with the same result bit for bit. The VAE's upsamplers run it (nearest ×2,
+/// then a 3×3 conv per frame). On CUDA, where the convolution runs on a channels-last copy (cuDNN
+/// NDHWC, the default for padded kernels), that copy reads x's pixels directly, so the upsampled
+/// tensor (4× x) is never written nor read back; the other paths upsample first.
+pub fn causal_conv3d_upsampled(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    cache: Option<&Tensor>,
+) -> Result<Tensor> {
+    causal("causal_conv3d_upsampled", x, w, bias, cache, true)
+}
+
+/// Shared body of [`causal_conv3d`] and [`causal_conv3d_upsampled`].
+fn causal(
+    op: &'static str,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    cache: Option<&Tensor>,
+    upsampled: bool,
+) -> Result<Tensor> {
+    expect_rank(op, "w [C_out, C_in, kt, kh, kw]", w, 5)?;
     let kernel = [w.shape()[2], w.shape()[3], w.shape()[4]];
     if kernel.iter().any(|k| k % 2 == 0) {
         return Err(KernelError::arg(
-            OP,
+            op,
             "kernel",
             format!("{kernel:?}"),
             "causal padding needs odd kernel sizes",
@@ -215,21 +252,26 @@ pub fn causal_conv3d(
     let front_frames = kernel[0] - 1; // 2·p_t with p_t = kt/2
     let [p_h, p_w] = [kernel[1] / 2, kernel[2] / 2];
     let mut input_shape = x.shape().to_vec();
+    if upsampled && input_shape.len() == 5 {
+        // The geometry is the upsampled input's (a rank error is reported by `geometry` below).
+        input_shape[3] *= 2;
+        input_shape[4] *= 2;
+    }
     let cached_frames = match cache {
         None => 0,
         Some(cache) => {
-            expect_rank(OP, "cache [B, C_in, T_c, H, W]", cache, 5)?;
+            expect_rank(op, "cache [B, C_in, T_c, H, W]", cache, 5)?;
             let (cs, xs) = (cache.shape(), x.shape());
             if x.rank() != 5 || [cs[0], cs[1], cs[3], cs[4]] != [xs[0], xs[1], xs[3], xs[4]] {
                 return Err(KernelError::shape(
-                    OP,
+                    op,
                     "cache [B, C_in, T_c, H, W] must match x [B, C_in, T, H, W] except in T",
                     &[xs, cs],
                 ));
             }
             if cs[2] > front_frames {
                 return Err(KernelError::arg(
-                    OP,
+                    op,
                     "cache frames",
                     cs[2],
                     format!("at most kt − 1 = {front_frames} frames can be cached"),
@@ -237,7 +279,7 @@ pub fn causal_conv3d(
             }
             if cache.dtype() != x.dtype() {
                 return Err(KernelError::DTypeMismatch {
-                    op: OP,
+                    op,
                     name: "cache",
                     expected: x.dtype(),
                     got: cache.dtype(),
@@ -248,7 +290,7 @@ pub fn causal_conv3d(
         }
     };
     let geometry = geometry(
-        OP,
+        op,
         &input_shape,
         w.shape(),
         bias,
@@ -256,7 +298,7 @@ pub fn causal_conv3d(
         [front_frames - cached_frames, p_h, p_w],
         [0, p_h, p_w],
     )?;
-    run(OP, cache, x, w, bias, &geometry)
+    run(op, cache, x, w, bias, &geometry, upsampled)
 }
 
 /// Conv2d with symmetric zero padding (PyTorch `nn.Conv2d`, dilation 1, groups 1):
@@ -287,7 +329,7 @@ pub fn conv2d(
         pad,
         pad,
     )?;
-    let out = run(OP, None, &x3, &w3, bias, &geometry)?;
+    let out = run(OP, None, &x3, &w3, bias, &geometry, false)?;
     let os = out.shape();
     out.reshape(&[os[0], os[1], os[3], os[4]])
 }

@@ -1139,3 +1139,91 @@ fn causal_conv3d_upsampled_matches_unfused_and_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// `causal_conv3d_residual` on the GPU is bit-identical to the GPU's own causal conv then `add` on
+/// every path (the channels-last path adds in `conv_from_ndhwc`'s epilogue after the bias's rounding;
+/// the others, and a residual in another dtype, run the `add` op), with f32 and bf16 biases (both
+/// epilogue instances). Against the CPU twin: the conv's bound of `convolutions_match_cpu` (atol 1e-5
+/// per tap, + 4·2⁻⁹ in bf16) carries through the add unchanged, but its relative part is relative to
+/// the conv's value, which the residual may cancel, so it is taken as an absolute rtol·max|conv|; the
+/// add's own rounding is ≤ one ulp of the output (rtol).
+#[test]
+fn causal_conv3d_residual_matches_unfused_and_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    let paths = [
+        (ConvAlgo::Im2col, "im2col"),
+        (ConvAlgo::Cudnn, "cudnn"),
+        (ConvAlgo::CudnnNdhwc, "cudnn_ndhwc"),
+        (ConvAlgo::Auto, "auto"),
+    ];
+    for dtype in [DType::F32, DType::BF16] {
+        for (ws, cached, hw, batch, bias_dtype, residual_dtype) in [
+            ([16, 16, 3, 3, 3], 2, [6, 10], 1, dtype, dtype),
+            ([6, 4, 3, 3, 3], 0, [5, 7], 1, DType::F32, dtype),
+            ([66, 33, 3, 3, 3], 1, [9, 14], 2, dtype, dtype),
+            ([6, 4, 3, 3, 3], 2, [6, 10], 1, dtype, DType::F32), // unfused: the add op
+        ] {
+            let x = randn(&[batch, ws[1], 2, hw[0], hw[1]], dtype, 130);
+            let w = randn(&ws, dtype, 131);
+            let b = randn(&[ws[0]], bias_dtype, 132);
+            let r = randn(&[batch, ws[0], 2, hw[0], hw[1]], residual_dtype, 133);
+            let cache =
+                (cached > 0).then(|| randn(&[batch, ws[1], cached, hw[0], hw[1]], dtype, 134));
+            let (gx, gw, gb, gr) = (
+                x.to_device(dev)?,
+                w.to_device(dev)?,
+                b.to_device(dev)?,
+                r.to_device(dev)?,
+            );
+            let gcache = cache.as_ref().map(|c| c.to_device(dev)).transpose()?;
+            let cpu = k::causal_conv3d_residual(&x, &w, Some(&b), cache.as_ref(), &r)?;
+            let cpu_conv = k::causal_conv3d(&x, &w, Some(&b), cache.as_ref())?;
+            let max_conv = cpu_conv
+                .to_vec_f32()?
+                .iter()
+                .fold(0.0f32, |m, v| m.max(v.abs()));
+            let taps = ws[1] * ws[2] * ws[3] * ws[4];
+            let atol = 1e-5 * taps as f32
+                + match dtype {
+                    DType::BF16 => 4.0 * 2f32.powi(-9),
+                    DType::F32 => 0.0,
+                }
+                + rtol(dtype) * max_conv;
+            for (algo, label) in paths {
+                let fused = with_conv_algo(algo, || {
+                    k::causal_conv3d_residual(&gx, &gw, Some(&gb), gcache.as_ref(), &gr)
+                })?;
+                let unfused = with_conv_algo(algo, || {
+                    k::add(
+                        &k::causal_conv3d(&gx, &gw, Some(&gb), gcache.as_ref())?,
+                        &gr,
+                    )
+                })?;
+                let (p, q) = (
+                    fused.to_device(Device::Cpu)?.to_vec_f32()?,
+                    unfused.to_device(Device::Cpu)?.to_vec_f32()?,
+                );
+                let differing = p
+                    .iter()
+                    .zip(&q)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                println!(
+                    "PARITY\tcausal_conv3d_residual {label} vs unfused gpu\t{}\t{:?}\t{differing} differing\texact",
+                    name(dtype),
+                    x.shape()
+                );
+                assert_eq!(differing, 0, "{label} {dtype:?} {ws:?}: fused differs");
+                check(
+                    &format!("causal_conv3d_residual {label}"),
+                    &fused,
+                    &cpu,
+                    atol,
+                    rtol(dtype),
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -101,15 +101,39 @@ impl CausalConv {
     /// x [B, C_in, T, H, W] → [B, C_out, T, H, W]: the cached frames (if any) stand in front of x in
     /// place of zero padding; afterwards the slot keeps the last `history` frames of cache ++ x.
     pub(crate) fn forward(&self, pass: &mut Pass, x: &Tensor) -> Result<Tensor> {
-        let Some(slot) = self.slot else {
-            return pass
+        self.forward_with(pass, x, None)
+    }
+
+    /// `add(&self.forward(pass, x)?, residual)`, bit for bit, with the add in the conv's epilogue
+    /// where the ops can (see [`SpatialOps::causal_conv3d_residual`]).
+    pub(crate) fn forward_residual(
+        &self,
+        pass: &mut Pass,
+        x: &Tensor,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        self.forward_with(pass, x, Some(residual))
+    }
+
+    fn forward_with(
+        &self,
+        pass: &mut Pass,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let conv = |pass: &mut Pass, cache: Option<&Tensor>| match residual {
+            None => pass
                 .ops
-                .causal_conv3d(x, &self.weight, Some(&self.bias), None);
+                .causal_conv3d(x, &self.weight, Some(&self.bias), cache),
+            Some(r) => pass
+                .ops
+                .causal_conv3d_residual(x, &self.weight, Some(&self.bias), cache, r),
+        };
+        let Some(slot) = self.slot else {
+            return conv(pass, None);
         };
         let cache = pass.caches[slot].take();
-        let out = pass
-            .ops
-            .causal_conv3d(x, &self.weight, Some(&self.bias), cache.as_ref())?;
+        let out = conv(pass, cache.as_ref())?;
         pass.caches[slot] = Some(last_frames(cache.as_ref(), x, self.history)?);
         Ok(out)
     }
@@ -207,8 +231,8 @@ impl ResidualBlock {
         let h = self.norm1.forward_silu(x)?;
         let h = self.conv1.forward(pass, &h)?;
         let h = self.norm2.forward_silu(&h)?;
-        let h = self.conv2.forward(pass, &h)?;
-        Ok(add(&h, &residual)?)
+        // conv2(h) + residual with the add in the conv's epilogue where the ops can (same roundings).
+        self.conv2.forward_residual(pass, &h, &residual)
     }
 }
 

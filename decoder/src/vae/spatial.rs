@@ -5,7 +5,8 @@
 //! gathers keys and values for the attention, while the model code stays as it is.
 
 use ditstream_kernels::{
-    AttentionOptions, Tensor, attention, causal_conv3d, causal_conv3d_upsampled, upsample_nearest2x,
+    AttentionOptions, Tensor, add, attention, causal_conv3d, causal_conv3d_residual,
+    causal_conv3d_upsampled, upsample_nearest2x,
 };
 
 use super::error::Result;
@@ -39,6 +40,21 @@ pub trait SpatialOps: Send + Sync {
         self.causal_conv3d(&upsample_nearest2x(x)?, weight, bias, None)
     }
 
+    /// `causal_conv3d(x, ..) + residual` (the residual blocks' last conv plus their shortcut), the sum
+    /// in x's dtype; `residual` has the output's shape. By default the conv then the `add` op (a
+    /// sharded implementation's residual is its own rows); [`Unsharded`] runs the kernels' fused op,
+    /// which adds in the conv's epilogue with the same roundings.
+    fn causal_conv3d_residual(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        cache: Option<&Tensor>,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        Ok(add(&self.causal_conv3d(x, weight, bias, cache)?, residual)?)
+    }
+
     /// Single-head softmax attention of each frame's tokens over the same frame's tokens, scale
     /// 1/√C, no mask: q, k, v [N, S, 1, C] (N = B·T frames, S = H·W tokens) → [N, S, 1, C].
     /// A sharded implementation holds a slice of S and gathers k and v over the shards.
@@ -67,6 +83,17 @@ impl SpatialOps for Unsharded {
         bias: Option<&Tensor>,
     ) -> Result<Tensor> {
         Ok(causal_conv3d_upsampled(x, weight, bias, None)?)
+    }
+
+    fn causal_conv3d_residual(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        cache: Option<&Tensor>,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        Ok(causal_conv3d_residual(x, weight, bias, cache, residual)?)
     }
 
     fn frame_attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {

@@ -314,40 +314,55 @@ template <> struct Elem<bf16> {
 // conv_from_ndhwc: out [B, C, P] = y [B, P, C] transposed (+ bias[c] when has_bias, added in f32 and
 // rounded once). Per slab b: source [P, C] (a pixel's channels are contiguous), destination [C, P].
 // Grid: x over pixel tiles, y over channel tiles, z over batch items (grid-stride).
+//
+// has_residual: then + residual [B, C, P] (T, same layout as out), added in f32 to the value rounded
+// as above and rounded again: exactly what storing the biased result and running the elementwise add
+// (binary, BINARY_ADD: ld(a) + ld(b), rounded) would give, without writing and re-reading the conv's
+// output. Reads of the residual follow the writes of out: coalesced along P.
 template <typename T, typename B, int PACK>
-__device__ void conv_from_ndhwc(const T* y, const B* bias, T* out, i64 batch, i64 channels, i64 pixels,
-                                int has_bias) {
+__device__ void conv_from_ndhwc(const T* y, const B* bias, const T* residual, T* out, i64 batch,
+                                i64 channels, i64 pixels, int has_bias, int has_residual) {
     typedef typename Elem<T>::U U;
     constexpr int TE = TR_WORDS * PACK;
     __shared__ U tile[TE][TE + 1];
     const U* yb = reinterpret_cast<const U*>(y);
+    const U* rb = reinterpret_cast<const U*>(residual);
     U* ob = reinterpret_cast<U*>(out);
     const i64 r0 = (i64)blockIdx.x * TE, k0 = (i64)blockIdx.y * TE;
     for (i64 b = blockIdx.z; b < batch; b += gridDim.z) {
         auto load = [&](i64 p, i64 c) -> Word<U, PACK> {
             return load_row<U, PACK>(p < pixels ? yb + (b * pixels + p) * channels : nullptr, c, channels);
         };
-        auto biased = [&](i64 c, U v) -> U {
-            return has_bias ? Elem<T>::make(Elem<T>::get(v) + ld(bias + c)) : v;
+        // The stored value of out[b, c, p] given the conv's sum v.
+        auto epilogue = [&](i64 c, i64 p, U v) -> U {
+            U o = has_bias ? Elem<T>::make(Elem<T>::get(v) + ld(bias + c)) : v;
+            if (has_residual) {
+                o = Elem<T>::make(Elem<T>::get(o) + Elem<T>::get(rb[(b * channels + c) * pixels + p]));
+            }
+            return o;
         };
         auto put = [&](i64 c, i64 p, const Word<U, PACK>& w) {
             Word<U, PACK> o;
 #pragma unroll
-            for (int j = 0; j < PACK; ++j) o.elem[j] = biased(c, w.elem[j]);
+            for (int j = 0; j < PACK; ++j) o.elem[j] = epilogue(c, p + j, w.elem[j]);
             *reinterpret_cast<decltype(o.word)*>(ob + (b * channels + c) * pixels + p) = o.word;
         };
-        auto put_tail = [&](i64 c, i64 p, U v) { ob[(b * channels + c) * pixels + p] = biased(c, v); };
+        auto put_tail = [&](i64 c, i64 p, U v) { ob[(b * channels + c) * pixels + p] = epilogue(c, p, v); };
         transpose_tile<U, PACK>(tile, pixels, channels, r0, k0, load, put, put_tail);
     }
 }
 
 #define FROM_NDHWC(TN, T, BN, B)                                                                      \
     extern "C" __global__ void __launch_bounds__(TR_WORDS * TR_ROWS) conv_from_ndhwc_##TN##_##BN##_p1( \
-        const T* y, const B* bias, T* out, i64 batch, i64 channels, i64 pixels, int has_bias) {      \
-        conv_from_ndhwc<T, B, 1>(y, bias, out, batch, channels, pixels, has_bias);                    \
+        const T* y, const B* bias, const T* residual, T* out, i64 batch, i64 channels, i64 pixels,    \
+        int has_bias, int has_residual) {                                                             \
+        conv_from_ndhwc<T, B, 1>(y, bias, residual, out, batch, channels, pixels, has_bias,           \
+                                 has_residual);                                                       \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(TR_WORDS * TR_ROWS) conv_from_ndhwc_##TN##_##BN##_p2( \
-        const T* y, const B* bias, T* out, i64 batch, i64 channels, i64 pixels, int has_bias) {      \
-        conv_from_ndhwc<T, B, 2>(y, bias, out, batch, channels, pixels, has_bias);                    \
+        const T* y, const B* bias, const T* residual, T* out, i64 batch, i64 channels, i64 pixels,    \
+        int has_bias, int has_residual) {                                                             \
+        conv_from_ndhwc<T, B, 2>(y, bias, residual, out, batch, channels, pixels, has_bias,           \
+                                 has_residual);                                                       \
     }
 FOR_TYPES2(FROM_NDHWC)

@@ -15,7 +15,10 @@
 //! cache, x) transposed to [B, F, H, W, C_in] in one pass; cuDNN convolves it with the filter
 //! [C_out, kt, kh, kw, C_in] (made once per weight tensor and kept, see [`ndhwc_filter`]) into
 //! [B, T_out, H_out, W_out, C_out]; `conv_from_ndhwc` transposes that back to NCDHW adding the bias in
-//! the same pass. Our tensors stay NCDHW.
+//! the same pass. Our tensors stay NCDHW. The two transposes also carry the VAE's neighbours, bit for
+//! bit: `conv_to_ndhwc_up2` reads a nearest ×2 upsampling in place ([`super::causal_conv3d_upsampled`])
+//! and `conv_from_ndhwc` can add a residual after the bias ([`super::causal_conv3d_residual`]), so
+//! neither the upsampled tensor nor the conv's pre-residual output is written to memory.
 //!
 //! **im2col + cuBLASLt** ([`ConvAlgo::Im2col`]), f32 accumulation: for batch item b and output pixels
 //! [p0, p0 + np) (flattened t, h, w), col [K = C_in·kt·kh·kw, np] ← im2col; block [C_out, np] =
@@ -171,6 +174,11 @@ fn choose(backend: &CudaBackend, op: &'static str, g: &ConvGeometry, dtype: DTyp
 /// With `upsampled`, the input `g` describes is the nearest ×2 upsampling (in H and W) of cache ++ x,
 /// whose frames are [H/2, W/2]: on the channels-last cuDNN path `conv_to_ndhwc_up2` reads it in place
 /// (the upsampled tensor is never written); the other paths upsample x and the cache first.
+///
+/// With `residual` (the output's shape, checked by the caller) the result is `add(conv, residual)`:
+/// on the channels-last path, when the conv computes in x's dtype and the residual has it too, the add
+/// runs in `conv_from_ndhwc`'s epilogue with the same two roundings; elsewhere it is the `add` op.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn conv3d(
     op: &'static str,
     cache: Option<&Tensor>,
@@ -179,6 +187,7 @@ pub(super) fn conv3d(
     bias: Option<&Tensor>,
     g: &ConvGeometry,
     upsampled: bool,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     let dtype = common_dtype(x, w);
     let out_shape = g.output_shape();
@@ -189,10 +198,11 @@ pub(super) fn conv3d(
     if g.batch * g.out_channels * pixels == 0 || taps == 0 {
         // Nothing to compute (an empty output), or an empty sum: the bias (or zeros) everywhere.
         let zeros = Tensor::zeros(&out_shape, x.dtype(), x.device())?;
-        return match bias {
-            Some(b) => crate::add(&zeros, &b.reshape(&[g.out_channels, 1, 1, 1])?),
-            None => Ok(zeros),
+        let out = match bias {
+            Some(b) => crate::add(&zeros, &b.reshape(&[g.out_channels, 1, 1, 1])?)?,
+            None => zeros,
         };
+        return residual.map_or(Ok(out.clone()), |r| crate::add(&out, r));
     }
     let mut xc = x.to_dtype(dtype)?;
     let mut cache = cache.map(|c| c.to_dtype(dtype)).transpose()?;
@@ -205,6 +215,9 @@ pub(super) fn conv3d(
         cache = cache.map(|c| crate::upsample_nearest2x(&c)).transpose()?;
     }
     let up = upsampled && in_place;
+    // The epilogue's add equals the `add` op only where nothing is rounded after it: the conv's dtype
+    // is x's (no cast back) and the residual is stored in it.
+    let fused_residual = residual.filter(|r| in_place && dtype == x.dtype() && r.dtype() == dtype);
     let out = match path {
         Path::Im2col => {
             let wc = w.to_dtype(dtype)?;
@@ -219,7 +232,7 @@ pub(super) fn conv3d(
             bias,
             g,
             (&key, zeros),
-            up,
+            (up, fused_residual),
         )?,
         Path::Cudnn { key, zeros } => {
             let wc = w.to_dtype(dtype)?;
@@ -235,7 +248,11 @@ pub(super) fn conv3d(
             )?
         }
     };
-    Tensor::from_cuda(out, &out_shape).to_dtype(x.dtype())
+    let out = Tensor::from_cuda(out, &out_shape).to_dtype(x.dtype())?;
+    match residual {
+        Some(r) if fused_residual.is_none() => crate::add(&out, r),
+        _ => Ok(out),
+    }
 }
 
 /// The cuDNN path of [`conv3d`] on operands already in `key.dtype` (non-empty output and sum): joins
@@ -287,7 +304,8 @@ fn cudnn_conv3d(
 /// filter, and `conv_from_ndhwc` writes the [B, C_out, T_out, H_out, W_out] result in `key.dtype` with
 /// the bias added. `w` is the caller's weight (any dtype): its filter is made once and kept. With
 /// `upsampled`, x and the cache hold frames of [H/2, W/2] whose nearest ×2 upsampling is the input
-/// `g` describes, read in place by `conv_to_ndhwc_up2`.
+/// `g` describes, read in place by `conv_to_ndhwc_up2`. With `residual` ([B, C_out, T_out, H_out, W_out]
+/// in `key.dtype`), it is added in `conv_from_ndhwc`'s epilogue after the bias's rounding.
 #[allow(clippy::too_many_arguments)]
 fn ndhwc_conv3d(
     backend: &CudaBackend,
@@ -298,7 +316,7 @@ fn ndhwc_conv3d(
     bias: Option<&Tensor>,
     g: &ConvGeometry,
     (key, zeros): (&DnnConvKey, [usize; 2]),
-    upsampled: bool,
+    (upsampled, residual): (bool, Option<&Tensor>),
 ) -> Result<CudaStorage> {
     let cached = cache.map_or(0, |c| c.shape()[2]);
     let cache_ptr = match cache {
@@ -327,7 +345,13 @@ fn ndhwc_conv3d(
         y.ptr(),
     )?;
     // input and y are freed stream-ordered once the kernels that read them are queued.
-    from_ndhwc(backend, op, &y, bias, (g.batch, g.out_channels, pixels))
+    from_ndhwc(
+        backend,
+        op,
+        &y,
+        (bias, residual),
+        (g.batch, g.out_channels, pixels),
+    )
 }
 
 /// The channels-last filter of weight `w` [C_out, C_in, kt, kh, kw]: [C_out, kt, kh, kw, C_in] in
@@ -478,13 +502,15 @@ fn to_ndhwc(
     Ok(out)
 }
 
-/// out [B, C, P] = y [B, P, C] transposed, + bias [C] when given (added in f32, rounded once): the
-/// NDHWC → NCDHW transpose of a convolution's result with its bias, in one kernel; y's dtype.
+/// out [B, C, P] = y [B, P, C] transposed, plus bias [C] when given (added in f32, rounded once),
+/// then plus `residual` [B, C, P] when given (y's dtype; added in f32 and rounded again, as a separate
+/// `add` would): the NDHWC → NCDHW transpose of a convolution's result with its epilogue, in one
+/// kernel; y's dtype.
 fn from_ndhwc(
     backend: &CudaBackend,
     op: &'static str,
     y: &CudaStorage,
-    bias: Option<&Tensor>,
+    (bias, residual): (Option<&Tensor>, Option<&Tensor>),
     (batch, channels, pixels): (usize, usize, usize),
 ) -> Result<CudaStorage> {
     let dtype = y.dtype();
@@ -502,23 +528,32 @@ fn from_ndhwc(
         Some(b) => b.cuda_storage(op)?.ptr(),
         None => 0,
     };
-    let (b, c, p, has_bias) = (
+    let residual_ptr = match residual {
+        Some(r) => r.cuda_storage(op)?.ptr(),
+        None => 0,
+    };
+    let (b, c, p, has_bias, has_residual) = (
         batch as i64,
         channels as i64,
         pixels as i64,
         i32::from(bias.is_some()),
+        i32::from(residual.is_some()),
     );
     let mut launch = backend.stream.launch_builder(&f);
     launch
         .arg(&y_ptr)
         .arg(&bias_ptr)
+        .arg(&residual_ptr)
         .arg(&out_ptr)
         .arg(&b)
         .arg(&c)
         .arg(&p)
-        .arg(&has_bias);
-    // SAFETY: y and out hold B·P·C elements of `dtype`, bias C elements (read only when has_bias); with
-    // pack 2, C and P are even, so every word access is aligned (buffers start 256-byte aligned).
+        .arg(&has_bias)
+        .arg(&has_residual);
+    // SAFETY: y and out hold B·P·C elements of `dtype`, bias C elements (read only when has_bias), the
+    // residual B·C·P elements of `dtype` (read only when has_residual; the caller checked its shape and
+    // dtype); with pack 2, C and P are even, so every word access is aligned (buffers start 256-byte
+    // aligned).
     unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     Ok(out)
 }

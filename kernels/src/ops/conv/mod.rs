@@ -92,6 +92,8 @@ fn geometry(
 /// Runs a checked geometry on the operands' device; output in x's dtype. The input the geometry
 /// describes is `cache` (frames in front, optional, x's dtype) followed by x along T, nearest ×2
 /// upsampled in H and W when `upsampled` (then x and the cache hold frames of half the geometry's H, W).
+/// With `residual` (the output's shape, checked by the caller) the result is `add(conv, residual)`.
+#[allow(clippy::too_many_arguments)]
 fn run(
     op: &'static str,
     cache: Option<&Tensor>,
@@ -100,10 +102,12 @@ fn run(
     bias: Option<&Tensor>,
     geometry: &ConvGeometry,
     upsampled: bool,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     let mut operands = vec![x, w];
     operands.extend(bias);
     operands.extend(cache);
+    operands.extend(residual);
     match same_device(op, &operands)? {
         Device::Cpu => {
             let input = match cache {
@@ -123,10 +127,12 @@ fn run(
                 bias.as_deref(),
                 geometry,
             );
-            Tensor::from_f32_cpu(out, &geometry.output_shape(), x.dtype())
+            let out = Tensor::from_f32_cpu(out, &geometry.output_shape(), x.dtype())?;
+            // The definition: the conv's stored result plus the residual, as the `add` op.
+            residual.map_or(Ok(out.clone()), |r| crate::add(&out, r))
         }
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => cuda::conv3d(op, cache, x, w, bias, geometry, upsampled),
+        Device::Cuda(_) => cuda::conv3d(op, cache, x, w, bias, geometry, upsampled, residual),
         #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => {
             let _ = upsampled;
@@ -155,7 +161,7 @@ pub fn conv3d(
         padding,
         padding,
     )?;
-    run("conv3d", None, x, w, bias, &geometry, false)
+    run("conv3d", None, x, w, bias, &geometry, false, None)
 }
 
 /// [`conv3d`] on channels-last tensors: x [B, T, H, W, C_in], w [C_out, kt, kh, kw, C_in], bias
@@ -212,7 +218,7 @@ pub fn causal_conv3d(
     bias: Option<&Tensor>,
     cache: Option<&Tensor>,
 ) -> Result<Tensor> {
-    causal("causal_conv3d", x, w, bias, cache, false)
+    causal("causal_conv3d", x, w, bias, cache, false, None)
 }
 
 /// [`causal_conv3d`] of the nearest ×2 upsampling of x (and of the cache) in H and W:
@@ -227,7 +233,31 @@ pub fn causal_conv3d_upsampled(
     bias: Option<&Tensor>,
     cache: Option<&Tensor>,
 ) -> Result<Tensor> {
-    causal("causal_conv3d_upsampled", x, w, bias, cache, true)
+    causal("causal_conv3d_upsampled", x, w, bias, cache, true, None)
+}
+
+/// `add(&causal_conv3d(x, w, bias, cache)?, residual)`, bit for bit: the VAE residual block's
+/// `conv2(h) + shortcut(x)`. `residual` has the output's shape [B, C_out, T, H, W] (any dtype; the sum
+/// is in x's dtype, as `add`'s). On CUDA, where the conv runs channels-last in x's dtype and the
+/// residual is stored in it, the add runs in the transpose back (`conv_from_ndhwc`'s epilogue, with
+/// the conv's result rounded to x's dtype first, as stored): the conv's output is never written and
+/// read back; elsewhere it is the `add` op.
+pub fn causal_conv3d_residual(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    cache: Option<&Tensor>,
+    residual: &Tensor,
+) -> Result<Tensor> {
+    causal(
+        "causal_conv3d_residual",
+        x,
+        w,
+        bias,
+        cache,
+        false,
+        Some(residual),
+    )
 }
 
 /// Shared body of [`causal_conv3d`] and [`causal_conv3d_upsampled`].
@@ -238,6 +268,7 @@ fn causal(
     bias: Option<&Tensor>,
     cache: Option<&Tensor>,
     upsampled: bool,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     expect_rank(op, "w [C_out, C_in, kt, kh, kw]", w, 5)?;
     let kernel = [w.shape()[2], w.shape()[3], w.shape()[4]];
@@ -298,7 +329,16 @@ fn causal(
         [front_frames - cached_frames, p_h, p_w],
         [0, p_h, p_w],
     )?;
-    run(op, cache, x, w, bias, &geometry, upsampled)
+    if let Some(r) = residual
+        && r.shape() != geometry.output_shape()
+    {
+        return Err(KernelError::shape(
+            op,
+            "residual must have the convolution's output shape [B, C_out, T, H, W]",
+            &[x.shape(), w.shape(), r.shape()],
+        ));
+    }
+    run(op, cache, x, w, bias, &geometry, upsampled, residual)
 }
 
 /// Conv2d with symmetric zero padding (PyTorch `nn.Conv2d`, dilation 1, groups 1):
@@ -329,7 +369,7 @@ pub fn conv2d(
         pad,
         pad,
     )?;
-    let out = run(OP, None, &x3, &w3, bias, &geometry, false)?;
+    let out = run(OP, None, &x3, &w3, bias, &geometry, false, None)?;
     let os = out.shape();
     out.reshape(&[os[0], os[1], os[3], os[4]])
 }

@@ -15,8 +15,8 @@
 //! cache, x) transposed to [B, F, H, W, C_in] in one pass; cuDNN convolves it with the filter
 //! [C_out, kt, kh, kw, C_in] (made once per weight tensor and kept, see [`ndhwc_filter`]) into
 //! [B, T_out, H_out, W_out, C_out]; `conv_from_ndhwc` transposes that back to NCDHW adding the bias in
-//! the same pass. Our tensors stay NCDHW. The two transposes also carry the VAE's neighbours, bit for
-//! bit: `conv_to_ndhwc_up2` reads a nearest ×2 upsampling in place ([`super::causal_conv3d_upsampled`])
+//! the same pass. Our tensors stay NCDHW. The two transposes also absorb two of the VAE's neighbouring
+//! ops, bit for bit: `conv_to_ndhwc_up2` reads a nearest ×2 upsampling in place ([`super::causal_conv3d_upsampled`])
 //! and `conv_from_ndhwc` can add a residual after the bias ([`super::causal_conv3d_residual`]), so
 //! neither the upsampled tensor nor the conv's pre-residual output is written to memory.
 //!

@@ -1046,3 +1046,227 @@ fn wide_head_attention_matches_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+// ---- The VAE's fused elementwise paths (vfuse) ----
+
+/// `rms_norm_channels_silu` on the GPU is bit-identical to the GPU's own norm then SiLU (the two
+/// kernels it replaces: the decoder's numerics must not move), and matches its CPU twin.
+///
+/// Tolerance against the CPU: the norm y differs by a few f32 ulps (as `rms_norm_channels`, atol 1e-4
+/// at these sizes); in bf16 that can round y to a neighbouring bf16, |Δy| ≤ 2⁻⁸·|y|, so before the
+/// SiLU's own rounding the outputs differ by ≤ max|SiLU′|·|Δy| ≤ 1.1·2⁻⁸·max|y| (SiLU′ ∈ [−0.1, 1.1]);
+/// the final rounding adds one bf16 ulp of the output, rtol. In f32 the SiLU passes the norm's error
+/// through scaled by ≤ 1.1, plus a few ulps: atol 1.1·1e-4 plus rtol.
+#[test]
+fn rms_norm_channels_silu_matches_unfused_and_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    for dtype in [DType::F32, DType::BF16] {
+        // Odd sizes (a ragged grid tail) and a VAE-like width.
+        let x = randn(&[2, 96, 2, 5, 7], dtype, 51);
+        let gamma = randn(&[96, 1, 1, 1], dtype, 52);
+        let (gx, gg) = (x.to_device(dev)?, gamma.to_device(dev)?);
+        let fused = k::rms_norm_channels_silu(&gx, &gg, None)?;
+        let unfused = k::silu(&k::rms_norm_channels(&gx, &gg, None)?)?;
+        let (fused_host, unfused_host) = (
+            fused.to_device(Device::Cpu)?.to_vec_f32()?,
+            unfused.to_device(Device::Cpu)?.to_vec_f32()?,
+        );
+        let differing = fused_host
+            .iter()
+            .zip(&unfused_host)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        println!(
+            "PARITY\trms_norm_channels_silu vs unfused gpu\t{}\t{:?}\t{differing} differing\texact",
+            name(dtype),
+            x.shape()
+        );
+        assert_eq!(differing, 0, "{dtype:?}: fused differs from norm then silu");
+
+        let normed = k::rms_norm_channels(&x, &gamma, None)?;
+        let max_y = normed
+            .to_vec_f32()?
+            .iter()
+            .fold(0.0f32, |m, v| m.max(v.abs()));
+        let atol = match dtype {
+            DType::F32 => 1.1 * 1e-4,
+            DType::BF16 => 1.1 * (max_y / 256.0) + 1.1 * 1e-4,
+        };
+        check(
+            "rms_norm_channels_silu",
+            &fused,
+            &k::rms_norm_channels_silu(&x, &gamma, None)?,
+            atol,
+            rtol(dtype),
+        );
+    }
+    Ok(())
+}
+
+/// `causal_conv3d_upsampled` on the GPU is bit-identical to the GPU's own upsample then causal conv
+/// on every path (the channels-last path reads the upsampling in place in `conv_to_ndhwc_up2`, so its
+/// cuDNN input holds the same bits; the others upsample first), and matches the CPU twin with
+/// `convolutions_match_cpu`'s tolerance (atol 1e-5 per tap, plus 4·2⁻⁹ in bf16 for the bias added
+/// after the sum's own rounding). Cases: the upsamplers' 1×3×3 kernel at even sizes (word pairs in
+/// the transposes) and odd channels (single elements), a 3×3×3 kernel with 2 cached frames, and a
+/// batch of 2 spanning several 64-wide tiles with ragged edges.
+#[test]
+fn causal_conv3d_upsampled_matches_unfused_and_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    let paths = [
+        (ConvAlgo::Im2col, "im2col"),
+        (ConvAlgo::Cudnn, "cudnn"),
+        (ConvAlgo::CudnnNdhwc, "cudnn_ndhwc"),
+        (ConvAlgo::Auto, "auto"),
+    ];
+    for dtype in [DType::F32, DType::BF16] {
+        for (ws, cached, hw, batch) in [
+            ([8, 16, 1, 3, 3], 0, [6, 10], 1),
+            ([6, 5, 1, 3, 3], 0, [5, 7], 1),
+            ([6, 4, 3, 3, 3], 2, [6, 10], 1),
+            ([33, 66, 1, 3, 3], 0, [9, 37], 2),
+        ] {
+            let x = randn(&[batch, ws[1], 2, hw[0], hw[1]], dtype, 120);
+            let w = randn(&ws, dtype, 121);
+            let b = randn(&[ws[0]], DType::F32, 122);
+            let cache =
+                (cached > 0).then(|| randn(&[batch, ws[1], cached, hw[0], hw[1]], dtype, 123));
+            let (gx, gw, gb) = (x.to_device(dev)?, w.to_device(dev)?, b.to_device(dev)?);
+            let gcache = cache.as_ref().map(|c| c.to_device(dev)).transpose()?;
+            let gup_cache = gcache.as_ref().map(k::upsample_nearest2x).transpose()?;
+            let cpu = k::causal_conv3d_upsampled(&x, &w, Some(&b), cache.as_ref())?;
+            let taps = ws[1] * ws[2] * ws[3] * ws[4];
+            let atol = 1e-5 * taps as f32
+                + match dtype {
+                    DType::BF16 => 4.0 * 2f32.powi(-9),
+                    DType::F32 => 0.0,
+                };
+            for (algo, label) in paths {
+                let fused = with_conv_algo(algo, || {
+                    k::causal_conv3d_upsampled(&gx, &gw, Some(&gb), gcache.as_ref())
+                })?;
+                let unfused = with_conv_algo(algo, || {
+                    k::causal_conv3d(
+                        &k::upsample_nearest2x(&gx)?,
+                        &gw,
+                        Some(&gb),
+                        gup_cache.as_ref(),
+                    )
+                })?;
+                let (a, b) = (
+                    fused.to_device(Device::Cpu)?.to_vec_f32()?,
+                    unfused.to_device(Device::Cpu)?.to_vec_f32()?,
+                );
+                let differing = a
+                    .iter()
+                    .zip(&b)
+                    .filter(|(p, q)| p.to_bits() != q.to_bits())
+                    .count();
+                println!(
+                    "PARITY\tcausal_conv3d_upsampled {label} vs unfused gpu\t{}\t{:?}\t{differing} differing\texact",
+                    name(dtype),
+                    x.shape()
+                );
+                assert_eq!(differing, 0, "{label} {dtype:?} {ws:?}: fused differs");
+                check(
+                    &format!("causal_conv3d_upsampled {label}"),
+                    &fused,
+                    &cpu,
+                    atol,
+                    rtol(dtype),
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `causal_conv3d_residual` on the GPU is bit-identical to the GPU's own causal conv then `add` on
+/// every path (the channels-last path adds in `conv_from_ndhwc`'s epilogue after the bias's rounding;
+/// the others, and a residual in another dtype, run the `add` op), with f32 and bf16 biases (both
+/// epilogue instances). Against the CPU twin: the conv's bound of `convolutions_match_cpu` (atol 1e-5
+/// per tap, + 4·2⁻⁹ in bf16) carries through the add unchanged, but its relative part is relative to
+/// the conv's value, which the residual may cancel, so it is taken as an absolute rtol·max|conv|; the
+/// add's own rounding is ≤ one ulp of the output (rtol).
+#[test]
+fn causal_conv3d_residual_matches_unfused_and_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    let paths = [
+        (ConvAlgo::Im2col, "im2col"),
+        (ConvAlgo::Cudnn, "cudnn"),
+        (ConvAlgo::CudnnNdhwc, "cudnn_ndhwc"),
+        (ConvAlgo::Auto, "auto"),
+    ];
+    for dtype in [DType::F32, DType::BF16] {
+        for (ws, cached, hw, batch, bias_dtype, residual_dtype) in [
+            ([16, 16, 3, 3, 3], 2, [6, 10], 1, dtype, dtype),
+            ([6, 4, 3, 3, 3], 0, [5, 7], 1, DType::F32, dtype),
+            ([66, 33, 3, 3, 3], 1, [9, 14], 2, dtype, dtype),
+            ([6, 4, 3, 3, 3], 2, [6, 10], 1, dtype, DType::F32), // unfused: the add op
+        ] {
+            let x = randn(&[batch, ws[1], 2, hw[0], hw[1]], dtype, 130);
+            let w = randn(&ws, dtype, 131);
+            let b = randn(&[ws[0]], bias_dtype, 132);
+            let r = randn(&[batch, ws[0], 2, hw[0], hw[1]], residual_dtype, 133);
+            let cache =
+                (cached > 0).then(|| randn(&[batch, ws[1], cached, hw[0], hw[1]], dtype, 134));
+            let (gx, gw, gb, gr) = (
+                x.to_device(dev)?,
+                w.to_device(dev)?,
+                b.to_device(dev)?,
+                r.to_device(dev)?,
+            );
+            let gcache = cache.as_ref().map(|c| c.to_device(dev)).transpose()?;
+            let cpu = k::causal_conv3d_residual(&x, &w, Some(&b), cache.as_ref(), &r)?;
+            let cpu_conv = k::causal_conv3d(&x, &w, Some(&b), cache.as_ref())?;
+            let max_conv = cpu_conv
+                .to_vec_f32()?
+                .iter()
+                .fold(0.0f32, |m, v| m.max(v.abs()));
+            let taps = ws[1] * ws[2] * ws[3] * ws[4];
+            let atol = 1e-5 * taps as f32
+                + match dtype {
+                    DType::BF16 => 4.0 * 2f32.powi(-9),
+                    DType::F32 => 0.0,
+                }
+                + rtol(dtype) * max_conv;
+            for (algo, label) in paths {
+                let fused = with_conv_algo(algo, || {
+                    k::causal_conv3d_residual(&gx, &gw, Some(&gb), gcache.as_ref(), &gr)
+                })?;
+                let unfused = with_conv_algo(algo, || {
+                    k::add(
+                        &k::causal_conv3d(&gx, &gw, Some(&gb), gcache.as_ref())?,
+                        &gr,
+                    )
+                })?;
+                let (p, q) = (
+                    fused.to_device(Device::Cpu)?.to_vec_f32()?,
+                    unfused.to_device(Device::Cpu)?.to_vec_f32()?,
+                );
+                let differing = p
+                    .iter()
+                    .zip(&q)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                println!(
+                    "PARITY\tcausal_conv3d_residual {label} vs unfused gpu\t{}\t{:?}\t{differing} differing\texact",
+                    name(dtype),
+                    x.shape()
+                );
+                assert_eq!(differing, 0, "{label} {dtype:?} {ws:?}: fused differs");
+                check(
+                    &format!("causal_conv3d_residual {label}"),
+                    &fused,
+                    &cpu,
+                    atol,
+                    rtol(dtype),
+                );
+            }
+        }
+    }
+    Ok(())
+}

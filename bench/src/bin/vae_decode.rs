@@ -23,8 +23,9 @@
 //! which is what the timing ends on) and reports the speedup over the 1-GPU run of the same process.
 //! `--profile` decodes once more with CUDA events around every convolution and the frame attention
 //! (through the decoder's `SpatialOps` seam, no model change): time per conv shape with its
-//! TFLOP/s, attention, and the rest (RMS norms, SiLU, adds, upsampling, concatenations, clamp, and
-//! any GPU idle time between ops). `--attention` times the mid-block attention kernels alone at the
+//! TFLOP/s (labels "+up2" / "+res": the upsamplers' conv reading the ×2 upsampling in place, the
+//! residual blocks' last conv with the add in its epilogue), attention, and the rest (RMS norms with
+//! their SiLU, the remaining adds, concatenations, clamp, and any GPU idle time between ops). `--attention` times the mid-block attention kernels alone at the
 //! frame's token count (one head of 384).
 //!
 //! Warm-up (`--warmup N`): N decodes of the first min(3, T) latent frames of a fresh stream: chunks 0,
@@ -310,6 +311,24 @@ impl TimedOps {
     }
 }
 
+/// Label and FLOPs of a conv of weight shape `ws` over an input of shape `xs` (the upsampled shape
+/// for the upsamplers' fused conv), `what` appended to the label ("" / " +up2" / " +res").
+fn conv_label(xs: &[usize], ws: &[usize], what: &str) -> (String, f64) {
+    if xs.len() == 5 && ws.len() == 5 {
+        let per_out = 2.0 * (ws[1] * ws[2] * ws[3] * ws[4]) as f64;
+        let outputs = (xs[0] * ws[0] * xs[2] * xs[3] * xs[4]) as f64;
+        (
+            format!(
+                "conv {}x{}x{} {:>3}->{:<3} {}x{}{what}",
+                ws[2], ws[3], ws[4], ws[1], ws[0], xs[3], xs[4]
+            ),
+            per_out * outputs,
+        )
+    } else {
+        (format!("conv (other){what}"), 0.0)
+    }
+}
+
 impl SpatialOps for TimedOps {
     fn causal_conv3d(
         &self,
@@ -318,22 +337,42 @@ impl SpatialOps for TimedOps {
         bias: Option<&Tensor>,
         cache: Option<&Tensor>,
     ) -> ditstream_decoder::vae::Result<Tensor> {
-        let (xs, ws) = (x.shape(), weight.shape());
-        let (label, flops) = if xs.len() == 5 && ws.len() == 5 {
-            let per_out = 2.0 * (ws[1] * ws[2] * ws[3] * ws[4]) as f64;
-            let outputs = (xs[0] * ws[0] * xs[2] * xs[3] * xs[4]) as f64;
-            (
-                format!(
-                    "conv {}x{}x{} {:>3}->{:<3} {}x{}",
-                    ws[2], ws[3], ws[4], ws[1], ws[0], xs[3], xs[4]
-                ),
-                per_out * outputs,
-            )
-        } else {
-            ("conv (other)".to_string(), 0.0)
-        };
+        let (label, flops) = conv_label(x.shape(), weight.shape(), "");
         self.timed(label, flops, || {
             Unsharded.causal_conv3d(x, weight, bias, cache)
+        })
+    }
+
+    // The decoder's fused paths are timed as convs too (labelled), so the profile runs what a plain
+    // decode runs: the upsampling read inside the conv, the residual add in its epilogue.
+    fn causal_conv3d_upsampled(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> ditstream_decoder::vae::Result<Tensor> {
+        let mut up = x.shape().to_vec();
+        if up.len() == 5 {
+            up[3] *= 2;
+            up[4] *= 2;
+        }
+        let (label, flops) = conv_label(&up, weight.shape(), " +up2");
+        self.timed(label, flops, || {
+            Unsharded.causal_conv3d_upsampled(x, weight, bias)
+        })
+    }
+
+    fn causal_conv3d_residual(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        cache: Option<&Tensor>,
+        residual: &Tensor,
+    ) -> ditstream_decoder::vae::Result<Tensor> {
+        let (label, flops) = conv_label(x.shape(), weight.shape(), " +res");
+        self.timed(label, flops, || {
+            Unsharded.causal_conv3d_residual(x, weight, bias, cache, residual)
         })
     }
 

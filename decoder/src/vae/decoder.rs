@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use ditstream_kernels::weights::{Checkpoint, WeightSource};
-use ditstream_kernels::{DType, Device, Tensor, add, clamp, mul, silu};
+use ditstream_kernels::{DType, Device, Tensor, add, clamp, mul};
 
 use super::config::VaeConfig;
 use super::error::{Result, VaeError};
@@ -311,7 +311,7 @@ impl WanVaeDecoder {
         for block in &self.up_blocks {
             x = block.forward(pass, &x)?;
         }
-        let x = silu(&self.norm_out.forward(&x)?)?;
+        let x = self.norm_out.forward_silu(&x)?;
         let x = self.conv_out.forward(pass, &x)?;
         Ok(clamp(&x, -1.0, 1.0)?)
     }

@@ -15,7 +15,7 @@
 //! after that one only (chunk 1 pads with zeros: chunk 0 is not history).
 
 use ditstream_kernels::{
-    Tensor, add, channels_to_frames, rms_norm_channels, silu, upsample_nearest2x,
+    Tensor, add, channels_to_frames, rms_norm_channels, rms_norm_channels_silu, upsample_nearest2x,
 };
 
 use super::config::{UpBlockLayout, UpsampleMode};
@@ -101,17 +101,54 @@ impl CausalConv {
     /// x [B, C_in, T, H, W] → [B, C_out, T, H, W]: the cached frames (if any) stand in front of x in
     /// place of zero padding; afterwards the slot keeps the last `history` frames of cache ++ x.
     pub(crate) fn forward(&self, pass: &mut Pass, x: &Tensor) -> Result<Tensor> {
-        let Some(slot) = self.slot else {
-            return pass
+        self.forward_with(pass, x, None)
+    }
+
+    /// `add(&self.forward(pass, x)?, residual)`, bit for bit, with the add in the conv's epilogue
+    /// where the ops can (see [`SpatialOps::causal_conv3d_residual`]).
+    pub(crate) fn forward_residual(
+        &self,
+        pass: &mut Pass,
+        x: &Tensor,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        self.forward_with(pass, x, Some(residual))
+    }
+
+    fn forward_with(
+        &self,
+        pass: &mut Pass,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let conv = |pass: &mut Pass, cache: Option<&Tensor>| match residual {
+            None => pass
                 .ops
-                .causal_conv3d(x, &self.weight, Some(&self.bias), None);
+                .causal_conv3d(x, &self.weight, Some(&self.bias), cache),
+            Some(r) => pass
+                .ops
+                .causal_conv3d_residual(x, &self.weight, Some(&self.bias), cache, r),
+        };
+        let Some(slot) = self.slot else {
+            return conv(pass, None);
         };
         let cache = pass.caches[slot].take();
-        let out = pass
-            .ops
-            .causal_conv3d(x, &self.weight, Some(&self.bias), cache.as_ref())?;
+        let out = conv(pass, cache.as_ref())?;
         pass.caches[slot] = Some(last_frames(cache.as_ref(), x, self.history)?);
         Ok(out)
+    }
+
+    /// `forward(pass, &upsample_nearest2x(x)?)`, bit for bit, for a conv without a time extent (the
+    /// upsamplers' per-frame 3×3 conv): x [B, C_in, T, H, W] → [B, C_out, T, 2H, 2W] with the
+    /// upsampling read in place by the conv where the ops can (see
+    /// [`SpatialOps::causal_conv3d_upsampled`]); a conv with a cache slot upsamples first.
+    pub(crate) fn forward_upsampled(&self, pass: &mut Pass, x: &Tensor) -> Result<Tensor> {
+        match self.slot {
+            None => pass
+                .ops
+                .causal_conv3d_upsampled(x, &self.weight, Some(&self.bias)),
+            Some(_) => self.forward(pass, &upsample_nearest2x(x)?),
+        }
     }
 }
 
@@ -146,6 +183,12 @@ impl RmsNorm {
     /// x [B, C, ..] → same shape.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(rms_norm_channels(x, &self.gamma, None)?)
+    }
+
+    /// SiLU(norm(x)) in one pass, bit-identical to `silu(&self.forward(x)?)` (the norm is rounded to
+    /// x's dtype in between, as when stored): the normalised tensor is never written to memory.
+    pub(crate) fn forward_silu(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(rms_norm_channels_silu(x, &self.gamma, None)?)
     }
 }
 
@@ -185,11 +228,11 @@ impl ResidualBlock {
             Some(conv) => conv.forward(pass, x)?,
             None => x.clone(),
         };
-        let h = silu(&self.norm1.forward(x)?)?;
+        let h = self.norm1.forward_silu(x)?;
         let h = self.conv1.forward(pass, &h)?;
-        let h = silu(&self.norm2.forward(&h)?)?;
-        let h = self.conv2.forward(pass, &h)?;
-        Ok(add(&h, &residual)?)
+        let h = self.norm2.forward_silu(&h)?;
+        // conv2(h) + residual with the add in the conv's epilogue where the ops can (same roundings).
+        self.conv2.forward_residual(pass, &h, &residual)
     }
 }
 
@@ -291,7 +334,7 @@ impl Upsampler {
                 }
             }
         };
-        self.conv.forward(pass, &upsample_nearest2x(&x)?)
+        self.conv.forward_upsampled(pass, &x)
     }
 }
 

@@ -21,15 +21,17 @@ mod ulysses;
 
 pub use attention::{AttentionOptions, attention, lse_combine, lse_merge_pair};
 pub use conv::{
-    causal_conv3d, channels_to_frames, conv2d, conv3d, conv3d_cached, conv3d_channels_last,
-    upsample_nearest2x,
+    causal_conv3d, causal_conv3d_residual, causal_conv3d_upsampled, channels_to_frames, conv2d,
+    conv3d, conv3d_cached, conv3d_channels_last, upsample_nearest2x,
 };
 pub use elementwise::{
     add, affine, clamp, gated_residual, gelu_tanh, modulate, mul, scale, silu, sub,
 };
 pub use embedding::{Indices, embedding};
 pub use matmul::{linear, matmul};
-pub use norm::{layer_norm, layer_norm_modulate, rms_norm, rms_norm_channels};
+pub use norm::{
+    layer_norm, layer_norm_modulate, rms_norm, rms_norm_channels, rms_norm_channels_silu,
+};
 pub use random::random_normal;
 pub use rope::{apply_rope, rope_band_dims, rope_tables_3d};
 pub use softmax::position_bias_softmax;

@@ -27,7 +27,8 @@
 // that share one channel (inner % V == 0) or hold V consecutive channels (inner == 1, channels % V == 0),
 // so one index division serves V elements.
 //
-// conv_to_ndhwc / conv_from_ndhwc: tiled transposes (below).
+// conv_to_ndhwc / conv_from_ndhwc: tiled transposes (below); conv_to_ndhwc_up2 also upsamples ×2
+// (nearest) on the fly, for the VAE's upsamplers.
 
 // Mirrors `ConvGeom` in cuda.rs (all i64: no padding questions).
 struct ConvGeom {
@@ -184,26 +185,33 @@ template <typename U, int PACK> union Word {
     U elem[PACK];
 };
 
-// One tile of a batched transpose. The source is [rows, cols] with cols contiguous, row r at src_row(r)
-// (nullptr: a row of zeros); the destination is [cols, rows] with rows contiguous, written by
-// put(k, r, word) for destination row k, elements r..r+PACK (all in range: the caller checked), or
-// put_tail(k, r, elem) element by element at the ragged ends. Tile origin: source row r0, column k0.
-// Every thread of the block must call it (it synchronises).
-template <typename U, int PACK, typename SrcRow, typename Put, typename PutTail>
+// Source row r, columns k..k+PACK of a row-major [rows, cols] source whose row is `row` (nullptr: a
+// row of zeros): one word where all PACK columns are in range, else element by element, zeros past
+// `cols`.
+template <typename U, int PACK>
+__device__ __forceinline__ Word<U, PACK> load_row(const U* row, i64 k, i64 cols) {
+    Word<U, PACK> w;
+    if (row != nullptr && k + PACK <= cols) {
+        w.word = *reinterpret_cast<const decltype(w.word)*>(row + k);
+    } else {
+#pragma unroll
+        for (int j = 0; j < PACK; ++j) w.elem[j] = (row != nullptr && k + j < cols) ? row[k + j] : U(0);
+    }
+    return w;
+}
+
+// One tile of a batched transpose. The source is [rows, cols], read by load(r, k) → the word of
+// elements (r, k..k+PACK) (zeros out of range: see load_row); the destination is [cols, rows] with rows
+// contiguous, written by put(k, r, word) for destination row k, elements r..r+PACK (all in range: the
+// caller checked), or put_tail(k, r, elem) element by element at the ragged ends. Tile origin: source
+// row r0, column k0. Every thread of the block must call it (it synchronises).
+template <typename U, int PACK, typename Load, typename Put, typename PutTail>
 __device__ void transpose_tile(U (*tile)[TR_WORDS * PACK + 1], i64 rows, i64 cols, i64 r0, i64 k0,
-                               SrcRow src_row, Put put, PutTail put_tail) {
+                               Load load, Put put, PutTail put_tail) {
     constexpr int TE = TR_WORDS * PACK;
     const int tx = threadIdx.x, ty = threadIdx.y;
     for (int i = ty; i < TE; i += TR_ROWS) {
-        const i64 r = r0 + i, k = k0 + (i64)tx * PACK;
-        const U* row = r < rows ? src_row(r) : nullptr;
-        Word<U, PACK> w;
-        if (row != nullptr && k + PACK <= cols) {
-            w.word = *reinterpret_cast<const decltype(w.word)*>(row + k);
-        } else {
-#pragma unroll
-            for (int j = 0; j < PACK; ++j) w.elem[j] = (row != nullptr && k + j < cols) ? row[k + j] : U(0);
-        }
+        const Word<U, PACK> w = load(r0 + i, k0 + (i64)tx * PACK);
 #pragma unroll
         for (int j = 0; j < PACK; ++j) tile[i][tx * PACK + j] = w.elem[j];
     }
@@ -228,36 +236,62 @@ __device__ void transpose_tile(U (*tile)[TR_WORDS * PACK + 1], i64 rows, i64 col
 // frames), transposed to channels last. Per slab s = (b, f): source [C, plane] (a channel's frame is
 // contiguous), destination [plane, C]. Grid: x over plane tiles, y over channel tiles, z over slabs
 // (grid-stride).
-template <typename U, int PACK>
+//
+// UP (conv_to_ndhwc_up2): x and cache hold frames of [plane / 4] = [H, W] pixels with src_w = W, and the
+// join is of their nearest ×2 upsampling ([2H, 2W] = plane): destination pixel (i, j) reads source pixel
+// (i/2, j/2), the same bits the upsampled tensor would hold, so the convolution's input is unchanged
+// while the upsampled tensor is never written (nor read back). With PACK = 2 a word's two pixels are
+// (i, j) and (i, j + 1) for even j: one source pixel, read once and duplicated.
+template <typename U, int PACK, bool UP>
 __device__ void conv_to_ndhwc(const U* x, const U* cache, U* out, i64 batch, i64 channels,
-                              i64 zeros_front, i64 cached, i64 x_frames, i64 zeros_back, i64 plane) {
+                              i64 zeros_front, i64 cached, i64 x_frames, i64 zeros_back, i64 plane,
+                              i64 src_w) {
     constexpr int TE = TR_WORDS * PACK;
     __shared__ U tile[TE][TE + 1];
     const i64 frames = zeros_front + cached + x_frames + zeros_back;
+    const i64 src_plane = UP ? plane / 4 : plane;
     const i64 k0 = (i64)blockIdx.x * TE, r0 = (i64)blockIdx.y * TE;
     for (i64 s = blockIdx.z; s < batch * frames; s += gridDim.z) {
         const i64 b = s / frames, f = s % frames;
         const i64 fc = f - zeros_front, fx = fc - cached;
-        auto src_row = [&](i64 c) -> const U* {
-            if (fc >= 0 && fc < cached) return cache + ((b * channels + c) * cached + fc) * plane;
-            if (fx >= 0 && fx < x_frames) return x + ((b * channels + c) * x_frames + fx) * plane;
+        auto src_frame = [&](i64 c) -> const U* {
+            if (c >= channels) return nullptr;
+            if (fc >= 0 && fc < cached) return cache + ((b * channels + c) * cached + fc) * src_plane;
+            if (fx >= 0 && fx < x_frames) return x + ((b * channels + c) * x_frames + fx) * src_plane;
             return nullptr;
+        };
+        auto load = [&](i64 c, i64 k) -> Word<U, PACK> {
+            const U* frame = src_frame(c);
+            if (!UP) return load_row<U, PACK>(frame, k, plane);
+            Word<U, PACK> w;
+#pragma unroll
+            for (int j = 0; j < PACK; ++j) {
+                const i64 kk = k + j, row = kk / (2 * src_w), col = kk % (2 * src_w);
+                w.elem[j] = (frame != nullptr && kk < plane) ? frame[(row / 2) * src_w + col / 2] : U(0);
+            }
+            return w;
         };
         U* slab = out + s * plane * channels;
         auto put = [&](i64 p, i64 c, const Word<U, PACK>& w) {
             *reinterpret_cast<decltype(w.word)*>(slab + p * channels + c) = w.word;
         };
         auto put_tail = [&](i64 p, i64 c, U v) { slab[p * channels + c] = v; };
-        transpose_tile<U, PACK>(tile, channels, plane, r0, k0, src_row, put, put_tail);
+        transpose_tile<U, PACK>(tile, channels, plane, r0, k0, load, put, put_tail);
     }
 }
 
 #define TO_NDHWC(NAME, U, PACK)                                                                       \
     extern "C" __global__ void __launch_bounds__(TR_WORDS * TR_ROWS) conv_to_ndhwc_##NAME(           \
         const U* x, const U* cache, U* out, i64 batch, i64 channels, i64 zeros_front, i64 cached,    \
-        i64 x_frames, i64 zeros_back, i64 plane) {                                                    \
-        conv_to_ndhwc<U, PACK>(x, cache, out, batch, channels, zeros_front, cached, x_frames,         \
-                               zeros_back, plane);                                                    \
+        i64 x_frames, i64 zeros_back, i64 plane, i64 src_w) {                                         \
+        conv_to_ndhwc<U, PACK, false>(x, cache, out, batch, channels, zeros_front, cached, x_frames,  \
+                                      zeros_back, plane, src_w);                                      \
+    }                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(TR_WORDS * TR_ROWS) conv_to_ndhwc_up2_##NAME(       \
+        const U* x, const U* cache, U* out, i64 batch, i64 channels, i64 zeros_front, i64 cached,    \
+        i64 x_frames, i64 zeros_back, i64 plane, i64 src_w) {                                         \
+        conv_to_ndhwc<U, PACK, true>(x, cache, out, batch, channels, zeros_front, cached, x_frames,   \
+                                     zeros_back, plane, src_w);                                       \
     }
 TO_NDHWC(e2_p1, unsigned short, 1)
 TO_NDHWC(e2_p2, unsigned short, 2)
@@ -280,38 +314,55 @@ template <> struct Elem<bf16> {
 // conv_from_ndhwc: out [B, C, P] = y [B, P, C] transposed (+ bias[c] when has_bias, added in f32 and
 // rounded once). Per slab b: source [P, C] (a pixel's channels are contiguous), destination [C, P].
 // Grid: x over pixel tiles, y over channel tiles, z over batch items (grid-stride).
+//
+// has_residual: then + residual [B, C, P] (T, same layout as out), added in f32 to the value rounded
+// as above and rounded again: exactly what storing the biased result and running the elementwise add
+// (binary, BINARY_ADD: ld(a) + ld(b), rounded) would give, without writing and re-reading the conv's
+// output. Reads of the residual follow the writes of out: coalesced along P.
 template <typename T, typename B, int PACK>
-__device__ void conv_from_ndhwc(const T* y, const B* bias, T* out, i64 batch, i64 channels, i64 pixels,
-                                int has_bias) {
+__device__ void conv_from_ndhwc(const T* y, const B* bias, const T* residual, T* out, i64 batch,
+                                i64 channels, i64 pixels, int has_bias, int has_residual) {
     typedef typename Elem<T>::U U;
     constexpr int TE = TR_WORDS * PACK;
     __shared__ U tile[TE][TE + 1];
     const U* yb = reinterpret_cast<const U*>(y);
+    const U* rb = reinterpret_cast<const U*>(residual);
     U* ob = reinterpret_cast<U*>(out);
     const i64 r0 = (i64)blockIdx.x * TE, k0 = (i64)blockIdx.y * TE;
     for (i64 b = blockIdx.z; b < batch; b += gridDim.z) {
-        auto src_row = [&](i64 p) -> const U* { return yb + (b * pixels + p) * channels; };
-        auto biased = [&](i64 c, U v) -> U {
-            return has_bias ? Elem<T>::make(Elem<T>::get(v) + ld(bias + c)) : v;
+        auto load = [&](i64 p, i64 c) -> Word<U, PACK> {
+            return load_row<U, PACK>(p < pixels ? yb + (b * pixels + p) * channels : nullptr, c, channels);
+        };
+        // The stored value of out[b, c, p] given the conv's sum v.
+        auto epilogue = [&](i64 c, i64 p, U v) -> U {
+            U o = has_bias ? Elem<T>::make(Elem<T>::get(v) + ld(bias + c)) : v;
+            if (has_residual) {
+                o = Elem<T>::make(Elem<T>::get(o) + Elem<T>::get(rb[(b * channels + c) * pixels + p]));
+            }
+            return o;
         };
         auto put = [&](i64 c, i64 p, const Word<U, PACK>& w) {
             Word<U, PACK> o;
 #pragma unroll
-            for (int j = 0; j < PACK; ++j) o.elem[j] = biased(c, w.elem[j]);
+            for (int j = 0; j < PACK; ++j) o.elem[j] = epilogue(c, p + j, w.elem[j]);
             *reinterpret_cast<decltype(o.word)*>(ob + (b * channels + c) * pixels + p) = o.word;
         };
-        auto put_tail = [&](i64 c, i64 p, U v) { ob[(b * channels + c) * pixels + p] = biased(c, v); };
-        transpose_tile<U, PACK>(tile, pixels, channels, r0, k0, src_row, put, put_tail);
+        auto put_tail = [&](i64 c, i64 p, U v) { ob[(b * channels + c) * pixels + p] = epilogue(c, p, v); };
+        transpose_tile<U, PACK>(tile, pixels, channels, r0, k0, load, put, put_tail);
     }
 }
 
 #define FROM_NDHWC(TN, T, BN, B)                                                                      \
     extern "C" __global__ void __launch_bounds__(TR_WORDS * TR_ROWS) conv_from_ndhwc_##TN##_##BN##_p1( \
-        const T* y, const B* bias, T* out, i64 batch, i64 channels, i64 pixels, int has_bias) {      \
-        conv_from_ndhwc<T, B, 1>(y, bias, out, batch, channels, pixels, has_bias);                    \
+        const T* y, const B* bias, const T* residual, T* out, i64 batch, i64 channels, i64 pixels,    \
+        int has_bias, int has_residual) {                                                             \
+        conv_from_ndhwc<T, B, 1>(y, bias, residual, out, batch, channels, pixels, has_bias,           \
+                                 has_residual);                                                       \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(TR_WORDS * TR_ROWS) conv_from_ndhwc_##TN##_##BN##_p2( \
-        const T* y, const B* bias, T* out, i64 batch, i64 channels, i64 pixels, int has_bias) {      \
-        conv_from_ndhwc<T, B, 2>(y, bias, out, batch, channels, pixels, has_bias);                    \
+        const T* y, const B* bias, const T* residual, T* out, i64 batch, i64 channels, i64 pixels,    \
+        int has_bias, int has_residual) {                                                             \
+        conv_from_ndhwc<T, B, 2>(y, bias, residual, out, batch, channels, pixels, has_bias,           \
+                                 has_residual);                                                       \
     }
 FOR_TYPES2(FROM_NDHWC)

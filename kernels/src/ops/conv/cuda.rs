@@ -15,7 +15,10 @@
 //! cache, x) transposed to [B, F, H, W, C_in] in one pass; cuDNN convolves it with the filter
 //! [C_out, kt, kh, kw, C_in] (made once per weight tensor and kept, see [`ndhwc_filter`]) into
 //! [B, T_out, H_out, W_out, C_out]; `conv_from_ndhwc` transposes that back to NCDHW adding the bias in
-//! the same pass. Our tensors stay NCDHW.
+//! the same pass. Our tensors stay NCDHW. The two transposes also absorb two of the VAE's neighbouring
+//! ops, bit for bit: `conv_to_ndhwc_up2` reads a nearest ×2 upsampling in place ([`super::causal_conv3d_upsampled`])
+//! and `conv_from_ndhwc` can add a residual after the bias ([`super::causal_conv3d_residual`]), so
+//! neither the upsampled tensor nor the conv's pre-residual output is written to memory.
 //!
 //! **im2col + cuBLASLt** ([`ConvAlgo::Im2col`]), f32 accumulation: for batch item b and output pixels
 //! [p0, p0 + np) (flattened t, h, w), col [K = C_in·kt·kh·kw, np] ← im2col; block [C_out, np] =
@@ -167,6 +170,15 @@ fn choose(backend: &CudaBackend, op: &'static str, g: &ConvGeometry, dtype: DTyp
 /// Conv3d on the GPU: `cache` [B, C_in, T_c, H, W] (optional) followed by x [B, C_in, T, H, W] along T
 /// is the input `g` describes (g.input[0] = T_c + T); w [C_out, C_in, kt, kh, kw], bias [C_out] →
 /// [B, C_out, T_out, H_out, W_out] in x's dtype.
+///
+/// With `upsampled`, the input `g` describes is the nearest ×2 upsampling (in H and W) of cache ++ x,
+/// whose frames are [H/2, W/2]: on the channels-last cuDNN path `conv_to_ndhwc_up2` reads it in place
+/// (the upsampled tensor is never written); the other paths upsample x and the cache first.
+///
+/// With `residual` (the output's shape, checked by the caller) the result is `add(conv, residual)`:
+/// on the channels-last path, when the conv computes in x's dtype and the residual has it too, the add
+/// runs in `conv_from_ndhwc`'s epilogue with the same two roundings; elsewhere it is the `add` op.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn conv3d(
     op: &'static str,
     cache: Option<&Tensor>,
@@ -174,6 +186,8 @@ pub(super) fn conv3d(
     w: &Tensor,
     bias: Option<&Tensor>,
     g: &ConvGeometry,
+    upsampled: bool,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     let dtype = common_dtype(x, w);
     let out_shape = g.output_shape();
@@ -184,22 +198,42 @@ pub(super) fn conv3d(
     if g.batch * g.out_channels * pixels == 0 || taps == 0 {
         // Nothing to compute (an empty output), or an empty sum: the bias (or zeros) everywhere.
         let zeros = Tensor::zeros(&out_shape, x.dtype(), x.device())?;
-        return match bias {
-            Some(b) => crate::add(&zeros, &b.reshape(&[g.out_channels, 1, 1, 1])?),
-            None => Ok(zeros),
+        let out = match bias {
+            Some(b) => crate::add(&zeros, &b.reshape(&[g.out_channels, 1, 1, 1])?)?,
+            None => zeros,
         };
+        return residual.map_or(Ok(out.clone()), |r| crate::add(&out, r));
     }
-    let xc = x.to_dtype(dtype)?;
-    let cache = cache.map(|c| c.to_dtype(dtype)).transpose()?;
+    let mut xc = x.to_dtype(dtype)?;
+    let mut cache = cache.map(|c| c.to_dtype(dtype)).transpose()?;
     let backend = CudaBackend::get(xc.cuda_storage(op)?.ordinal)?;
-    let out = match choose(&backend, op, g, dtype)? {
+    let path = choose(&backend, op, g, dtype)?;
+    let in_place = matches!(&path, Path::Cudnn { key, .. } if key.layout == DnnLayout::Ndhwc);
+    if upsampled && !in_place {
+        // Only the channels-last transpose reads the upsampling in place: materialise it for the rest.
+        xc = crate::upsample_nearest2x(&xc)?;
+        cache = cache.map(|c| crate::upsample_nearest2x(&c)).transpose()?;
+    }
+    let up = upsampled && in_place;
+    // The epilogue's add equals the `add` op only where nothing is rounded after it: the conv's dtype
+    // is x's (no cast back) and the residual is stored in it.
+    let fused_residual = residual.filter(|r| in_place && dtype == x.dtype() && r.dtype() == dtype);
+    let out = match path {
         Path::Im2col => {
             let wc = w.to_dtype(dtype)?;
             im2col_conv3d(&backend, op, cache.as_ref(), &xc, &wc, bias, g, dtype)?
         }
-        Path::Cudnn { key, zeros } if key.layout == DnnLayout::Ndhwc => {
-            ndhwc_conv3d(&backend, op, cache.as_ref(), &xc, w, bias, g, (&key, zeros))?
-        }
+        Path::Cudnn { key, zeros } if key.layout == DnnLayout::Ndhwc => ndhwc_conv3d(
+            &backend,
+            op,
+            cache.as_ref(),
+            &xc,
+            w,
+            bias,
+            g,
+            (&key, zeros),
+            (up, fused_residual),
+        )?,
         Path::Cudnn { key, zeros } => {
             let wc = w.to_dtype(dtype)?;
             cudnn_conv3d(
@@ -214,7 +248,11 @@ pub(super) fn conv3d(
             )?
         }
     };
-    Tensor::from_cuda(out, &out_shape).to_dtype(x.dtype())
+    let out = Tensor::from_cuda(out, &out_shape).to_dtype(x.dtype())?;
+    match residual {
+        Some(r) if fused_residual.is_none() => crate::add(&out, r),
+        _ => Ok(out),
+    }
 }
 
 /// The cuDNN path of [`conv3d`] on operands already in `key.dtype` (non-empty output and sum): joins
@@ -264,7 +302,10 @@ fn cudnn_conv3d(
 /// and sum; `key.layout` is NDHWC): `conv_to_ndhwc` writes `zeros[0]` zero frames, the cache, x and
 /// `zeros[1]` zero frames as one [B, F, H, W, C_in] buffer, cuDNN convolves it with w's channels-last
 /// filter, and `conv_from_ndhwc` writes the [B, C_out, T_out, H_out, W_out] result in `key.dtype` with
-/// the bias added. `w` is the caller's weight (any dtype): its filter is made once and kept.
+/// the bias added. `w` is the caller's weight (any dtype): its filter is made once and kept. With
+/// `upsampled`, x and the cache hold frames of [H/2, W/2] whose nearest ×2 upsampling is the input
+/// `g` describes, read in place by `conv_to_ndhwc_up2`. With `residual` ([B, C_out, T_out, H_out, W_out]
+/// in `key.dtype`), it is added in `conv_from_ndhwc`'s epilogue after the bias's rounding.
 #[allow(clippy::too_many_arguments)]
 fn ndhwc_conv3d(
     backend: &CudaBackend,
@@ -275,6 +316,7 @@ fn ndhwc_conv3d(
     bias: Option<&Tensor>,
     g: &ConvGeometry,
     (key, zeros): (&DnnConvKey, [usize; 2]),
+    (upsampled, residual): (bool, Option<&Tensor>),
 ) -> Result<CudaStorage> {
     let cached = cache.map_or(0, |c| c.shape()[2]);
     let cache_ptr = match cache {
@@ -289,7 +331,7 @@ fn ndhwc_conv3d(
         (xc.cuda_storage(op)?.ptr(), cache_ptr),
         (g.batch, g.in_channels),
         frames,
-        g.input[1] * g.input[2],
+        (g.input[1] * g.input[2], upsampled.then_some(g.input[2] / 2)),
     )?;
     let filter = ndhwc_filter(op, w, key.dtype)?;
     let pixels: usize = key.output().iter().product();
@@ -303,7 +345,13 @@ fn ndhwc_conv3d(
         y.ptr(),
     )?;
     // input and y are freed stream-ordered once the kernels that read them are queued.
-    from_ndhwc(backend, op, &y, bias, (g.batch, g.out_channels, pixels))
+    from_ndhwc(
+        backend,
+        op,
+        &y,
+        (bias, residual),
+        (g.batch, g.out_channels, pixels),
+    )
 }
 
 /// The channels-last filter of weight `w` [C_out, C_in, kt, kh, kw]: [C_out, kt, kh, kw, C_in] in
@@ -387,9 +435,11 @@ fn transpose_grid(tiles: (usize, usize), slabs: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// `conv_to_ndhwc`'s instance for `dtype` (a bit copy: named by element size) and `pack`.
-fn to_ndhwc_kernel(dtype: DType, pack: usize) -> String {
-    format!("conv_to_ndhwc_e{}_p{pack}", dtype.size_in_bytes())
+/// `conv_to_ndhwc`'s instance for `dtype` (a bit copy: named by element size) and `pack`, or that of
+/// `conv_to_ndhwc_up2` (upsampling on the fly) when `upsampled`.
+fn to_ndhwc_kernel(dtype: DType, pack: usize, upsampled: bool) -> String {
+    let up = if upsampled { "_up2" } else { "" };
+    format!("conv_to_ndhwc{up}_e{}_p{pack}", dtype.size_in_bytes())
 }
 
 /// `conv_from_ndhwc`'s instance for data `dtype`, bias `bias_dtype` and `pack`.
@@ -404,6 +454,8 @@ fn from_ndhwc_kernel(dtype: DType, bias_dtype: DType, pack: usize) -> String {
 /// [B, F, plane, C] in `dtype` holding, along F, `frames[0]` zero frames, the `frames[1]` frames of the
 /// cache [B, C, frames[1], plane] at `cache_ptr`, the `frames[2]` frames of x [B, C, frames[2], plane]
 /// at `x_ptr` and `frames[3]` zero frames: the frame join and the NCDHW → NDHWC transpose in one kernel.
+/// With `src_w` = Some(w), the cache and x hold frames of [plane / 4] = [H, w] pixels and the join is of
+/// their nearest ×2 upsampling ([2H, 2w] = plane pixels), made on the fly.
 fn to_ndhwc(
     backend: &CudaBackend,
     op: &'static str,
@@ -411,7 +463,7 @@ fn to_ndhwc(
     (x_ptr, cache_ptr): (u64, u64),
     (batch, channels): (usize, usize),
     frames: [usize; 4],
-    plane: usize,
+    (plane, src_w): (usize, Option<usize>),
 ) -> Result<CudaStorage> {
     let total: usize = frames.iter().sum();
     let out = backend.alloc(dtype, batch * total * plane * channels)?;
@@ -419,7 +471,7 @@ fn to_ndhwc(
         return Ok(out);
     }
     let pack = transpose_pack(plane, channels);
-    let f = backend.function(&SOURCE, &to_ndhwc_kernel(dtype, pack))?;
+    let f = backend.function(&SOURCE, &to_ndhwc_kernel(dtype, pack, src_w.is_some()))?;
     let tile = 32 * pack;
     let cfg = transpose_grid(
         (plane.div_ceil(tile), channels.div_ceil(tile)),
@@ -428,6 +480,7 @@ fn to_ndhwc(
     let out_ptr = out.ptr();
     let [zf, cached, x_frames, zb] = frames.map(|v| v as i64);
     let (b, c, p) = (batch as i64, channels as i64, plane as i64);
+    let src_w_i = src_w.unwrap_or(0) as i64;
     let mut launch = backend.stream.launch_builder(&f);
     launch
         .arg(&x_ptr)
@@ -439,21 +492,25 @@ fn to_ndhwc(
         .arg(&cached)
         .arg(&x_frames)
         .arg(&zb)
-        .arg(&p);
+        .arg(&p)
+        .arg(&src_w_i);
     // SAFETY: x holds B·C·x_frames·plane elements and cache B·C·cached·plane (read only when cached > 0),
+    // or a quarter of that with src_w (the caller's geometry is the upsampled one: plane = 4·H·src_w),
     // out B·F·plane·C, all of `dtype` (whose size the kernel's element type has); with pack 2, plane and C
     // are even, so every word access is aligned (buffers start 256-byte aligned).
     unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     Ok(out)
 }
 
-/// out [B, C, P] = y [B, P, C] transposed, + bias [C] when given (added in f32, rounded once): the
-/// NDHWC → NCDHW transpose of a convolution's result with its bias, in one kernel; y's dtype.
+/// out [B, C, P] = y [B, P, C] transposed, plus bias [C] when given (added in f32, rounded once),
+/// then plus `residual` [B, C, P] when given (y's dtype; added in f32 and rounded again, as a separate
+/// `add` would): the NDHWC → NCDHW transpose of a convolution's result with its epilogue, in one
+/// kernel; y's dtype.
 fn from_ndhwc(
     backend: &CudaBackend,
     op: &'static str,
     y: &CudaStorage,
-    bias: Option<&Tensor>,
+    (bias, residual): (Option<&Tensor>, Option<&Tensor>),
     (batch, channels, pixels): (usize, usize, usize),
 ) -> Result<CudaStorage> {
     let dtype = y.dtype();
@@ -471,23 +528,32 @@ fn from_ndhwc(
         Some(b) => b.cuda_storage(op)?.ptr(),
         None => 0,
     };
-    let (b, c, p, has_bias) = (
+    let residual_ptr = match residual {
+        Some(r) => r.cuda_storage(op)?.ptr(),
+        None => 0,
+    };
+    let (b, c, p, has_bias, has_residual) = (
         batch as i64,
         channels as i64,
         pixels as i64,
         i32::from(bias.is_some()),
+        i32::from(residual.is_some()),
     );
     let mut launch = backend.stream.launch_builder(&f);
     launch
         .arg(&y_ptr)
         .arg(&bias_ptr)
+        .arg(&residual_ptr)
         .arg(&out_ptr)
         .arg(&b)
         .arg(&c)
         .arg(&p)
-        .arg(&has_bias);
-    // SAFETY: y and out hold B·P·C elements of `dtype`, bias C elements (read only when has_bias); with
-    // pack 2, C and P are even, so every word access is aligned (buffers start 256-byte aligned).
+        .arg(&has_bias)
+        .arg(&has_residual);
+    // SAFETY: y and out hold B·P·C elements of `dtype`, bias C elements (read only when has_bias), the
+    // residual B·C·P elements of `dtype` (read only when has_residual; the caller checked its shape and
+    // dtype); with pack 2, C and P are even, so every word access is aligned (buffers start 256-byte
+    // aligned).
     unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     Ok(out)
 }
@@ -819,7 +885,12 @@ mod tests {
         let has = |name: &str| cubin.windows(name.len()).any(|w| w == name.as_bytes());
         for dtype in [DType::F32, DType::BF16] {
             for pack in [1, 2] {
-                assert!(has(&to_ndhwc_kernel(dtype, pack)), "{dtype:?} {pack}");
+                for up in [false, true] {
+                    assert!(
+                        has(&to_ndhwc_kernel(dtype, pack, up)),
+                        "{dtype:?} {pack} {up}"
+                    );
+                }
                 for bias in [DType::F32, DType::BF16] {
                     assert!(
                         has(&from_ndhwc_kernel(dtype, bias, pack)),

@@ -90,7 +90,10 @@ fn geometry(
 }
 
 /// Runs a checked geometry on the operands' device; output in x's dtype. The input the geometry
-/// describes is `cache` (frames in front, optional, x's dtype) followed by x along T.
+/// describes is `cache` (frames in front, optional, x's dtype) followed by x along T, nearest ×2
+/// upsampled in H and W when `upsampled` (then x and the cache hold frames of half the geometry's H, W).
+/// With `residual` (the output's shape, checked by the caller) the result is `add(conv, residual)`.
+#[allow(clippy::too_many_arguments)]
 fn run(
     op: &'static str,
     cache: Option<&Tensor>,
@@ -98,15 +101,24 @@ fn run(
     w: &Tensor,
     bias: Option<&Tensor>,
     geometry: &ConvGeometry,
+    upsampled: bool,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     let mut operands = vec![x, w];
     operands.extend(bias);
     operands.extend(cache);
+    operands.extend(residual);
     match same_device(op, &operands)? {
         Device::Cpu => {
             let input = match cache {
                 Some(cache) => Tensor::concat(&[cache, x], 2)?,
                 None => x.clone(),
+            };
+            // The definition: upsample, then convolve (the CUDA path reads the upsampling in place).
+            let input = if upsampled {
+                upsample_nearest2x(&input)?
+            } else {
+                input
             };
             let bias = bias.map(|b| b.cpu_f32(op)).transpose()?;
             let out = cpu::conv3d(
@@ -115,12 +127,17 @@ fn run(
                 bias.as_deref(),
                 geometry,
             );
-            Tensor::from_f32_cpu(out, &geometry.output_shape(), x.dtype())
+            let out = Tensor::from_f32_cpu(out, &geometry.output_shape(), x.dtype())?;
+            // The definition: the conv's stored result plus the residual, as the `add` op.
+            residual.map_or(Ok(out.clone()), |r| crate::add(&out, r))
         }
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => cuda::conv3d(op, cache, x, w, bias, geometry),
+        Device::Cuda(_) => cuda::conv3d(op, cache, x, w, bias, geometry, upsampled, residual),
         #[cfg(not(feature = "cuda"))]
-        device @ Device::Cuda(_) => unsupported(op, device),
+        device @ Device::Cuda(_) => {
+            let _ = upsampled;
+            unsupported(op, device)
+        }
     }
 }
 
@@ -144,7 +161,7 @@ pub fn conv3d(
         padding,
         padding,
     )?;
-    run("conv3d", None, x, w, bias, &geometry)
+    run("conv3d", None, x, w, bias, &geometry, false, None)
 }
 
 /// [`conv3d`] on channels-last tensors: x [B, T, H, W, C_in], w [C_out, kt, kh, kw, C_in], bias
@@ -201,12 +218,63 @@ pub fn causal_conv3d(
     bias: Option<&Tensor>,
     cache: Option<&Tensor>,
 ) -> Result<Tensor> {
-    const OP: &str = "causal_conv3d";
-    expect_rank(OP, "w [C_out, C_in, kt, kh, kw]", w, 5)?;
+    causal("causal_conv3d", x, w, bias, cache, false, None)
+}
+
+/// [`causal_conv3d`] of the nearest ×2 upsampling of x (and of the cache) in H and W:
+/// `causal_conv3d(&upsample_nearest2x(x)?, w, bias, upsampled cache)`, x [B, C_in, T, H, W] →
+/// [B, C_out, T, 2H, 2W], with the same result bit for bit. The VAE's upsamplers run it (nearest ×2,
+/// then a 3×3 conv per frame). On CUDA, where the convolution runs on a channels-last copy (cuDNN
+/// NDHWC, the default for padded kernels), that copy reads x's pixels directly, so the upsampled
+/// tensor (4× x) is never written nor read back; the other paths upsample first.
+pub fn causal_conv3d_upsampled(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    cache: Option<&Tensor>,
+) -> Result<Tensor> {
+    causal("causal_conv3d_upsampled", x, w, bias, cache, true, None)
+}
+
+/// `add(&causal_conv3d(x, w, bias, cache)?, residual)`, bit for bit: the VAE residual block's
+/// `conv2(h) + shortcut(x)`. `residual` has the output's shape [B, C_out, T, H, W] (any dtype; the sum
+/// is in x's dtype, as `add`'s). On CUDA, where the conv runs channels-last in x's dtype and the
+/// residual is stored in it, the add runs in the transpose back (`conv_from_ndhwc`'s epilogue, with
+/// the conv's result rounded to x's dtype first, as stored): the conv's output is never written and
+/// read back; elsewhere it is the `add` op.
+pub fn causal_conv3d_residual(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    cache: Option<&Tensor>,
+    residual: &Tensor,
+) -> Result<Tensor> {
+    causal(
+        "causal_conv3d_residual",
+        x,
+        w,
+        bias,
+        cache,
+        false,
+        Some(residual),
+    )
+}
+
+/// Shared body of [`causal_conv3d`] and [`causal_conv3d_upsampled`].
+fn causal(
+    op: &'static str,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    cache: Option<&Tensor>,
+    upsampled: bool,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    expect_rank(op, "w [C_out, C_in, kt, kh, kw]", w, 5)?;
     let kernel = [w.shape()[2], w.shape()[3], w.shape()[4]];
     if kernel.iter().any(|k| k % 2 == 0) {
         return Err(KernelError::arg(
-            OP,
+            op,
             "kernel",
             format!("{kernel:?}"),
             "causal padding needs odd kernel sizes",
@@ -214,19 +282,26 @@ pub fn causal_conv3d(
     }
     let front_frames = kernel[0] - 1; // 2·p_t with p_t = kt/2
     let [p_h, p_w] = [kernel[1] / 2, kernel[2] / 2];
-    let cached_frames = cache_frames(OP, x, cache)?;
+    let cached_frames = cache_frames(op, x, cache)?;
     if cached_frames > front_frames {
         return Err(KernelError::arg(
-            OP,
+            op,
             "cache frames",
             cached_frames,
             format!("at most kt − 1 = {front_frames} frames can be cached"),
         ));
     }
     let mut input_shape = x.shape().to_vec();
-    input_shape[2] += cached_frames;
+    if upsampled && input_shape.len() == 5 {
+        // The geometry is the upsampled input's (a rank error is reported by `geometry` below).
+        input_shape[3] *= 2;
+        input_shape[4] *= 2;
+    }
+    if let Some(frames) = input_shape.get_mut(2) {
+        *frames += cached_frames; // x of another rank: `geometry` reports it
+    }
     let geometry = geometry(
-        OP,
+        op,
         &input_shape,
         w.shape(),
         bias,
@@ -234,7 +309,16 @@ pub fn causal_conv3d(
         [front_frames - cached_frames, p_h, p_w],
         [0, p_h, p_w],
     )?;
-    run(OP, cache, x, w, bias, &geometry)
+    if let Some(r) = residual
+        && r.shape() != geometry.output_shape()
+    {
+        return Err(KernelError::shape(
+            op,
+            "residual must have the convolution's output shape [B, C_out, T, H, W]",
+            &[x.shape(), w.shape(), r.shape()],
+        ));
+    }
+    run(op, cache, x, w, bias, &geometry, upsampled, residual)
 }
 
 /// The frames of `cache` [B, C_in, T_c, H, W] (0 without one), checked against x [B, C_in, T, H, W]:
@@ -291,7 +375,7 @@ pub fn conv3d_cached(
         pad_front,
         pad_back,
     )?;
-    run(OP, cache, x, w, bias, &geometry)
+    run(OP, cache, x, w, bias, &geometry, false, None)
 }
 
 /// Conv2d with symmetric zero padding (PyTorch `nn.Conv2d`, dilation 1, groups 1):
@@ -322,7 +406,7 @@ pub fn conv2d(
         pad,
         pad,
     )?;
-    let out = run(OP, None, &x3, &w3, bias, &geometry)?;
+    let out = run(OP, None, &x3, &w3, bias, &geometry, false, None)?;
     let os = out.shape();
     out.reshape(&[os[0], os[1], os[3], os[4]])
 }

@@ -251,6 +251,72 @@ fn conv_shape_errors() {
     assert!(conv3d(&x, &w_big, None, [1, 1, 1], [0, 0, 0]).is_err());
 }
 
+/// The upsampled causal conv is the causal conv of the upsampled input (and cache), bit for bit, for
+/// the upsamplers' 1×3×3 kernel and a 3×3×3 one with cached frames; its checks are the causal conv's.
+#[test]
+fn causal_conv3d_upsampled_is_upsample_then_conv() -> Result<()> {
+    for (ws, cached) in [
+        ([4, 3, 1, 3, 3], 0),
+        ([4, 3, 3, 3, 3], 1),
+        ([4, 3, 3, 3, 3], 2),
+    ] {
+        let x = randn(&[1, 3, 2, 3, 5], 90);
+        let w = randn(&ws, 91);
+        let b = randn(&[4], 92);
+        let cache = (cached > 0).then(|| randn(&[1, 3, cached, 3, 5], 93));
+        let up_cache = cache.as_ref().map(upsample_nearest2x).transpose()?;
+        let fused = causal_conv3d_upsampled(&x, &w, Some(&b), cache.as_ref())?;
+        let composed = causal_conv3d(&upsample_nearest2x(&x)?, &w, Some(&b), up_cache.as_ref())?;
+        assert_eq!(fused.shape(), [1, 4, 2, 6, 10]);
+        assert_eq!(
+            fused.to_vec_f32()?,
+            composed.to_vec_f32()?,
+            "{ws:?} {cached}"
+        );
+    }
+    let x = randn(&[1, 3, 2, 3, 5], 94);
+    let w_even = randn(&[2, 3, 1, 2, 2], 95);
+    assert!(causal_conv3d_upsampled(&x, &w_even, None, None).is_err());
+    let w_wide = randn(&[2, 4, 1, 3, 3], 96);
+    assert!(causal_conv3d_upsampled(&x, &w_wide, None, None).is_err());
+    let bad_cache = randn(&[1, 3, 1, 6, 10], 97); // the cache is at x's size, not the upsampled one
+    let w = randn(&[2, 3, 3, 3, 3], 98);
+    assert!(causal_conv3d_upsampled(&x, &w, None, Some(&bad_cache)).is_err());
+    assert!(causal_conv3d_upsampled(&randn(&[3, 5], 99), &w, None, None).is_err());
+    Ok(())
+}
+
+/// The residual causal conv is the causal conv plus the residual through `add`, bit for bit, in f32
+/// and bf16 (where the conv's result is rounded before the add, as stored), with and without cached
+/// frames; a residual of another shape is refused.
+#[test]
+fn causal_conv3d_residual_is_conv_then_add() -> Result<()> {
+    for dtype in [DType::F32, DType::BF16] {
+        for cached in [0, 2] {
+            let x = Tensor::randn(&[1, 3, 2, 4, 5], dtype, 100, Device::Cpu)?;
+            let w = Tensor::randn(&[4, 3, 3, 3, 3], dtype, 101, Device::Cpu)?;
+            let b = Tensor::randn(&[4], DType::F32, 102, Device::Cpu)?;
+            let r = Tensor::randn(&[1, 4, 2, 4, 5], dtype, 103, Device::Cpu)?;
+            let cache = (cached > 0)
+                .then(|| Tensor::randn(&[1, 3, cached, 4, 5], dtype, 104, Device::Cpu))
+                .transpose()?;
+            let fused = causal_conv3d_residual(&x, &w, Some(&b), cache.as_ref(), &r)?;
+            let composed = crate::add(&causal_conv3d(&x, &w, Some(&b), cache.as_ref())?, &r)?;
+            assert_eq!(fused.dtype(), dtype);
+            assert_eq!(
+                fused.to_vec_f32()?,
+                composed.to_vec_f32()?,
+                "{dtype:?} {cached}"
+            );
+        }
+    }
+    let x = randn(&[1, 3, 2, 4, 5], 105);
+    let w = randn(&[4, 3, 3, 3, 3], 106);
+    let wrong = randn(&[1, 3, 2, 4, 5], 107); // x's shape, not the output's
+    assert!(causal_conv3d_residual(&x, &w, None, None, &wrong).is_err());
+    Ok(())
+}
+
 #[test]
 fn upsample_nearest2x_hand_case() -> Result<()> {
     let x = Tensor::from_vec(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[1, 1, 2, 3])?;

@@ -163,13 +163,15 @@ pub(super) fn rms_norm(
     Ok(Tensor::from_cuda(out, x.shape()))
 }
 
-/// The VAE's channel-first L2 norm on x [batch, channels, positions] → x's shape and dtype.
+/// The VAE's channel-first L2 norm on x [batch, channels, positions] → x's shape and dtype; with
+/// `silu`, followed by SiLU in the same kernel (the norm rounded to x's dtype in between).
 pub(super) fn rms_norm_channels(
     op: &'static str,
     x: &Tensor,
     gamma: &Tensor,
     bias: Option<&Tensor>,
     (batch, channels, positions): (usize, usize, usize),
+    silu: bool,
 ) -> Result<Tensor> {
     let sx = x.cuda_storage(op)?;
     let backend = CudaBackend::get(sx.ordinal)?;
@@ -177,7 +179,12 @@ pub(super) fn rms_norm_channels(
     let threads = batch * positions;
     if threads > 0 && channels > 0 {
         let (wdtype, params) = params_in_common_dtype(&[Some(gamma), bias])?;
-        let name = format!("rms_norm_channels_{}_{}", suffix(x.dtype()), suffix(wdtype));
+        let name = format!(
+            "rms_norm_channels{}_{}_{}",
+            if silu { "_silu" } else { "" },
+            suffix(x.dtype()),
+            suffix(wdtype)
+        );
         let f = backend.function(&SOURCE, &name)?;
         let (xp, gp, bp, outp) = (
             sx.ptr(),

@@ -1,6 +1,7 @@
 // Normalisations. layer_norm / rms_norm: one block per row (grid-stride over rows), block reductions
 // in f32, two passes for LayerNorm's variance as in the CPU reference. rms_norm_channels: one thread
-// per (batch, position), walking the channels (adjacent threads read adjacent positions).
+// per (batch, position), walking the channels (adjacent threads read adjacent positions), optionally
+// followed by SiLU in the same pass (rms_norm_channels_silu).
 
 // Sum of v over the block, returned to every thread. Blocks are a multiple of 32 threads, ≤ 1024.
 __device__ float block_sum(float v) {
@@ -81,7 +82,12 @@ __device__ void rms_norm(const T* x, const W* w, T* out, i64 rows, int d, float 
 }
 
 // x [batch, channels, positions]: y = x / max(||x[b, :, p]||, 1e-12) * sqrt(C) * gamma[c] + bias[c].
-template <typename T, typename W>
+// SILU: the VAE's norm-then-SiLU in one pass: y is rounded to T (as the unfused norm stores it), then
+// out = y / (1 + exp(-y)) rounded to T (as the unfused silu stores it), so the result is bit-identical
+// to rms_norm_channels followed by silu, with y never written to memory. The product is __fmul_rn: the
+// same IEEE multiply as `*`, but never contracted into an FMA with what follows (the bias add or, for
+// f32 storage where the rounding to T is a no-op, the SiLU), so each step rounds as the unfused kernels do.
+template <bool SILU, typename T, typename W>
 __device__ void rms_norm_channels(const T* x, const W* gamma, const W* bias, T* out, i64 batch,
                                   int channels, i64 positions, int has_bias) {
     float sqrt_c = sqrtf((float)channels);
@@ -96,8 +102,14 @@ __device__ void rms_norm_channels(const T* x, const W* gamma, const W* bias, T* 
         }
         float norm = fmaxf(sqrtf(q), 1e-12f);
         for (int c = 0; c < channels; ++c) {
-            float y = ld(xp + c * positions) / norm * (sqrt_c * ld(gamma + c));
+            float y = __fmul_rn(ld(xp + c * positions) / norm, sqrt_c * ld(gamma + c));
             if (has_bias) y += ld(bias + c);
+            if (SILU) {
+                T rounded;
+                st(&rounded, y);
+                float v = ld(&rounded);
+                y = v / (1.0f + expf(-v));  // elementwise.cu's UNARY_SILU, character for character
+            }
             st(yp + c * positions, y);
         }
     }
@@ -115,7 +127,13 @@ __device__ void rms_norm_channels(const T* x, const W* gamma, const W* bias, T* 
     extern "C" __global__ void rms_norm_channels_##TN##_##WN(const T* x, const W* gamma, const W* bias, \
                                                              T* out, i64 batch, int channels, \
                                                              i64 positions, int has_bias) { \
-        rms_norm_channels(x, gamma, bias, out, batch, channels, positions, has_bias); \
+        rms_norm_channels<false>(x, gamma, bias, out, batch, channels, positions, has_bias); \
+    } \
+    extern "C" __global__ void rms_norm_channels_silu_##TN##_##WN(const T* x, const W* gamma, \
+                                                                  const W* bias, T* out, i64 batch, \
+                                                                  int channels, i64 positions, \
+                                                                  int has_bias) { \
+        rms_norm_channels<true>(x, gamma, bias, out, batch, channels, positions, has_bias); \
     }
 FOR_TYPES2(NORMS)
 

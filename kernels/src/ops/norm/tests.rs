@@ -111,6 +111,35 @@ fn rms_norm_channels_normalises_over_dim_1() -> Result<()> {
     Ok(())
 }
 
+/// The fused channel norm + SiLU is bit-identical to the two ops it replaces, in f32 and in bf16
+/// (where the norm is rounded to bf16 before the SiLU, as the unfused norm stores it), with and
+/// without bias; and it rejects what the norm rejects.
+#[test]
+fn rms_norm_channels_silu_equals_norm_then_silu() -> Result<()> {
+    for dtype in [DType::F32, DType::BF16] {
+        let x = Tensor::randn(&[2, 5, 3, 2, 3], dtype, 41, Device::Cpu)?;
+        let gamma = Tensor::randn(&[5, 1, 1, 1], dtype, 42, Device::Cpu)?;
+        let bias = Tensor::randn(&[5], DType::F32, 43, Device::Cpu)?;
+        for b in [None, Some(&bias)] {
+            let fused = rms_norm_channels_silu(&x, &gamma, b)?;
+            let composed = crate::silu(&rms_norm_channels(&x, &gamma, b)?)?;
+            assert_eq!(fused.dtype(), dtype);
+            assert_eq!(fused.shape(), x.shape());
+            assert_eq!(
+                fused.to_vec_f32()?,
+                composed.to_vec_f32()?,
+                "{dtype:?}, bias {}",
+                b.is_some()
+            );
+        }
+    }
+    let x = Tensor::randn(&[2, 5, 3], DType::F32, 44, Device::Cpu)?;
+    let short = Tensor::randn(&[4], DType::F32, 45, Device::Cpu)?;
+    assert!(rms_norm_channels_silu(&x, &short, None).is_err());
+    assert!(rms_norm_channels_silu(&x.reshape(&[30])?, &short, None).is_err());
+    Ok(())
+}
+
 /// The fused norm-modulate equals LN then modulate (the composition it replaces) for per-sample
 /// and per-token modulation, and against an f64 formula; bf16 output is the f32 result rounded once.
 #[test]

@@ -1,8 +1,8 @@
-//! Which kernel CUDA [`attention`](crate::attention) runs: by default chosen automatically (the
-//! tensor-core FlashAttention-2-class kernel of `ops/attention/flash.cu` for bf16 at head dim 64, 128,
-//! 256, 384 or 512 with scale > 0 on sm_80+, the portable f32 CUDA-core kernel otherwise); tests and
-//! benchmarks can force one for the calls made inside [`with_attention_kernel`], among them the Hopper
-//! wgmma kernel of `ops/attention/hopper.cu`, which `Auto` does not pick yet (it has no device run).
+//! Which kernel CUDA [`attention`](crate::attention) runs: by default chosen automatically (the Hopper
+//! wgmma kernel of `ops/attention/hopper.cu` for bf16 at head dim 128 with scale > 0 on sm_90a; else
+//! the tensor-core FlashAttention-2-class kernel of `ops/attention/flash.cu` for bf16 at head dim 64,
+//! 128, 256, 384 or 512 with scale > 0 on sm_80+; else the portable f32 CUDA-core kernel); tests and
+//! benchmarks can force one for the calls made inside [`with_attention_kernel`].
 
 use std::cell::Cell;
 

@@ -1,10 +1,11 @@
 //! CUDA twins of `attention`, `lse_combine` and `lse_merge_pair` (`attention.cu`).
 //!
-//! Two attention kernels: the tensor-core one of `flash.cu` (bf16, head dim 64/128/256/384/512, sm_80+;
-//! see `flash.rs`), picked automatically where it applies, and the portable one (f32 CUDA-core maths
-//! with online softmax over 32-key tiles staged in shared memory; any dtype, head dim ≤ 512, not fast),
-//! the fallback. `crate::cuda::with_attention_kernel` forces one (tests, benchmarks), or the Hopper
-//! wgmma kernel of `hopper.cu` (bf16, head dim 128, sm_90a; see `hopper.rs`), not picked automatically.
+//! Three attention kernels, picked automatically in this order where they apply: the Hopper wgmma
+//! kernel of `hopper.cu` (bf16, head dim 128, sm_90a; see `hopper.rs`), the tensor-core one of
+//! `flash.cu` (mma.sync; bf16, head dim 64/128/256/384/512, sm_80+; see `flash.rs`), and the portable
+//! one (f32 CUDA-core maths with online softmax over 32-key tiles staged in shared memory; any dtype,
+//! head dim ≤ 512, not fast), the fallback. `crate::cuda::with_attention_kernel` forces one (tests,
+//! benchmarks).
 //!
 //! The portable kernel has two builds: accumulators for head dims ≤ 256 (`attention_fwd_*`), and for
 //! ≤ 512 (`attention_fwd_wide_*`: the Wan VAE's single head of 384 in f32). Its shared memory,
@@ -63,7 +64,20 @@ pub(super) fn attention(
             scale,
             i,
         )?),
-        AttentionKernel::Auto => super::flash::auto(&backend, q.dtype(), dims, scale),
+        AttentionKernel::Auto => {
+            if let Some(variant) = super::hopper::auto(&backend, q.dtype(), dims, scale) {
+                return super::hopper::attention(
+                    op,
+                    &backend,
+                    (q, k, v),
+                    dims,
+                    scale,
+                    kv_len,
+                    variant,
+                );
+            }
+            super::flash::auto(&backend, q.dtype(), dims, scale)
+        }
     };
     if let Some(variant) = flash {
         return super::flash::attention(op, &backend, (q, k, v), dims, scale, kv_len, variant);

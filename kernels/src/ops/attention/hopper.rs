@@ -53,6 +53,24 @@ fn unsupported(
     None
 }
 
+/// The variant `Auto` runs wherever the Hopper kernel applies (bf16, head dim 128, sm_90a), measured
+/// on the H200 (bench/RESULTS.md, 2026-11-30): three K/V stages, 470–484 TFLOP/s at the DiT shapes,
+/// against 403–431 for two stages and 350–377 for the best mma.sync variant of `flash.cu`.
+const AUTO_VARIANT: &str = "hopper_fwd_d128_br128_bc128_s3";
+
+/// The variant `Auto` runs for this call, if the Hopper kernel applies to it.
+pub(super) fn auto(
+    backend: &CudaBackend,
+    dtype: DType,
+    dims: [usize; 5],
+    scale: f32,
+) -> Option<&'static HopperVariant> {
+    if unsupported(&backend.arch, dtype, dims, scale).is_some() {
+        return None;
+    }
+    HOPPER_VARIANTS.iter().find(|v| v.name == AUTO_VARIANT)
+}
+
 /// Variant `i` if the Hopper kernel applies to this call, else an error saying why.
 pub(super) fn check(
     op: &'static str,

@@ -8,7 +8,7 @@
 //! `b"NCCL"` and a fresh `ncclUniqueId`; both ends then join a two-rank communicator (denoiser
 //! rank 0, decoder rank 1), each on its own GPU, and the decoder answers `OK` (or `ER` and why, so
 //! a decoder that cannot join fails the denoiser's connect at once instead of at NCCL's timeout).
-//! One communicator per connection, owned by a [`Peer`] thread on each side: NCCL calls block, so
+//! One communicator per connection, owned by a `Peer` thread on each side: NCCL calls block, so
 //! they never run on the async runtime.
 //!
 //! **Chunks.** Per request the denoiser opens a QUIC stream, as the QUIC link does. For each chunk
@@ -17,7 +17,7 @@
 //! reads the header, receives into a fresh tensor on its GPU and hands that tensor on. NCCL pairs
 //! sends with receives by order alone, so a connection has one chunk in flight at a time: the
 //! sender holds the connection's lock from writing a header until its send has completed (which
-//! means the decoder has received it), and the decoder posts receives from its one [`Peer`]
+//! means the decoder has received it), and the decoder posts receives from its one `Peer`
 //! thread. So the n-th header read is always the n-th transfer.
 //!
 //! **Integrity.** The header's CRC-32 is computed over a host copy of the frames sent and checked

@@ -14,7 +14,7 @@
 //! 227 KiB per block).
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use crate::cuda::attention_kernel::attention_kernel;
 use crate::cuda::{AttentionKernel, CudaBackend, KernelSource, grid_1d, suffix};
@@ -38,6 +38,73 @@ const MAX_PARTS: usize = 16;
 pub(super) fn int(op: &'static str, name: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v)
         .map_err(|_| KernelError::arg(op, name, v, "the CUDA kernels take it as an i32"))
+}
+
+/// One forward launch of an attention kernel, shared by the three (portable, `flash.cu`, `hopper.cu`):
+/// allocates out (q's dtype) and lse [B, H, S_q] f32, opts `f` into its dynamic shared memory when
+/// that is above the 48 KiB default, and launches `grid` × `block` threads with the argument list
+/// they all take: (q, k, v, out, lse, seq_q, seq_k, heads, [head_dim,] kv_len, scale). Nothing is
+/// launched for an empty output.
+///
+/// # Safety
+/// `f` takes exactly that argument list (`head_dim_arg`: whether `head_dim` is in it), q/k/v are
+/// contiguous [B, S, H, D] buffers of the checked `dims` in the dtype `f` reads, kv_len ≤ S_k, and
+/// `grid`, `block` and `smem` are what `f` expects for these shapes (its shared-memory carve-up).
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn launch(
+    op: &'static str,
+    backend: &CudaBackend,
+    f: &CudaFunction,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    [batch, seq_q, seq_k, heads, head_dim]: [usize; 5],
+    (scale, kv_len, head_dim_arg): (f32, usize, bool),
+    (grid, block, smem): ((u32, u32, u32), u32, usize),
+) -> Result<(Tensor, Tensor)> {
+    let out = backend.alloc(q.dtype(), q.numel())?;
+    let lse = backend.alloc(DType::F32, batch * heads * seq_q)?;
+    if batch * heads * seq_q > 0 {
+        if smem > 48 * 1024 {
+            f.set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| backend.err(op, "cuFuncSetAttribute", e))?;
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (qp, kp, vp, op_ptr, lp) = (
+            q.cuda_storage(op)?.ptr(),
+            k.cuda_storage(op)?.ptr(),
+            v.cuda_storage(op)?.ptr(),
+            out.ptr(),
+            lse.ptr(),
+        );
+        let mut ints = vec![
+            int(op, "seq_q", seq_q)?,
+            int(op, "seq_k", seq_k)?,
+            int(op, "heads", heads)?,
+        ];
+        if head_dim_arg {
+            ints.push(int(op, "head_dim", head_dim)?);
+        }
+        ints.push(int(op, "kv_len", kv_len)?);
+        let mut launch = backend.stream.launch_builder(f);
+        launch.arg(&qp).arg(&kp).arg(&vp).arg(&op_ptr).arg(&lp);
+        for i in &ints {
+            launch.arg(i);
+        }
+        launch.arg(&scale);
+        // SAFETY: the caller's contract (above); out and lse were allocated here with the sizes the
+        // kernels write (q's shape, B·H·S_q).
+        unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    }
+    Ok((
+        Tensor::from_cuda(out, q.shape()),
+        Tensor::from_cuda(lse, &[batch, heads, seq_q]),
+    ))
 }
 
 /// q [B, S_q, H, D], k/v [B, S_k, H, D] (one dtype) → (out in q's dtype, lse [B, H, S_q] f32).
@@ -90,61 +157,32 @@ pub(super) fn attention(
             format!("the portable CUDA attention takes head dims up to {MAX_HEAD_DIM}"),
         ));
     }
-    let sq = q.cuda_storage(op)?;
-    let out = backend.alloc(q.dtype(), q.numel())?;
-    let lse = backend.alloc(DType::F32, batch * heads * seq_q)?;
-    if batch * heads * seq_q > 0 {
-        let build = if head_dim <= NARROW_HEAD_DIM {
-            "attention_fwd"
-        } else {
-            "attention_fwd_wide"
-        };
-        let f = backend.function(&SOURCE, &format!("{build}_{}", suffix(q.dtype())))?;
-        let smem = 4 * (KEYS_PER_TILE * (2 * head_dim + 1) + ROWS_PER_BLOCK * head_dim);
-        if smem > 48 * 1024 {
-            f.set_attribute(
-                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .map_err(|e| backend.err(op, "cuFuncSetAttribute", e))?;
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (
-                seq_q.div_ceil(ROWS_PER_BLOCK) as u32,
-                int(op, "heads", heads)? as u32,
-                int(op, "batch", batch)? as u32,
-            ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        let (qp, kp, vp, op_ptr, lp) = (
-            sq.ptr(),
-            k.cuda_storage(op)?.ptr(),
-            v.cuda_storage(op)?.ptr(),
-            out.ptr(),
-            lse.ptr(),
-        );
-        let ints = [
-            int(op, "seq_q", seq_q)?,
-            int(op, "seq_k", seq_k)?,
-            int(op, "heads", heads)?,
-            int(op, "head_dim", head_dim)?,
-            int(op, "kv_len", kv_len)?,
-        ];
-        let mut launch = backend.stream.launch_builder(&f);
-        launch.arg(&qp).arg(&kp).arg(&vp).arg(&op_ptr).arg(&lp);
-        for i in &ints {
-            launch.arg(i);
-        }
-        launch.arg(&scale);
-        // SAFETY: buffers hold the shapes checked by the caller; kv_len ≤ S_k; smem matches the kernel's
-        // carve-up (ks, vs, qs) for this head dim.
-        unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    let build = if head_dim <= NARROW_HEAD_DIM {
+        "attention_fwd"
+    } else {
+        "attention_fwd_wide"
+    };
+    let f = backend.function(&SOURCE, &format!("{build}_{}", suffix(q.dtype())))?;
+    let smem = 4 * (KEYS_PER_TILE * (2 * head_dim + 1) + ROWS_PER_BLOCK * head_dim);
+    let grid = (
+        seq_q.div_ceil(ROWS_PER_BLOCK) as u32,
+        int(op, "heads", heads)? as u32,
+        int(op, "batch", batch)? as u32,
+    );
+    // SAFETY: `attention_fwd*` takes the shared argument list with head_dim; q/k/v hold the shapes
+    // the caller checked, in the dtype of the build picked; kv_len ≤ S_k (checked by the caller); smem
+    // is its carve-up (K, V tiles and the block's Q rows in f32) for this head dim, ≤ 160 KiB.
+    unsafe {
+        launch(
+            op,
+            &backend,
+            &f,
+            (q, k, v),
+            dims,
+            (scale, kv_len, true),
+            (grid, THREADS, smem),
+        )
     }
-    Ok((
-        Tensor::from_cuda(out, q.shape()),
-        Tensor::from_cuda(lse, &[batch, heads, seq_q]),
-    ))
 }
 
 /// `Parts` of attention.cu: up to MAX_PARTS partial (out, lse) addresses.

@@ -2,10 +2,8 @@
 //! `mma.sync` m16n8k16 bf16, `ldmatrix`, cp.async double-buffered K/V): where it applies, which variant,
 //! and the launch. The variants and the automatic choice are in `crate::cuda::attention_kernel`.
 
-use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::cuda::{SOURCE, int};
+use super::cuda::{SOURCE, launch};
 use crate::cuda::attention_kernel::default_flash_variant;
 use crate::cuda::{CudaBackend, FLASH_VARIANTS, FlashVariant};
 use crate::{DType, KernelError, Result, Tensor};
@@ -96,63 +94,35 @@ pub(super) fn attention(
     op: &'static str,
     backend: &CudaBackend,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
-    [batch, seq_q, seq_k, heads, _]: [usize; 5],
+    [batch, seq_q, seq_k, heads, head_dim]: [usize; 5],
     scale: f32,
     kv_len: usize,
     i: usize,
 ) -> Result<(Tensor, Tensor)> {
     let variant = &FLASH_VARIANTS[i];
-    let out = backend.alloc(q.dtype(), q.numel())?;
-    let lse = backend.alloc(DType::F32, batch * heads * seq_q)?;
-    if batch * heads * seq_q > 0 {
-        let f = backend.function(&SOURCE, variant.name)?;
-        let smem = variant.shared_bytes();
-        if smem > 48 * 1024 {
-            f.set_attribute(
-                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .map_err(|e| backend.err(op, "cuFuncSetAttribute", e))?;
-        }
-        let cfg = LaunchConfig {
-            // Wide-head variants run D/DV blocks per head, one per output slice (flash.cu).
-            grid_dim: (
-                seq_q.div_ceil(variant.block_q()) as u32,
-                (heads * variant.slices()) as u32,
-                batch as u32,
-            ),
-            block_dim: (32 * variant.warps, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        let (qp, kp, vp, op_ptr, lp) = (
-            q.cuda_storage(op)?.ptr(),
-            k.cuda_storage(op)?.ptr(),
-            v.cuda_storage(op)?.ptr(),
-            out.ptr(),
-            lse.ptr(),
-        );
-        let ints = [
-            int(op, "seq_q", seq_q)?,
-            int(op, "seq_k", seq_k)?,
-            int(op, "heads", heads)?,
-            int(op, "kv_len", kv_len)?,
-        ];
-        let mut launch = backend.stream.launch_builder(&f);
-        launch.arg(&qp).arg(&kp).arg(&vp).arg(&op_ptr).arg(&lp);
-        for i in &ints {
-            launch.arg(i);
-        }
-        launch.arg(&scale);
-        // SAFETY: bf16 buffers of the shapes checked by the caller (contiguous [B, S, H, D], allocations
-        // 256-byte aligned, rows of D·2 bytes with D a multiple of 64 and output slices starting at
-        // multiples of 128 columns, so every 16-byte cp.async is aligned); kv_len ≤ S_k; smem is the
-        // variant's carve-up (Q, 2 × K, 2 × V slice); the grid's y extent is heads·D/DV as it expects.
-        unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    let f = backend.function(&SOURCE, variant.name)?;
+    // Wide-head variants run D/DV blocks per head, one per output slice (flash.cu).
+    let grid = (
+        seq_q.div_ceil(variant.block_q()) as u32,
+        (heads * variant.slices()) as u32,
+        batch as u32,
+    );
+    // SAFETY: flash.cu's kernels take the shared argument list without head_dim; bf16 buffers of the
+    // shapes checked by `check` (contiguous [B, S, H, D], allocations 256-byte aligned, rows of D·2
+    // bytes with D a multiple of 64 and output slices starting at multiples of 128 columns, so every
+    // 16-byte cp.async is aligned); kv_len ≤ S_k; smem is the variant's carve-up (Q, 2 × K, 2 × V
+    // slice); the grid's y extent is heads·D/DV as it expects.
+    unsafe {
+        launch(
+            op,
+            backend,
+            &f,
+            (q, k, v),
+            [batch, seq_q, seq_k, heads, head_dim],
+            (scale, kv_len, false),
+            (grid, 32 * variant.warps, variant.shared_bytes()),
+        )
     }
-    Ok((
-        Tensor::from_cuda(out, q.shape()),
-        Tensor::from_cuda(lse, &[batch, heads, seq_q]),
-    ))
 }
 
 #[cfg(test)]

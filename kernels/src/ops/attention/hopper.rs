@@ -6,10 +6,8 @@
 //! `KernelError` naming the rule, never a panic and never a silent empty launch (its body is compiled only
 //! for sm_90a, so the architecture is checked before the source is even compiled).
 
-use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::cuda::int;
+use super::cuda::{int, launch};
 use crate::cuda::{CudaBackend, HOPPER_VARIANTS, HopperVariant, KernelSource};
 use crate::{DType, KernelError, Result, Tensor};
 
@@ -110,55 +108,28 @@ pub(super) fn attention(
     kv_len: usize,
     variant: &HopperVariant,
 ) -> Result<(Tensor, Tensor)> {
-    let out = backend.alloc(q.dtype(), q.numel())?;
-    let lse = backend.alloc(DType::F32, batch * heads * seq_q)?;
-    if batch * heads * seq_q > 0 {
-        let f = backend.function(&SOURCE, variant.name)?;
-        let smem = variant.shared_bytes();
-        f.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
+    let f = backend.function(&SOURCE, variant.name)?;
+    let grid = (
+        int(op, "seq_q / 128", seq_q.div_ceil(BLOCK_Q))? as u32,
+        heads as u32,
+        batch as u32,
+    );
+    // SAFETY: hopper.cu's kernels take the shared argument list without head_dim; contiguous bf16
+    // [B, S, H, 128] buffers of the shapes `check` accepted (allocations 256-byte aligned, rows of 256
+    // bytes, so every 16-byte cp.async is aligned); kv_len ≤ S_k; the dynamic shared memory is the
+    // variant's carve-up (Q and its K/V stages, 32 KiB tiles, + 1 KiB of alignment slack), within the
+    // 227 KiB an sm_90 block may opt into (checked by a unit test); the architecture is sm_90a.
+    unsafe {
+        launch(
+            op,
+            backend,
+            &f,
+            (q, k, v),
+            [batch, seq_q, seq_k, heads, HEAD_DIM],
+            (scale, kv_len, false),
+            (grid, THREADS, variant.shared_bytes()),
         )
-        .map_err(|e| backend.err(op, "cuFuncSetAttribute", e))?;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                int(op, "seq_q / 128", seq_q.div_ceil(BLOCK_Q))? as u32,
-                heads as u32,
-                batch as u32,
-            ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        let (qp, kp, vp, op_ptr, lp) = (
-            q.cuda_storage(op)?.ptr(),
-            k.cuda_storage(op)?.ptr(),
-            v.cuda_storage(op)?.ptr(),
-            out.ptr(),
-            lse.ptr(),
-        );
-        let ints = [
-            int(op, "seq_q", seq_q)?,
-            int(op, "seq_k", seq_k)?,
-            int(op, "heads", heads)?,
-            int(op, "kv_len", kv_len)?,
-        ];
-        let mut launch = backend.stream.launch_builder(&f);
-        launch.arg(&qp).arg(&kp).arg(&vp).arg(&op_ptr).arg(&lp);
-        for i in &ints {
-            launch.arg(i);
-        }
-        launch.arg(&scale);
-        // SAFETY: contiguous bf16 [B, S, H, 128] buffers of the shapes checked by the caller (allocations
-        // 256-byte aligned, rows of 256 bytes, so every 16-byte cp.async is aligned); kv_len ≤ S_k; the
-        // dynamic shared memory is the variant's carve-up (Q and its K/V stages, 32 KiB tiles, + 1 KiB
-        // of alignment slack), within the 227 KiB an sm_90 block may opt into (checked by a unit test);
-        // the architecture was checked to be sm_90a.
-        unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
-    Ok((
-        Tensor::from_cuda(out, q.shape()),
-        Tensor::from_cuda(lse, &[batch, heads, seq_q]),
-    ))
 }
 
 #[cfg(test)]

@@ -240,27 +240,6 @@ mod gpu {
         STEPS * (2.0 * GUIDANCE - 1.0) * FORWARD_F32
     }
 
-    /// True when `n` GPUs are usable; skips (false) or, when `DITSTREAM_REQUIRE_GPUS` ≥ n, fails.
-    fn gpus(n: usize) -> bool {
-        if ditstream_kernels::testing::test_gpu().is_none() {
-            return false;
-        }
-        let found = ditstream_kernels::cuda::cuda_device_count().unwrap_or(0);
-        if found >= n {
-            return true;
-        }
-        let required = std::env::var("DITSTREAM_REQUIRE_GPUS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(0);
-        assert!(
-            required < n,
-            "DITSTREAM_REQUIRE_GPUS={required} but only {found} GPU(s) are visible, {n} needed"
-        );
-        eprintln!("skipped: {found} GPU(s), {n} needed");
-        false
-    }
-
     fn params(cfg: &Config, seed: u64) -> GenerateParams {
         RawRequest {
             prompt: "a lantern on a pier".into(),
@@ -310,7 +289,7 @@ mod gpu {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_on_a_gpu_streams_the_gpu_pipelines_video_matching_the_cpu_run() {
-        if !gpus(1) {
+        if !ditstream_kernels::testing::test_gpus(1) {
             return;
         }
         let started = Instant::now();
@@ -428,7 +407,7 @@ mod gpu {
 
     #[test]
     fn a_two_gpu_mesh_equals_one_gpu_on_communicators_formed_once() {
-        if !gpus(2) {
+        if !ditstream_kernels::testing::test_gpus(2) {
             return;
         }
         let one = config("cuda", "[0]", "  cfg_size: 1\n");
@@ -482,7 +461,7 @@ mod gpu {
     /// does; `decoder/tests/parallel_vae_nccl.rs` checks the instance itself on more shapes.
     #[test]
     fn a_two_gpu_vae_instance_equals_one_gpu() {
-        if !gpus(2) {
+        if !ditstream_kernels::testing::test_gpus(2) {
             return;
         }
         let one =

@@ -23,23 +23,6 @@ use ditstream_common::link::{ChunkHeader, LinkDType};
 use ditstream_kernels::{DType, Device, Tensor};
 use tokio::sync::mpsc;
 
-fn two_gpus() -> bool {
-    let required = std::env::var("DITSTREAM_REQUIRE_GPUS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(0);
-    let found = ditstream_kernels::cuda::cuda_device_count().unwrap_or(0);
-    if found >= 2 {
-        return true;
-    }
-    assert!(
-        required < 2,
-        "DITSTREAM_REQUIRE_GPUS={required} but {found} GPU(s) are usable"
-    );
-    eprintln!("skipped: the NCCL link test needs 2 GPUs, found {found}");
-    false
-}
-
 fn register(pending: &Pending, id: &str) -> mpsc::Receiver<Delivery> {
     let (tx, rx) = mpsc::channel(64);
     pending.lock().unwrap().insert(id.to_string(), tx);
@@ -67,7 +50,7 @@ fn latent(frames: usize, dtype: DType, device: Device) -> Tensor {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn latents_cross_gpu_to_gpu_exactly_and_corruption_fails_the_request() {
-    if !two_gpus() {
+    if !ditstream_kernels::testing::test_gpus(2) {
         return;
     }
     let ca = PoolCa::generate("pools").unwrap();

@@ -49,7 +49,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, ensure};
-use ditstream_common::collectives::nccl::{self, NcclComm, NcclWorld};
+use ditstream_common::collectives::nccl::{NcclComm, NcclWorld};
 use ditstream_common::collectives::{CommWorld, Communicator};
 use ditstream_common::config::VaeSplitDim;
 use ditstream_decoder::parallel::ParallelVaeDecoder;
@@ -67,30 +67,6 @@ const TIMEOUT: Duration = Duration::from_secs(180);
 
 fn bf16_rms_bound() -> f64 {
     2.0 * 2f64.sqrt() * BF16_U / 3f64.sqrt() * BF16_ROUNDINGS.sqrt()
-}
-
-/// True when 2 GPUs, libcuda and libnccl are usable; otherwise skips (false) or, when
-/// `DITSTREAM_REQUIRE_GPUS` ≥ 2 is set, fails.
-fn two_gpus() -> bool {
-    let required = std::env::var("DITSTREAM_REQUIRE_GPUS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(0);
-    let why = match (
-        nccl::device_count(),
-        ditstream_kernels::cuda::cuda_device_count(),
-    ) {
-        (Ok(n), Ok(_)) if n >= 2 => return true,
-        (Ok(n), Ok(_)) => format!("{n} CUDA device(s), 2 needed"),
-        (Err(e), _) => e.to_string(),
-        (_, Err(e)) => e.to_string(),
-    };
-    assert!(
-        required < 2,
-        "DITSTREAM_REQUIRE_GPUS={required} but 2 GPUs with NCCL are not usable: {why}"
-    );
-    eprintln!("skipped: {why}");
-    false
 }
 
 /// The fixture folder: under the crate as built, or, for an executable carried to another machine
@@ -278,7 +254,7 @@ fn errors(got: &[f32], want: &[f32]) -> (f64, f64) {
 
 #[test]
 fn two_gpu_decode_matches_one_gpu() -> Result<()> {
-    if !two_gpus() {
+    if !ditstream_kernels::testing::test_gpus(2) {
         return Ok(());
     }
     let started = Instant::now();

@@ -43,7 +43,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ditstream_common::collectives::nccl::{self, NcclWorld};
+use ditstream_common::collectives::nccl::NcclWorld;
 use ditstream_common::config::{Preset, SamplerKind};
 use ditstream_common::mesh::{CpLayout, Mesh};
 use ditstream_denoiser::denoise::{self, Control, DenoiseParams, Experts};
@@ -70,30 +70,6 @@ fn forward_rms_bound() -> f64 {
 fn bounds(kind: &str) -> (f64, f64) {
     let rms = forward_rms_bound() * if kind == "denoise" { GUIDANCE } else { 1.0 };
     (rms, 5.0 * rms)
-}
-
-/// True when 2 GPUs, libcuda and libnccl are usable; otherwise skips (false) or, when
-/// `DITSTREAM_REQUIRE_GPUS` ≥ 2 is set, fails.
-fn two_gpus() -> bool {
-    let required = std::env::var("DITSTREAM_REQUIRE_GPUS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(0);
-    let why = match (
-        nccl::device_count(),
-        ditstream_kernels::cuda::cuda_device_count(),
-    ) {
-        (Ok(n), Ok(_)) if n >= 2 => return true,
-        (Ok(n), Ok(_)) => format!("{n} CUDA device(s), 2 needed"),
-        (Err(e), _) => e.to_string(),
-        (_, Err(e)) => e.to_string(),
-    };
-    assert!(
-        required < 2,
-        "DITSTREAM_REQUIRE_GPUS={required} but 2 GPUs with NCCL are not usable: {why}"
-    );
-    eprintln!("skipped: {why}");
-    false
 }
 
 fn fixture(name: &str) -> PathBuf {
@@ -327,7 +303,7 @@ fn compare(
 }
 
 fn parity(which: Which) {
-    if !two_gpus() {
+    if !ditstream_kernels::testing::test_gpus(2) {
         return;
     }
     let started = Instant::now();

@@ -96,23 +96,32 @@ pub fn assert_close_slices(actual: &[f32], expected: &[f32], atol: f32, rtol: f3
 /// which case their absence fails the test, so a skip never hides a failure on a GPU machine.
 #[cfg(feature = "cuda")]
 pub fn test_gpu() -> Option<crate::Device> {
+    test_gpus(1).then_some(crate::Device::Cuda(0))
+}
+
+/// Whether a test that needs `n` GPUs (`cuda:0..n`) runs: false after printing why when fewer are
+/// usable, unless `DITSTREAM_REQUIRE_GPUS` asks for at least `n`, in which case that fails the test.
+/// With more required than `n`, the machine must have them all (the script said so).
+#[cfg(feature = "cuda")]
+pub fn test_gpus(n: usize) -> bool {
     let required = std::env::var("DITSTREAM_REQUIRE_GPUS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(0);
+    let n = n.max(1);
     match crate::cuda::cuda_device_count() {
-        Ok(n) if n >= required.max(1) => Some(crate::Device::Cuda(0)),
+        Ok(found) if found >= n.max(required) => true,
         outcome => {
             let why = match outcome {
-                Ok(n) => format!("{n} CUDA device(s)"),
+                Ok(found) => format!("{found} CUDA device(s), {n} needed"),
                 Err(e) => e.to_string(),
             };
             assert!(
-                required == 0,
-                "DITSTREAM_REQUIRE_GPUS={required} but the GPU is unusable: {why}"
+                required < n,
+                "DITSTREAM_REQUIRE_GPUS={required} but the GPUs are not usable: {why}"
             );
-            eprintln!("skipped: no usable GPU ({why})");
-            None
+            eprintln!("skipped: {why}");
+            false
         }
     }
 }

@@ -2,7 +2,6 @@
 //! `mma.sync` m16n8k16 bf16, `ldmatrix`, cp.async double-buffered K/V): where it applies, which variant,
 //! and the launch. The variants and the automatic choice are in `crate::cuda::attention_kernel`.
 
-
 use super::cuda::{SOURCE, launch};
 use crate::cuda::attention_kernel::default_flash_variant;
 use crate::cuda::{CudaBackend, FLASH_VARIANTS, FlashVariant};

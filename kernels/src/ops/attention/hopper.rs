@@ -6,7 +6,6 @@
 //! `KernelError` naming the rule, never a panic and never a silent empty launch (its body is compiled only
 //! for sm_90a, so the architecture is checked before the source is even compiled).
 
-
 use super::cuda::{int, launch};
 use crate::cuda::{CudaBackend, HOPPER_VARIANTS, HopperVariant, KernelSource};
 use crate::{DType, KernelError, Result, Tensor};

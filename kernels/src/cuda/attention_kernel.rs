@@ -21,15 +21,19 @@ pub enum AttentionKernel {
     Hopper(usize),
 }
 
-/// One compiled configuration of the Hopper kernel (`hopper_fwd_d128_br128_bc128_s{STAGES}` in
-/// `ops/attention/hopper.cu`): 2 warpgroups × 64 query rows, 128 keys per K/V block, `stages` K/V
-/// buffers.
+/// One compiled configuration of the Hopper kernel (`hopper_fwd_d128_br128_bc128_s{STAGES}` or
+/// `hopper_ws_fwd_d128_br128_bc128_s{STAGES}` in `ops/attention/hopper.cu`): 2 consumer warpgroups × 64
+/// query rows, 128 keys per K/V block, `stages` K/V buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HopperVariant {
     /// Kernel name in hopper.cu (also its label in tests and benchmarks).
     pub name: &'static str,
-    /// K/V stages: 2 waits for P·V in its own iteration, 3 leaves it in flight into the next one.
+    /// K/V stages. cp.async kernels: 2 waits for P·V in its own iteration, 3 leaves it in flight into
+    /// the next one. Warp-specialised kernels: the depth of the TMA rings.
     pub stages: usize,
+    /// The warp-specialised kernel (`hopper_ws_*`: a TMA producer warpgroup, two consumer warpgroups
+    /// taking turns, 384 threads, Q/K/V as tensor maps) rather than the cp.async one (256 threads).
+    pub warp_specialised: bool,
 }
 
 impl HopperVariant {
@@ -46,10 +50,22 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
     HopperVariant {
         name: "hopper_fwd_d128_br128_bc128_s2",
         stages: 2,
+        warp_specialised: false,
     },
     HopperVariant {
         name: "hopper_fwd_d128_br128_bc128_s3",
         stages: 3,
+        warp_specialised: false,
+    },
+    HopperVariant {
+        name: "hopper_ws_fwd_d128_br128_bc128_s2",
+        stages: 2,
+        warp_specialised: true,
+    },
+    HopperVariant {
+        name: "hopper_ws_fwd_d128_br128_bc128_s3",
+        stages: 3,
+        warp_specialised: true,
     },
 ];
 
@@ -207,6 +223,12 @@ mod tests {
         assert!(default_flash_variant(96).is_none());
         for v in HOPPER_VARIANTS {
             assert!(v.name.ends_with(&format!("_s{}", v.stages)), "{}", v.name);
+            assert_eq!(
+                v.name.starts_with("hopper_ws_"),
+                v.warp_specialised,
+                "{}",
+                v.name
+            );
             // 227 KiB is the most dynamic shared memory an sm_90 block may opt into.
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);
         }

@@ -120,6 +120,7 @@ pub(super) fn attention(
             [batch, seq_q, seq_k, heads, head_dim],
             (scale, kv_len, false),
             (grid, 32 * variant.warps, variant.shared_bytes()),
+            None,
         )
     }
 }

@@ -1,12 +1,14 @@
-// ---- Hopper attention forward (stage a of shared/reference/attention.md): wgmma, bf16 in, f32
+// ---- Hopper attention forward (shared/reference/attention.md): wgmma, bf16 in, f32
 // accumulation, bf16 out plus f32 LSE, head dim 128, non-causal, optional valid-key length. sm_90a only
 // (wgmma exists on no other architecture); compiled for anything else the kernel body is empty and the
 // launch side (hopper.rs) refuses to run it.
 //
+// Two kernels share the wgmma, descriptor, softmax and store code below: the cp.async kernel described
+// here (stage a), and the warp-specialised one (TMA producer, ping-pong consumers, softmax overlapped
+// with P·V; stages c–d), described at its namespace `ws` further down, which `Auto` runs.
 // Block = 256 threads = 2 warpgroups (WG), Br = 128 query rows (64 per WG, one wgmma M) of one
-// (batch, head); K/V blocks of Bc = 128 keys. Every thread both loads and computes (no warp
-// specialisation yet: that is stage c). Shared memory, 1024-aligned at run time (the dynamic base is not
-// guaranteed to be, hence 1 KB extra): Q [128 × 128], then STAGES of K [128 × 128], then STAGES of V, each
+// (batch, head); K/V blocks of Bc = 128 keys. Every thread both loads and computes. Shared memory,
+// 1024-aligned at run time (the dynamic base is not guaranteed to be, hence 1 KB extra): Q [128 × 128], then STAGES of K [128 × 128], then STAGES of V, each
 // tile stored as the 128B-swizzle layout wgmma reads: two halves (columns 0–63, then 64–127, each
 // 128 rows × 128 B), and in a half the 16-byte chunk c of row r at r·128 + ((c ⊕ (r & 7))·16). cp.async
 // writes that layout directly (16-byte chunks to swizzled addresses).
@@ -34,6 +36,12 @@
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define HOPPER_WGMMA 1
 #endif
+
+// A CUDA tensor map (CUtensorMap: 128 opaque bytes, encoded on the host by cuTensorMapEncodeTiled),
+// passed by value as a __grid_constant__ kernel parameter.
+struct __align__(128) TmaMap {
+    unsigned long long opaque[16];
+};
 
 #ifdef HOPPER_WGMMA
 
@@ -119,6 +127,67 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+}
+
+// Sets the scores of keys ≥ lim (columns of this K/V block) to −∞: register 4j + e holds column
+// 8j + 2·(lane % 4) + (e & 1).
+__device__ __forceinline__ void mask_keys(float* s, int lim, int lane) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i)
+        if ((i / 4) * 8 + 2 * (lane & 3) + (i & 1) >= lim) s[i] = -INFINITY;
+}
+
+// One block's online softmax in base 2 on raw scores, for this thread's rows r0 (hf 0) and r0 + 8:
+// the new running max m (quad-reduced), α = 2^((m_old − m)·c) (0 on the first block, where m = −∞;
+// exactly 1 when the max stays), s ← p = 2^(s·c − m·c), l ← l·α + Σ p (thread-partial). Needs a finite
+// score per row. Returns whether some row of the warp has a new max, i.e. whether O needs O·α.
+__device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, float* alpha, float c) {
+    bool rescale = false;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        float mx = m[hf];
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        alpha[hf] = ex2((m[hf] - mx) * c);
+        rescale |= mx != m[hf];
+        m[hf] = mx;
+        const float mc = mx * c;
+        float rs = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt) {
+            s[4 * nt + 2 * hf] = ex2(fmaf(s[4 * nt + 2 * hf], c, -mc));
+            s[4 * nt + 2 * hf + 1] = ex2(fmaf(s[4 * nt + 2 * hf + 1], c, -mc));
+            rs += s[4 * nt + 2 * hf] + s[4 * nt + 2 * hf + 1];
+        }
+        l[hf] = l[hf] * alpha[hf] + rs;
+    }
+    return __any_sync(0xffffffffu, rescale);
+}
+
+// O·α, skipped when no row of the warp changed its max (α = 1 exactly then). O must not be in use by
+// a wgmma.
+__device__ __forceinline__ void rescale_o(float* o, const float* alpha, bool rescale) {
+    if (!rescale) return;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+        o[4 * dt] *= alpha[0];
+        o[4 * dt + 1] *= alpha[0];
+        o[4 * dt + 2] *= alpha[1];
+        o[4 * dt + 3] *= alpha[1];
+    }
+}
+
+// P's bf16 A-fragment for keys 16kk…16kk+15 is S column groups 2kk and 2kk+1 (brief §2.3).
+__device__ __forceinline__ void pack_p(const float* s, unsigned (*p)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+        p[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
+        p[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+    }
 }
 
 // Byte offset of 16-byte chunk C (0–15: columns 8C…8C+7) of row r in a swizzled [128 × 128] tile.
@@ -240,56 +309,13 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
             fence_regs(&p[0][0], BC / 4);
         }
 
-        if ((j + 1) * BC > kv_len) {  // the partial last block: mask keys ≥ kv_len
-            const int lim = kv_len - j * BC;
-#pragma unroll
-            for (int i = 0; i < 64; ++i)
-                if ((i / 4) * 8 + 2 * (lane & 3) + (i & 1) >= lim) s[i] = -INFINITY;
-        }
-
-        // Online softmax. Key j·BC < kv_len, so each row has a finite score and the new max is finite.
+        if ((j + 1) * BC > kv_len) mask_keys(s, kv_len - j * BC, lane);  // the partial last block
+        // Key j·BC < kv_len, so each row has a finite score and the new max is finite.
         float alpha[2];
-        bool rescale = false;
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            float mx = m[hf];
-#pragma unroll
-            for (int nt = 0; nt < BC / 8; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            alpha[hf] = ex2((m[hf] - mx) * c);  // 0 on the first block (m = −∞), 1 when the max stays
-            rescale |= mx != m[hf];
-            m[hf] = mx;
-            const float mc = mx * c;
-            float rs = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < BC / 8; ++nt) {
-                s[4 * nt + 2 * hf] = ex2(fmaf(s[4 * nt + 2 * hf], c, -mc));
-                s[4 * nt + 2 * hf + 1] = ex2(fmaf(s[4 * nt + 2 * hf + 1], c, -mc));
-                rs += s[4 * nt + 2 * hf] + s[4 * nt + 2 * hf + 1];
-            }
-            l[hf] = l[hf] * alpha[hf] + rs;
-        }
-        // O·α only when some row of the warp has a new max (α = 1 exactly otherwise). The previous
-        // P·V has completed (a wait 0 since), so the accumulators and P may be touched.
-        if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                o[4 * dt] *= alpha[0];
-                o[4 * dt + 1] *= alpha[0];
-                o[4 * dt + 2] *= alpha[1];
-                o[4 * dt + 3] *= alpha[1];
-            }
-        }
-
-        // P's A-fragment for keys 16kk…16kk+15 is S column groups 2kk and 2kk+1 (brief §2.3).
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) {
-            p[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
-            p[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-            p[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-            p[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-        }
+        const bool rescale = online_softmax(s, m, l, alpha, c);
+        // The previous P·V has completed (a wait 0 since), so the accumulators and P may be touched.
+        rescale_o(o, alpha, rescale);
+        pack_p(s, p);
         // O += P·V: 8 k-steps of 16 keys; V N-major, step kk starts 16 keys = 2048 bytes in.
         fence_regs(o);
         fence_regs(&p[0][0], BC / 4);
@@ -311,6 +337,212 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
     store_rows(out, lse, o, m, l, b, h, q0 + wg * 64 + warp * 16, lane, seq_q, heads, scale);
 }
 
+// ---- The warp-specialised kernel (stages c–d of the brief): 384 threads = two consumer warpgroups
+// (64 query rows each; setmaxnreg 240) and a producer warpgroup (setmaxnreg 24; one thread issues the
+// TMA copies, the rest exit). 128·24 + 256·240 = 64,512 of the 65,536 registers, what the entry count
+// of 168 per thread (__launch_bounds__(384, 1)) hands out. Q, K and V arrive by TMA (4-D tensor maps
+// over [B, S, H, 128], two 64-column boxes per tile into the two swizzled halves, out-of-range rows
+// zero-filled) on mbarriers: full barriers
+// (count 1: the producer's expect_tx) and empty ones (count 2: one elected thread per consumer WG
+// after the wgmma that read the stage has completed). K and V have separate rings of STAGES stages;
+// iteration i uses stage i mod STAGES with phase (i / STAGES) & 1, and the producer's first STAGES
+// empty waits pass on the fresh barriers' odd phase. Blocks run last to first, so the partial block is
+// the first one and only the prologue masks.
+// Per block i ≥ 1 a consumer (brief §1, steps 2.1–2.8): waits K_i and V_{i−1}, takes its turn (named
+// barrier: the two WGs' GEMMs alternate on the tensor cores, so one WG's softmax runs under the other's
+// GEMMs), issues S = Q·K_iᵀ and O += P_{i−1}·V_{i−1}, hands the turn over, waits for S only
+// (wait_group 1), releases K_i, runs the softmax of block i while P·V still runs (intra-warpgroup
+// overlap), waits for P·V, releases V_{i−1}, then O·α and the new P.
+namespace ws {
+
+constexpr int TURN = 1;  // named barriers TURN + w: consumer w's turn to issue (0 is __syncthreads')
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` has completed. A protocol bug would otherwise hang the
+// whole GPU queue: a wait that lasts over 4 s (no legitimate wait here lasts longer than one block's
+// copy) traps instead, which fails the launch with an error. The loop is PTX on purpose: written as a
+// C++ loop around try_wait with __trap(), ptxas (CUDA 13) ignored the consumers' setmaxnreg budget,
+// capped them at the entry count of 168 registers, spilled and serialised the wgmma (C7512).
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .u64 t0, t1, dt;\nmov.u64 t0, %%globaltimer;\n"
+        "WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@p bra DONE;\n"
+        "mov.u64 t1, %%globaltimer;\nsub.u64 dt, t1, t0;\nsetp.lt.u64 p, dt, 4000000000;\n@p bra WAIT;\n"
+        "trap;\nDONE:\n}\n" ::"r"(bar), "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+
+// One [128 × 128] tile: rows [row0, row0 + 128) of head h of batch b, as two 64-column boxes into the
+// two swizzled halves at dst (1024-aligned), completing on `bar`.
+__device__ __forceinline__ void tma_tile(unsigned dst, const TmaMap& map, unsigned bar, int row0, int h, int b) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+        asm volatile(
+            "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+            ::"r"(dst + half * HALF), "l"(reinterpret_cast<u64>(&map)), "r"(bar), "r"(half * 64), "r"(row0), "r"(h), "r"(b)
+            : "memory");
+}
+
+template <int STAGES>
+__device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, bf16* __restrict__ out,
+                                    float* __restrict__ lse, int seq_q, int heads, int kv_len, float scale) {
+    static_assert(STAGES == 2 || STAGES == 3, "K/V stages");
+    extern __shared__ __align__(1024) unsigned char smem[];
+    // full Q, full K[STAGES], full V[STAGES], empty K[STAGES], empty V[STAGES]
+    __shared__ __align__(8) u64 bars[1 + 4 * STAGES];
+    const unsigned base = (smem_addr(smem) + 1023u) & ~1023u;
+    const unsigned sq = base, sk = base + TILE, sv = base + (1 + STAGES) * TILE;
+    const unsigned full_q = smem_addr(&bars[0]);
+    const unsigned full_k = full_q + 8, full_v = full_k + 8 * STAGES;
+    const unsigned empty_k = full_v + 8 * STAGES, empty_v = empty_k + 8 * STAGES;
+
+    const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * BR;
+    // Warpgroups 0 and 1 consume, 2 produces. The warpgroup index is made visibly warp-uniform (a
+    // shuffle, brief §5.7): every .aligned instruction below runs converged per warpgroup.
+    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
+    const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int nblk = (kv_len + BC - 1) / BC;
+    if (nblk <= 0) {  // no valid key: out = 0, lse = −∞ (kv_len is uniform; no barrier has run)
+        if (wg < 2) {
+            const float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+            float zero[64];
+#pragma unroll
+            for (int i = 0; i < 64; ++i) zero[i] = 0.0f;
+            store_rows(out, lse, zero, m, l, b, h, q0 + wg * 64 + warp * 16, lane, seq_q, heads, scale);
+        }
+        return;
+    }
+    if (threadIdx.x == 0) {
+        mbar_init(full_q, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_k + 8 * s, 1);
+            mbar_init(full_v + 8 * s, 1);
+            mbar_init(empty_k + 8 * s, 2);
+            mbar_init(empty_v + 8 * s, 2);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 2) {  // producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (warp != 0 || lane != 0) return;
+        mbar_expect_tx(full_q, TILE);
+        tma_tile(sq, tq, full_q, q0, h, b);
+        for (int i = 0; i < nblk; ++i) {
+            const int j = nblk - 1 - i, s = i % STAGES;
+            const unsigned phase = (i / STAGES) & 1;
+            mbar_wait(empty_k + 8 * s, phase ^ 1);
+            mbar_expect_tx(full_k + 8 * s, TILE);
+            tma_tile(sk + s * TILE, tk, full_k + 8 * s, j * BC, h, b);
+            mbar_wait(empty_v + 8 * s, phase ^ 1);
+            mbar_expect_tx(full_v + 8 * s, TILE);
+            tma_tile(sv + s * TILE, tv, full_v + 8 * s, j * BC, h, b);
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    const int w = wg;                              // consumer 0 or 1
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    const bool leader = threadIdx.x % 128 == 0;    // releases stages for its WG
+    const float c = scale * 1.4426950408889634f;  // scale·log2 e
+    const unsigned q_wg = sq + w * 64 * 128;       // this WG's 64 rows, in each half
+    float s[64];
+    unsigned p[BC / 16][4];
+    if (w == 1) bar_arrive(TURN + 0);  // consumer 0 issues first
+
+    // Prologue: block nblk − 1 (stage 0, phase 0), the only one that can be partial.
+    mbar_wait(full_q, 0);
+    mbar_wait(full_k, 0);
+    bar_sync(TURN + w);
+    fence_regs(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const unsigned off = (kk >> 2) * HALF + (kk & 3) * 32;
+        wgmma_ss(s, desc(q_wg + off, 16, 1024), desc(sk + off, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    bar_arrive(TURN + (1 - w));
+    wgmma_wait0();
+    fence_regs(s);
+    if (leader) mbar_arrive(empty_k);
+    if (nblk * BC > kv_len) mask_keys(s, kv_len - (nblk - 1) * BC, lane);
+    {
+        float alpha[2];
+        online_softmax(s, m, l, alpha, c);  // O = 0: nothing to rescale
+    }
+    pack_p(s, p);
+
+    for (int i = 1; i < nblk; ++i) {
+        const int st = i % STAGES, prev = (i - 1) % STAGES;
+        const unsigned phase = (i / STAGES) & 1, prev_phase = ((i - 1) / STAGES) & 1;
+        const unsigned kt = sk + st * TILE, vt = sv + prev * TILE;
+        mbar_wait(full_k + 8 * st, phase);
+        mbar_wait(full_v + 8 * prev, prev_phase);
+        bar_sync(TURN + w);
+        fence_regs(s);
+        fence_regs(o);
+        fence_regs(&p[0][0], BC / 4);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned off = (kk >> 2) * HALF + (kk & 3) * 32;
+            wgmma_ss(s, desc(q_wg + off, 16, 1024), desc(kt + off, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs(o, p[kk], desc(vt + kk * 2048, HALF, 1024), 1);
+        wgmma_commit();
+        bar_arrive(TURN + (1 - w));
+        wgmma_wait1();  // S is in; P·V of block i − 1 may still run
+        fence_regs(s);
+        if (leader) mbar_arrive(empty_k + 8 * st);
+        float alpha[2];
+        const bool rescale = online_softmax(s, m, l, alpha, c);
+        wgmma_wait0();
+        fence_regs(o);
+        fence_regs(&p[0][0], BC / 4);
+        if (leader) mbar_arrive(empty_v + 8 * prev);
+        rescale_o(o, alpha, rescale);
+        pack_p(s, p);
+    }
+
+    // The last block's P·V (outside the turns: nothing of this WG follows it to overlap with).
+    const int last = (nblk - 1) % STAGES;
+    mbar_wait(full_v + 8 * last, ((nblk - 1) / STAGES) & 1);
+    fence_regs(o);
+    fence_regs(&p[0][0], BC / 4);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs(o, p[kk], desc(sv + last * TILE + kk * 2048, HALF, 1024), 1);
+    wgmma_commit();
+    wgmma_wait0();
+    fence_regs(o);
+    // Consumer 1 arrived on consumer 0's turn once more than consumer 0 synced on it (its opening
+    // arrival): consume it, so no barrier is left mid-phase at exit.
+    if (w == 0) bar_sync(TURN + 0);
+
+    store_rows(out, lse, o, m, l, b, h, q0 + w * 64 + warp * 16, lane, seq_q, heads, scale);
+}
+
+}  // namespace ws
+
 }  // namespace hopper
 
 #endif  // HOPPER_WGMMA
@@ -331,3 +563,21 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
     }
 HOPPER_KERNEL(2)
 HOPPER_KERNEL(3)
+
+// hopper_ws_fwd_d128_br128_bc128_s<STAGES> (the warp-specialised kernel): 384 threads, grid
+// (⌈S_q/128⌉, H, B), dynamic shared memory (1 + 2·STAGES) tiles of 32 KiB + 1 KiB alignment slack; the
+// tensor maps of q, k and v ([B, S, H, 128] bf16, k/v with S = kv_len) come from hopper.rs; seq_k
+// only keeps the argument list the cp.async kernels' (the maps carry the strides).
+#ifdef HOPPER_WGMMA
+#define HOPPER_WS_BODY(STAGES) hopper::ws::fwd<STAGES>(tq, tk, tv, out, lse, seq_q, heads, kv_len, scale);
+#else
+#define HOPPER_WS_BODY(STAGES)
+#endif
+#define HOPPER_WS_KERNEL(STAGES) \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_ws_fwd_d128_br128_bc128_s##STAGES( \
+        const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
+        bf16* out, float* lse, int seq_q, int seq_k, int heads, int kv_len, float scale) { \
+        HOPPER_WS_BODY(STAGES) \
+    }
+HOPPER_WS_KERNEL(2)
+HOPPER_WS_KERNEL(3)

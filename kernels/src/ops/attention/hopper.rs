@@ -1,10 +1,15 @@
-//! Launch side of the Hopper attention kernel (`hopper.cu`: wgmma m64n128k16 with Q/K/V in 128B-swizzled
-//! shared memory, P in registers, cp.async double-buffered K/V; stage a of the implementer's brief
-//! `shared/reference/attention.md`): where it applies and the launch. The variants are
-//! `crate::cuda::HOPPER_VARIANTS`. It runs only when forced with
-//! [`AttentionKernel::Hopper`](crate::cuda::AttentionKernel::Hopper); anything it cannot run is a
-//! `KernelError` naming the rule, never a panic and never a silent empty launch (its body is compiled only
-//! for sm_90a, so the architecture is checked before the source is even compiled).
+//! Launch side of the Hopper attention kernels (`hopper.cu`: wgmma m64n128k16 with Q/K/V in
+//! 128B-swizzled shared memory and P in registers; the implementer's brief is
+//! `shared/reference/attention.md`): where they apply and the launch. Two kinds, variants in
+//! `crate::cuda::HOPPER_VARIANTS`: cp.async K/V staging by every thread (stage a of the brief), and the
+//! warp-specialised kernel (a TMA producer warpgroup and two consumer warpgroups that take turns on the
+//! tensor cores and overlap softmax with P·V; stages c–d), which takes Q/K/V as tensor maps encoded here.
+//! Anything a kernel cannot run is a `KernelError` naming the rule, never a panic and never a silent
+//! empty launch (the bodies are compiled only for sm_90a, so the architecture is checked before the
+//! source is even compiled).
+
+use cudarc::driver::DeviceRepr;
+use cudarc::driver::sys;
 
 use super::cuda::{int, launch};
 use crate::cuda::{CudaBackend, HOPPER_VARIANTS, HopperVariant, KernelSource};
@@ -15,10 +20,12 @@ pub(crate) const SOURCE: KernelSource = KernelSource {
     text: include_str!("hopper.cu"),
 };
 
-/// `D`, `BR`, `THREADS` of hopper.cu.
+/// `D`, `BR` and `BC` of hopper.cu; the block sizes of its two kinds of kernel.
 const HEAD_DIM: usize = 128;
 const BLOCK_Q: usize = 128;
+const BLOCK_K: usize = 128;
 const THREADS: u32 = 256;
+const WS_THREADS: u32 = 384;
 /// The only architecture with wgmma (an sm_90a CUBIN loads on sm_90 only; sm_100 has no wgmma).
 const ARCH: &str = "sm_90a";
 
@@ -51,9 +58,10 @@ fn unsupported(
 }
 
 /// The variant `Auto` runs wherever the Hopper kernel applies (bf16, head dim 128, sm_90a), measured
-/// on the H200 (bench/RESULTS.md, 2026-11-30): three K/V stages, 470–484 TFLOP/s at the DiT shapes,
-/// against 403–431 for two stages and 350–377 for the best mma.sync variant of `flash.cu`.
-const AUTO_VARIANT: &str = "hopper_fwd_d128_br128_bc128_s3";
+/// on the H200 (bench/RESULTS.md, 2026-11-30, third run): the warp-specialised kernel with three-stage
+/// TMA rings, 637–677 TFLOP/s at the DiT shapes (1.11–1.14× torch's SDPA in the same call), against
+/// 632–677 with two stages and 472–487 for the best cp.async variant.
+const AUTO_VARIANT: &str = "hopper_ws_fwd_d128_br128_bc128_s3";
 
 /// The variant `Auto` runs for this call, if the Hopper kernel applies to it.
 pub(super) fn auto(
@@ -96,6 +104,64 @@ pub(super) fn check(
     }
 }
 
+/// A CUDA tensor map (`CUtensorMap`, 128 opaque bytes), passed by value as hopper.cu's `TmaMap`.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+pub(super) struct TensorMap(sys::CUtensorMap);
+
+// SAFETY: plain bytes, laid out and aligned as the kernel's `__grid_constant__ TmaMap` parameter.
+unsafe impl DeviceRepr for TensorMap {}
+
+/// The tensor map of `rows` rows of the contiguous [B, S, H, 128] bf16 buffer `t` (S = `t`'s own
+/// sequence length, which sets the batch stride; `rows` ≤ S, the rows the kernel may read: reads past
+/// them are zero-filled), in boxes of 64 columns × 128 rows of one head with the 128-byte swizzle the
+/// wgmma operands use (hopper.cu's `tma_tile` loads a tile as two such boxes). Brief §3: dims
+/// {128, rows, H, B}, byte strides {H·256, 256, S·H·256}.
+fn tensor_map(
+    op: &'static str,
+    backend: &CudaBackend,
+    t: &Tensor,
+    rows: usize,
+) -> Result<TensorMap> {
+    let &[batch, seq, heads, _] = t.shape() else {
+        unreachable!("attention checked the rank")
+    };
+    let row_bytes = (heads * HEAD_DIM * 2) as u64;
+    // A map may not have an empty dimension; with rows = 0 (kv_len 0) the kernel reads nothing.
+    let dims = [
+        HEAD_DIM as u64,
+        rows.max(1) as u64,
+        heads as u64,
+        batch as u64,
+    ];
+    let strides = [row_bytes, (HEAD_DIM * 2) as u64, seq as u64 * row_bytes];
+    let boxes = [64u32, BLOCK_K as u32, 1, 1];
+    let elem_strides = [1u32; 4];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: the arrays outlive the call and have the rank's lengths (rank − 1 strides); the address
+    // is the start of a live allocation of B·S·H·128 bf16, 256-byte aligned; strides are multiples of
+    // 16 below 2⁴⁰ and the box is within the 128-byte swizzle span (64 bf16) and 256 rows.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            4,
+            t.cuda_storage(op)?.ptr() as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()
+        .map_err(|e| backend.err(op, "cuTensorMapEncodeTiled", e))?;
+        Ok(TensorMap(map.assume_init()))
+    }
+}
+
 /// q [B, S_q, H, 128], k/v [B, S_k, H, 128] bf16 → (out bf16, lse [B, H, S_q] f32) with `variant`, which
 /// `check` returned.
 pub(super) fn attention(
@@ -113,11 +179,25 @@ pub(super) fn attention(
         heads as u32,
         batch as u32,
     );
-    // SAFETY: hopper.cu's kernels take the shared argument list without head_dim; contiguous bf16
-    // [B, S, H, 128] buffers of the shapes `check` accepted (allocations 256-byte aligned, rows of 256
-    // bytes, so every 16-byte cp.async is aligned); kv_len ≤ S_k; the dynamic shared memory is the
-    // variant's carve-up (Q and its K/V stages, 32 KiB tiles, + 1 KiB of alignment slack), within the
-    // 227 KiB an sm_90 block may opt into (checked by a unit test); the architecture is sm_90a.
+    // The warp-specialised kernel reads K and V through maps that end at kv_len, so that TMA zero-fills
+    // the padded keys of the partial block (their P is 0 and V must be finite there).
+    let (maps, threads) = if variant.warp_specialised {
+        let maps = [
+            tensor_map(op, backend, q, seq_q)?,
+            tensor_map(op, backend, k, kv_len)?,
+            tensor_map(op, backend, v, kv_len)?,
+        ];
+        (Some(maps), WS_THREADS)
+    } else {
+        (None, THREADS)
+    };
+    // SAFETY: hopper.cu's kernels take the shared argument list without head_dim (the
+    // warp-specialised ones with the tensor maps, encoded above over these buffers, for the
+    // addresses); contiguous bf16 [B, S, H, 128] buffers of the shapes `check` accepted (allocations
+    // 256-byte aligned, rows of 256 bytes, so every 16-byte cp.async is aligned); kv_len ≤ S_k; the
+    // dynamic shared memory is the variant's carve-up (Q and its K/V stages, 32 KiB tiles, + 1 KiB of
+    // alignment slack), within the 227 KiB an sm_90 block may opt into (checked by a unit test); the
+    // block size is the variant's; the architecture is sm_90a.
     unsafe {
         launch(
             op,
@@ -126,7 +206,8 @@ pub(super) fn attention(
             (q, k, v),
             [batch, seq_q, seq_k, heads, HEAD_DIM],
             (scale, kv_len, false),
-            (grid, THREADS, variant.shared_bytes()),
+            (grid, threads, variant.shared_bytes()),
+            maps.as_ref(),
         )
     }
 }

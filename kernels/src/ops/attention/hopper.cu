@@ -8,10 +8,11 @@
 // with P·V; stages c–d), described at its namespace `ws` further down, which `Auto` runs.
 // Block = 256 threads = 2 warpgroups (WG), Br = 128 query rows (64 per WG, one wgmma M) of one
 // (batch, head); K/V blocks of Bc = 128 keys. Every thread both loads and computes. Shared memory,
-// 1024-aligned at run time (the dynamic base is not guaranteed to be, hence 1 KB extra): Q [128 × 128], then STAGES of K [128 × 128], then STAGES of V, each
-// tile stored as the 128B-swizzle layout wgmma reads: two halves (columns 0–63, then 64–127, each
-// 128 rows × 128 B), and in a half the 16-byte chunk c of row r at r·128 + ((c ⊕ (r & 7))·16). cp.async
-// writes that layout directly (16-byte chunks to swizzled addresses).
+// 1024-aligned at run time (the dynamic base is not guaranteed to be, hence 1 KB extra): Q [128 × 128],
+// then STAGES of K [128 × 128], then STAGES of V, each tile stored as the 128B-swizzle layout wgmma
+// reads: two halves (columns 0–63, then 64–127, each 128 rows × 128 B), and in a half the 16-byte
+// chunk c of row r at r·128 + ((c ⊕ (r & 7))·16). cp.async writes that layout directly (16-byte chunks
+// to swizzled addresses).
 // Per K/V block j:
 //   cp.async.wait_group 0 → fence.proxy.async (the cp.async writes are generic-proxy, wgmma reads
 //   through the async proxy) → barrier (block j is in; no WG still reads the stage block j+1 goes to) →

@@ -34,13 +34,16 @@ pub struct HopperVariant {
     /// The warp-specialised kernel (`hopper_ws_*`: a TMA producer warpgroup, two consumer warpgroups
     /// taking turns, 384 threads, Q/K/V as tensor maps) rather than the cp.async one (256 threads).
     pub warp_specialised: bool,
+    /// Keys per K/V block: 128, or 176 (FlashAttention-3's choice at head dim 128; warp-specialised
+    /// only).
+    pub block_k: usize,
 }
 
 impl HopperVariant {
-    /// Dynamic shared memory: Q and `stages` × (K, V), each [128 × 128] bf16, plus 1 KiB the kernel uses
-    /// to round its base up to the 1024-byte boundary the swizzled wgmma operands need.
+    /// Dynamic shared memory: Q [128 × 128] and `stages` × (K, V) [block_k × 128], bf16, plus 1 KiB the
+    /// kernel uses to round its base up to the 1024-byte boundary the swizzled wgmma operands need.
     pub fn shared_bytes(&self) -> usize {
-        (1 + 2 * self.stages) * 128 * 128 * 2 + 1024
+        (128 + 2 * self.stages * self.block_k) * 128 * 2 + 1024
     }
 }
 
@@ -51,21 +54,31 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         name: "hopper_fwd_d128_br128_bc128_s2",
         stages: 2,
         warp_specialised: false,
+        block_k: 128,
     },
     HopperVariant {
         name: "hopper_fwd_d128_br128_bc128_s3",
         stages: 3,
         warp_specialised: false,
+        block_k: 128,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s2",
         stages: 2,
         warp_specialised: true,
+        block_k: 128,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s3",
         stages: 3,
         warp_specialised: true,
+        block_k: 128,
+    },
+    HopperVariant {
+        name: "hopper_ws_fwd_d128_br128_bc176_s2",
+        stages: 2,
+        warp_specialised: true,
+        block_k: 176,
     },
 ];
 
@@ -223,6 +236,8 @@ mod tests {
         assert!(default_flash_variant(96).is_none());
         for v in HOPPER_VARIANTS {
             assert!(v.name.ends_with(&format!("_s{}", v.stages)), "{}", v.name);
+            assert!(v.name.contains(&format!("_bc{}_", v.block_k)), "{}", v.name);
+            assert!(v.block_k == 128 || v.warp_specialised, "{}", v.name);
             assert_eq!(
                 v.name.starts_with("hopper_ws_"),
                 v.warp_specialised,

@@ -80,9 +80,10 @@ __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.s
 
 // The wait asm names no registers: without these the compiler may move reads of the accumulators above
 // it, or writes of the A-fragments below an issue (brief §2.1, "fence operand").
+template <int N = 64>
 __device__ __forceinline__ void fence_regs(float* d) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 __device__ __forceinline__ void fence_regs(unsigned* a, int n) {
 #pragma unroll
@@ -103,6 +104,15 @@ __device__ __forceinline__ void wgmma_ss(float* d, u64 da, u64 db, int accumulat
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// As wgmma_ss, m64n176k16 (88 accumulators): Q·Kᵀ over K/V blocks of 176 keys.
+__device__ __forceinline__ void wgmma_ss176(float* d, u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n176k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, %88, %89, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
@@ -130,11 +140,13 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return r;
 }
 
+// The helpers below take N, the keys per K/V block: S holds N/2 registers per thread.
 // Sets the scores of keys ≥ lim (columns of this K/V block) to −∞: register 4j + e holds column
 // 8j + 2·(lane % 4) + (e & 1).
+template <int N = BC>
 __device__ __forceinline__ void mask_keys(float* s, int lim, int lane) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i)
+    for (int i = 0; i < N / 2; ++i)
         if ((i / 4) * 8 + 2 * (lane & 3) + (i & 1) >= lim) s[i] = -INFINITY;
 }
 
@@ -142,13 +154,14 @@ __device__ __forceinline__ void mask_keys(float* s, int lim, int lane) {
 // the new running max m (quad-reduced), α = 2^((m_old − m)·c) (0 on the first block, where m = −∞;
 // exactly 1 when the max stays), s ← p = 2^(s·c − m·c), l ← l·α + Σ p (thread-partial). Needs a finite
 // score per row. Returns whether some row of the warp has a new max, i.e. whether O needs O·α.
+template <int N = BC>
 __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, float* alpha, float c) {
     bool rescale = false;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         float mx = m[hf];
 #pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+        for (int nt = 0; nt < N / 8; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         alpha[hf] = ex2((m[hf] - mx) * c);
@@ -157,7 +170,7 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, flo
         const float mc = mx * c;
         float rs = 0.0f;
 #pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt) {
+        for (int nt = 0; nt < N / 8; ++nt) {
             s[4 * nt + 2 * hf] = ex2(fmaf(s[4 * nt + 2 * hf], c, -mc));
             s[4 * nt + 2 * hf + 1] = ex2(fmaf(s[4 * nt + 2 * hf + 1], c, -mc));
             rs += s[4 * nt + 2 * hf] + s[4 * nt + 2 * hf + 1];
@@ -181,9 +194,10 @@ __device__ __forceinline__ void rescale_o(float* o, const float* alpha, bool res
 }
 
 // P's bf16 A-fragment for keys 16kk…16kk+15 is S column groups 2kk and 2kk+1 (brief §2.3).
+template <int N = BC>
 __device__ __forceinline__ void pack_p(const float* s, unsigned (*p)[4]) {
 #pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
+    for (int kk = 0; kk < N / 16; ++kk) {
         p[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
         p[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
         p[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
@@ -384,26 +398,50 @@ __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 25
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
-// One [128 × 128] tile: rows [row0, row0 + 128) of head h of batch b, as two 64-column boxes into the
-// two swizzled halves at dst (1024-aligned), completing on `bar`.
+// One tile of ROWS × 128: rows [row0, row0 + ROWS) of head h of batch b, as two 64-column boxes (the
+// map's box is 64 × ROWS) into the two swizzled halves at dst and dst + ROWS·128 (1024-aligned),
+// completing on `bar`.
+template <int ROWS>
 __device__ __forceinline__ void tma_tile(unsigned dst, const TmaMap& map, unsigned bar, int row0, int h, int b) {
 #pragma unroll
     for (int half = 0; half < 2; ++half)
         asm volatile(
             "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
-            ::"r"(dst + half * HALF), "l"(reinterpret_cast<u64>(&map)), "r"(bar), "r"(half * 64), "r"(row0), "r"(h), "r"(b)
+            ::"r"(dst + half * ROWS * 128), "l"(reinterpret_cast<u64>(&map)), "r"(bar), "r"(half * 64), "r"(row0), "r"(h), "r"(b)
             : "memory");
 }
 
-template <int STAGES>
+// S = Q·Kᵀ over D = 128 for this WG's 64 rows and a K block of KB keys: 8 k-steps of 16; step kk reads
+// 32 bytes of each 128-byte row in half kk/4 (a K half is KB rows, KB·128 bytes).
+template <int KB>
+__device__ __forceinline__ void qk(float* s, unsigned q_wg, unsigned kt) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const unsigned qoff = (kk >> 2) * HALF + (kk & 3) * 32, koff = (kk >> 2) * KB * 128 + (kk & 3) * 32;
+        if constexpr (KB == 128) wgmma_ss(s, desc(q_wg + qoff, 16, 1024), desc(kt + koff, 16, 1024), kk > 0);
+        else wgmma_ss176(s, desc(q_wg + qoff, 16, 1024), desc(kt + koff, 16, 1024), kk > 0);
+    }
+}
+
+// O += P·V over a V block of KB keys: KB/16 k-steps of 16 keys; V N-major (LBO = the other 64-column
+// half, KB·128 bytes on), step kk starts 16 keys = 2048 bytes in.
+template <int KB>
+__device__ __forceinline__ void pv(float* o, unsigned (*p)[4], unsigned vt) {
+#pragma unroll
+    for (int kk = 0; kk < KB / 16; ++kk) wgmma_rs(o, p[kk], desc(vt + kk * 2048, KB * 128, 1024), 1);
+}
+
+template <int STAGES, int KB>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, bf16* __restrict__ out,
                                     float* __restrict__ lse, int seq_q, int heads, int kv_len, float scale) {
-    static_assert(STAGES == 2 || STAGES == 3, "K/V stages");
+    static_assert(KB == 128 || KB == 176, "keys per K/V block: 128, or FA3's 176");
+    static_assert((1 + 2 * STAGES * KB / 128) * TILE + 1024 <= 227 * 1024, "shared memory");
+    constexpr int KV_TILE = KB * 256;  // bytes of a K or V tile
     extern __shared__ __align__(1024) unsigned char smem[];
     // full Q, full K[STAGES], full V[STAGES], empty K[STAGES], empty V[STAGES]
     __shared__ __align__(8) u64 bars[1 + 4 * STAGES];
     const unsigned base = (smem_addr(smem) + 1023u) & ~1023u;
-    const unsigned sq = base, sk = base + TILE, sv = base + (1 + STAGES) * TILE;
+    const unsigned sq = base, sk = base + TILE, sv = base + TILE + STAGES * KV_TILE;
     const unsigned full_q = smem_addr(&bars[0]);
     const unsigned full_k = full_q + 8, full_v = full_k + 8 * STAGES;
     const unsigned empty_k = full_v + 8 * STAGES, empty_v = empty_k + 8 * STAGES;
@@ -413,7 +451,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     // shuffle, brief §5.7): every .aligned instruction below runs converged per warpgroup.
     const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
     const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-    const int nblk = (kv_len + BC - 1) / BC;
+    const int nblk = (kv_len + KB - 1) / KB;
     if (nblk <= 0) {  // no valid key: out = 0, lse = −∞ (kv_len is uniform; no barrier has run)
         if (wg < 2) {
             const float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
@@ -440,22 +478,22 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
         if (warp != 0 || lane != 0) return;
         mbar_expect_tx(full_q, TILE);
-        tma_tile(sq, tq, full_q, q0, h, b);
+        tma_tile<BR>(sq, tq, full_q, q0, h, b);
         for (int i = 0; i < nblk; ++i) {
             const int j = nblk - 1 - i, s = i % STAGES;
             const unsigned phase = (i / STAGES) & 1;
             mbar_wait(empty_k + 8 * s, phase ^ 1);
-            mbar_expect_tx(full_k + 8 * s, TILE);
-            tma_tile(sk + s * TILE, tk, full_k + 8 * s, j * BC, h, b);
+            mbar_expect_tx(full_k + 8 * s, KV_TILE);
+            tma_tile<KB>(sk + s * KV_TILE, tk, full_k + 8 * s, j * KB, h, b);
             mbar_wait(empty_v + 8 * s, phase ^ 1);
-            mbar_expect_tx(full_v + 8 * s, TILE);
-            tma_tile(sv + s * TILE, tv, full_v + 8 * s, j * BC, h, b);
+            mbar_expect_tx(full_v + 8 * s, KV_TILE);
+            tma_tile<KB>(sv + s * KV_TILE, tv, full_v + 8 * s, j * KB, h, b);
         }
         return;
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-    const int w = wg;                              // consumer 0 or 1
+    const int w = wg;  // consumer 0 or 1
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float o[64];
 #pragma unroll
@@ -463,75 +501,64 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     const bool leader = threadIdx.x % 128 == 0;    // releases stages for its WG
     const float c = scale * 1.4426950408889634f;  // scale·log2 e
     const unsigned q_wg = sq + w * 64 * 128;       // this WG's 64 rows, in each half
-    float s[64];
-    unsigned p[BC / 16][4];
+    float s[KB / 2];
+    unsigned p[KB / 16][4];
     if (w == 1) bar_arrive(TURN + 0);  // consumer 0 issues first
 
     // Prologue: block nblk − 1 (stage 0, phase 0), the only one that can be partial.
     mbar_wait(full_q, 0);
     mbar_wait(full_k, 0);
     bar_sync(TURN + w);
-    fence_regs(s);
+    fence_regs<KB / 2>(s);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const unsigned off = (kk >> 2) * HALF + (kk & 3) * 32;
-        wgmma_ss(s, desc(q_wg + off, 16, 1024), desc(sk + off, 16, 1024), kk > 0);
-    }
+    qk<KB>(s, q_wg, sk);
     wgmma_commit();
     bar_arrive(TURN + (1 - w));
     wgmma_wait0();
-    fence_regs(s);
+    fence_regs<KB / 2>(s);
     if (leader) mbar_arrive(empty_k);
-    if (nblk * BC > kv_len) mask_keys(s, kv_len - (nblk - 1) * BC, lane);
+    if (nblk * KB > kv_len) mask_keys<KB>(s, kv_len - (nblk - 1) * KB, lane);
     {
         float alpha[2];
-        online_softmax(s, m, l, alpha, c);  // O = 0: nothing to rescale
+        online_softmax<KB>(s, m, l, alpha, c);  // O = 0: nothing to rescale
     }
-    pack_p(s, p);
+    pack_p<KB>(s, p);
 
     for (int i = 1; i < nblk; ++i) {
         const int st = i % STAGES, prev = (i - 1) % STAGES;
         const unsigned phase = (i / STAGES) & 1, prev_phase = ((i - 1) / STAGES) & 1;
-        const unsigned kt = sk + st * TILE, vt = sv + prev * TILE;
         mbar_wait(full_k + 8 * st, phase);
         mbar_wait(full_v + 8 * prev, prev_phase);
         bar_sync(TURN + w);
-        fence_regs(s);
+        fence_regs<KB / 2>(s);
         fence_regs(o);
-        fence_regs(&p[0][0], BC / 4);
+        fence_regs(&p[0][0], KB / 4);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const unsigned off = (kk >> 2) * HALF + (kk & 3) * 32;
-            wgmma_ss(s, desc(q_wg + off, 16, 1024), desc(kt + off, 16, 1024), kk > 0);
-        }
+        qk<KB>(s, q_wg, sk + st * KV_TILE);
         wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs(o, p[kk], desc(vt + kk * 2048, HALF, 1024), 1);
+        pv<KB>(o, p, sv + prev * KV_TILE);
         wgmma_commit();
         bar_arrive(TURN + (1 - w));
         wgmma_wait1();  // S is in; P·V of block i − 1 may still run
-        fence_regs(s);
+        fence_regs<KB / 2>(s);
         if (leader) mbar_arrive(empty_k + 8 * st);
         float alpha[2];
-        const bool rescale = online_softmax(s, m, l, alpha, c);
+        const bool rescale = online_softmax<KB>(s, m, l, alpha, c);
         wgmma_wait0();
         fence_regs(o);
-        fence_regs(&p[0][0], BC / 4);
+        fence_regs(&p[0][0], KB / 4);
         if (leader) mbar_arrive(empty_v + 8 * prev);
         rescale_o(o, alpha, rescale);
-        pack_p(s, p);
+        pack_p<KB>(s, p);
     }
 
     // The last block's P·V (outside the turns: nothing of this WG follows it to overlap with).
     const int last = (nblk - 1) % STAGES;
     mbar_wait(full_v + 8 * last, ((nblk - 1) / STAGES) & 1);
     fence_regs(o);
-    fence_regs(&p[0][0], BC / 4);
+    fence_regs(&p[0][0], KB / 4);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs(o, p[kk], desc(sv + last * TILE + kk * 2048, HALF, 1024), 1);
+    pv<KB>(o, p, sv + last * KV_TILE);
     wgmma_commit();
     wgmma_wait0();
     fence_regs(o);
@@ -565,20 +592,22 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 HOPPER_KERNEL(2)
 HOPPER_KERNEL(3)
 
-// hopper_ws_fwd_d128_br128_bc128_s<STAGES> (the warp-specialised kernel): 384 threads, grid
-// (⌈S_q/128⌉, H, B), dynamic shared memory (1 + 2·STAGES) tiles of 32 KiB + 1 KiB alignment slack; the
-// tensor maps of q, k and v ([B, S, H, 128] bf16, k/v with S = kv_len) come from hopper.rs; seq_k
-// only keeps the argument list the cp.async kernels' (the maps carry the strides).
+// hopper_ws_fwd_d128_br128_bc<KB>_s<STAGES> (the warp-specialised kernel): 384 threads, grid
+// (⌈S_q/128⌉, H, B), dynamic shared memory Q (32 KiB) + 2·STAGES K/V tiles of KB·256 bytes + 1 KiB
+// alignment slack; the tensor maps of q ([B, S_q, H, 128] bf16, box 64 × 128) and of k and v (S =
+// kv_len, box 64 × KB) come from hopper.rs; seq_k only keeps the argument list the cp.async kernels'
+// (the maps carry the strides).
 #ifdef HOPPER_WGMMA
-#define HOPPER_WS_BODY(STAGES) hopper::ws::fwd<STAGES>(tq, tk, tv, out, lse, seq_q, heads, kv_len, scale);
+#define HOPPER_WS_BODY(STAGES, KB) hopper::ws::fwd<STAGES, KB>(tq, tk, tv, out, lse, seq_q, heads, kv_len, scale);
 #else
-#define HOPPER_WS_BODY(STAGES)
+#define HOPPER_WS_BODY(STAGES, KB)
 #endif
-#define HOPPER_WS_KERNEL(STAGES) \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_ws_fwd_d128_br128_bc128_s##STAGES( \
+#define HOPPER_WS_KERNEL(STAGES, KB) \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_ws_fwd_d128_br128_bc##KB##_s##STAGES( \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         bf16* out, float* lse, int seq_q, int seq_k, int heads, int kv_len, float scale) { \
-        HOPPER_WS_BODY(STAGES) \
+        HOPPER_WS_BODY(STAGES, KB) \
     }
-HOPPER_WS_KERNEL(2)
-HOPPER_WS_KERNEL(3)
+HOPPER_WS_KERNEL(2, 128)
+HOPPER_WS_KERNEL(3, 128)
+HOPPER_WS_KERNEL(2, 176)

@@ -20,10 +20,9 @@ pub(crate) const SOURCE: KernelSource = KernelSource {
     text: include_str!("hopper.cu"),
 };
 
-/// `D`, `BR` and `BC` of hopper.cu; the block sizes of its two kinds of kernel.
+/// `D` and `BR` of hopper.cu; the block sizes of its two kinds of kernel.
 const HEAD_DIM: usize = 128;
 const BLOCK_Q: usize = 128;
-const BLOCK_K: usize = 128;
 const THREADS: u32 = 256;
 const WS_THREADS: u32 = 384;
 /// The only architecture with wgmma (an sm_90a CUBIN loads on sm_90 only; sm_100 has no wgmma).
@@ -112,20 +111,19 @@ pub(super) struct TensorMap(sys::CUtensorMap);
 // SAFETY: plain bytes, laid out and aligned as the kernel's `__grid_constant__ TmaMap` parameter.
 unsafe impl DeviceRepr for TensorMap {}
 
-/// The tensor map of `rows` rows of the contiguous [B, S, H, 128] bf16 buffer `t` (S = `t`'s own
-/// sequence length, which sets the batch stride; `rows` ≤ S, the rows the kernel may read: reads past
-/// them are zero-filled), in boxes of 64 columns × 128 rows of one head with the 128-byte swizzle the
-/// wgmma operands use (hopper.cu's `tma_tile` loads a tile as two such boxes). Brief §3: dims
-/// {128, rows, H, B}, byte strides {H·256, 256, S·H·256}.
+/// The tensor map of `rows` rows of the contiguous [B, S, H, 128] bf16 buffer `t` (`[batch, seq,
+/// heads]`; S sets the batch stride; `rows` ≤ S, the rows the kernel may read: reads past
+/// them are zero-filled), in boxes of 64 columns × `box_rows` rows of one head with the 128-byte
+/// swizzle the wgmma operands use (hopper.cu's `tma_tile` loads a tile as two such boxes). Brief §3:
+/// dims {128, rows, H, B}, byte strides {H·256, 256, S·H·256}.
 fn tensor_map(
     op: &'static str,
     backend: &CudaBackend,
     t: &Tensor,
+    [batch, seq, heads]: [usize; 3],
+    box_rows: usize,
     rows: usize,
 ) -> Result<TensorMap> {
-    let &[batch, seq, heads, _] = t.shape() else {
-        unreachable!("attention checked the rank")
-    };
     let row_bytes = (heads * HEAD_DIM * 2) as u64;
     // A map may not have an empty dimension; with rows = 0 (kv_len 0) the kernel reads nothing.
     let dims = [
@@ -135,7 +133,7 @@ fn tensor_map(
         batch as u64,
     ];
     let strides = [row_bytes, (HEAD_DIM * 2) as u64, seq as u64 * row_bytes];
-    let boxes = [64u32, BLOCK_K as u32, 1, 1];
+    let boxes = [64u32, box_rows as u32, 1, 1];
     let elem_strides = [1u32; 4];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
     // SAFETY: the arrays outlive the call and have the rank's lengths (rank − 1 strides); the address
@@ -183,9 +181,23 @@ pub(super) fn attention(
     // the padded keys of the partial block (their P is 0 and V must be finite there).
     let (maps, threads) = if variant.warp_specialised {
         let maps = [
-            tensor_map(op, backend, q, seq_q)?,
-            tensor_map(op, backend, k, kv_len)?,
-            tensor_map(op, backend, v, kv_len)?,
+            tensor_map(op, backend, q, [batch, seq_q, heads], BLOCK_Q, seq_q)?,
+            tensor_map(
+                op,
+                backend,
+                k,
+                [batch, seq_k, heads],
+                variant.block_k,
+                kv_len,
+            )?,
+            tensor_map(
+                op,
+                backend,
+                v,
+                [batch, seq_k, heads],
+                variant.block_k,
+                kv_len,
+            )?,
         ];
         (Some(maps), WS_THREADS)
     } else {

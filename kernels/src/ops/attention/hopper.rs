@@ -57,10 +57,10 @@ fn unsupported(
 }
 
 /// The variant `Auto` runs wherever the Hopper kernel applies (bf16, head dim 128, sm_90a), measured
-/// on the H200 (bench/RESULTS.md, 2026-11-30, third run): the warp-specialised kernel with three-stage
-/// TMA rings, 637–677 TFLOP/s at the DiT shapes (1.11–1.14× torch's SDPA in the same call), against
-/// 632–677 with two stages and 472–487 for the best cp.async variant.
-const AUTO_VARIANT: &str = "hopper_ws_fwd_d128_br128_bc128_s3";
+/// on the H200 (bench/RESULTS.md, 2026-11-30, third session): the warp-specialised kernel with K/V
+/// blocks of 176 keys (two-stage TMA rings), 651–723 TFLOP/s at the DiT shapes, 1.14–1.24× torch's
+/// SDPA in the same call; the 128-key blocks ran at 619–683, the cp.async kernel at 468–479.
+const AUTO_VARIANT: &str = "hopper_ws_fwd_d128_br128_bc176_s2";
 
 /// The variant `Auto` runs for this call, if the Hopper kernel applies to it.
 pub(super) fn auto(

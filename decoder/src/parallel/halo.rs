@@ -150,6 +150,16 @@ impl<C: TensorWire + Send> HaloOps<'_, C> {
             [ws[2], ws[3], ws[4]]
         };
         let halo = kernel[axis - 2] / 2;
+        // Host-side markers for the benchmark's per-rank breakdown (bench/src/bin/vae_decode.rs
+        // reads them through a tracing layer); no cost without a subscriber.
+        let xs = x.shape();
+        let _span = match (ws, xs) {
+            (&[c_out, c_in, kt, kh, kw], &[_, _, t, h, w]) => {
+                tracing::debug_span!("parallel_vae_conv", c_in, c_out, kt, kh, kw, t, h, w, kind,)
+            }
+            _ => tracing::Span::none(),
+        }
+        .entered();
         // No neighbourhood along the split axis (1×1 convs, time_conv, a single rank), or arguments the
         // kernel's own checks reject (even kernels, too many cached frames): nothing to exchange.
         if plain || halo == 0 || kernel.iter().any(|k| k % 2 == 0) || cached >= kernel[0] {
@@ -160,22 +170,6 @@ impl<C: TensorWire + Send> HaloOps<'_, C> {
                 None => Unsharded.causal_conv3d(x, weight, bias, cache),
             };
         }
-        // Host-side markers for the benchmark's per-rank breakdown (bench/src/bin/vae_decode.rs
-        // reads them through a tracing layer); no cost without a subscriber.
-        let xs = x.shape();
-        let _span = tracing::debug_span!(
-            "parallel_vae_conv",
-            c_in = ws[1],
-            c_out = ws[0],
-            kt = ws[2],
-            kh = ws[3],
-            kw = ws[4],
-            t = xs[2],
-            h = xs[3],
-            w = xs[4],
-            kind,
-        )
-        .entered();
         let device = match x.device() {
             Device::Cpu => 0,
             Device::Cuda(ordinal) => ordinal + 1,

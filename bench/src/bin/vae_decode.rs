@@ -1172,7 +1172,7 @@ fn print_profile2(rank: usize, total: f64, rows: &[(String, usize, f64, f64)]) {
     }
     let other = total - conv_ms - attn_ms;
     for (what, ms) in [
-        ("sharded convs (incl. halo exchange and copies)", conv_ms),
+        ("convolutions (incl. halo exchange and copies)", conv_ms),
         ("  of which halo exchange + copies", halo_ms),
         ("mid-block attention (incl. k/v gather)", attn_ms),
         ("  of which k/v gather", kv_ms),

@@ -1177,7 +1177,7 @@ fn print_profile2(rank: usize, total: f64, rows: &[(String, usize, f64, f64)]) {
         ("mid-block attention (incl. k/v gather)", attn_ms),
         ("  of which k/v gather", kv_ms),
         (
-            "everything else (1x1 convs, norms, SiLU, upsample, clamp, idle)",
+            "everything else (norms, SiLU, upsample, concat, clamp, idle)",
             other,
         ),
     ] {

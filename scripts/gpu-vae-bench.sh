@@ -15,12 +15,18 @@
 #      threshold (0: freed memory goes back to the driver at every sync);
 #   6. a short table last.
 # Expected run time: about 3–4 minutes (5–6 with --extra), most of it kernel compilation on first use
-# and the decodes. Logs go to $OUT (the device runner's output folder) when set, else
+# and the decodes.
+# With --pvae (issue 7's parallel-VAE speedup): only step 2 and ours at 480p bf16 on 1 and 2 GPUs
+# (height split) with the per-rank breakdown, the 1-GPU and per-rank profiles, cuDNN's plans and the
+# launch count of one chunk (no attention parity, no diffusers, no 720p); about 2–3 minutes; the
+# table last is the breakdown, the profiles side by side and the speedup. Logs go to $OUT (the device runner's output folder) when set, else
 # /tmp/ditstream-gpu. Exits non-zero if any step failed (the table is printed anyway).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 extra=0
+pvae=0
 [ "${1:-}" = "--extra" ] && extra=1
+[ "${1:-}" = "--pvae" ] && pvae=1
 
 LOGS=${OUT:-/tmp/ditstream-gpu}
 mkdir -p "$LOGS"
@@ -44,6 +50,7 @@ for bin in target/gpu/kernels_cuda_parity target/gpu/decoder_parallel_vae_nccl t
   fi
 done
 
+if [ "$pvae" -eq 0 ]; then
 step "CUDA attention parity, head dims 64–512 (DITSTREAM_REQUIRE_GPUS=1)"
 start=$(date +%s%N)
 DITSTREAM_REQUIRE_GPUS=1 timeout 300 target/gpu/kernels_cuda_parity attention --test-threads=1 \
@@ -52,6 +59,7 @@ rc=$?
 echo "exit $rc after $(( ($(date +%s%N) - start) / 1000000 )) ms"
 grep -E "^test |panicked|test result" "$LOGS/attention_parity.log" | head -n 20
 [ "$rc" -eq 0 ] || { echo "attention parity FAILED (exit $rc)"; status=1; }
+fi
 
 step "parallel VAE on 2 GPUs over NCCL vs 1 GPU (DITSTREAM_REQUIRE_GPUS=2)"
 start=$(date +%s%N)
@@ -86,6 +94,45 @@ theirs() { # $1: log name, then vae_decode_torch.py's arguments
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "vae_decode_torch $name FAILED"; status=1; }
 }
 
+if [ "$pvae" -eq 1 ]; then
+  ours 480p_bf16 --height 480 --width 832 --frames 81 --dtype bf16 --gpus 2 --split height \
+    --warmup 1 --iters 2 --profile --launches
+  step "summary (--pvae)"
+  echo "parallel VAE, 2 GPUs vs 1 (max |diff|, RMS(diff)/RMS(want), bound):"
+  grep -ho 'VAE_NCCL.*' "$LOGS/parallel_vae_nccl.log" | awk -F'\t' \
+    '{ printf "  %-12s %-5s %-15s %-7s %11s %11s  %-26s %s\n", $2, $3, $4, $5, $6, $7, $8, $9 }'
+  log="$LOGS/ours_480p_bf16.log"
+  echo
+  echo "cuDNN plans of the 3x3 convs (cuda:0: full shapes and rank 0's bands; cuda:1: rank 1's bands):"
+  grep -h '^PLAN' "$log" | grep -E 'k \[(3|1), 3, 3\]' | cut -f2- | sed 's/^/  /' | head -n 40
+  echo
+  echo "1 GPU, one decode with events around each conv (top 10, then totals):"
+  grep -h '^OP	' "$log" | head -n 10 | awk -F'\t' '{ printf "  %-52s %6s %9s ms %6s %% %8s TFLOP/s\n", $2, $3, $4, $5, $6 }'
+  grep -h '^PROFILE	' "$log" | awk -F'\t' '{ printf "  %-72s %9s ms %6s %%\n", $2, $3, $5 }'
+  for r in 0 1; do
+    echo "2 GPUs, rank $r, one decode with events around each sharded op (top 12, then totals):"
+    grep -h "^OP2	rank$r	" "$log" | head -n 12 | awk -F'\t' '{ printf "  %-52s %6s %9s ms %6s %% %8s TFLOP/s\n", $3, $4, $5, $6, $7 }'
+    grep -h "^PROFILE2	rank$r	" "$log" | awk -F'\t' '{ printf "  %-72s %9s ms %6s %%\n", $3, $4, $6 }'
+  done
+  echo
+  echo "GPU work items of one steady-state 1-GPU chunk:"
+  grep -h '^LAUNCHES' "$log" | awk -F'\t' '{ printf "  %-40s %s\n", $2, $3 }'
+  echo
+  echo "host time per step, summed over the 21 chunks of the median decode (ms; backlog: GPU work still"
+  echo "queued when the host finished queueing each chunk, summed; ~0 = the GPU waited for the host):"
+  grep -h '^BREAKDOWN' "$log" | awk -F'\t' '
+    NR == 1 { next }
+    { printf "  %-11s wall %7s  GPU %7s  queue %7s  agree %6s  kv-gather %6s  waited-halo %6s (%s)  sync %7s  gather %7s  other %6s  backlog %7s  halos %s (%s ms host)\n",
+        $2, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16 }'
+  echo
+  grep -hE '^(RESULT|SPEEDUP)' "$log" | awk -F'\t' '
+    $1 == "RESULT" { printf "  ours %s, %s GPU(s): %s ms (first frame %s ms, later chunks median %s ms)\n", $3, $4, $5, $6, $7 }
+    $1 == "SPEEDUP" { printf "  2-GPU speedup %sx (target >= 1.8x)\n", $5 }'
+  echo
+  [ "$status" -eq 0 ] && echo "gpu-vae-bench --pvae: all steps passed" || echo "gpu-vae-bench --pvae: SOME STEPS FAILED"
+  exit "$status"
+fi
+
 ours 480p_bf16 --height 480 --width 832 --frames 81 --dtype bf16 --gpus 2 --split height \
   --warmup 1 --iters 2 --profile --attention
 theirs 480p_bf16 --height 480 --width 832 --frames 81 --dtype bf16 --warmup 1 --iters 2
@@ -111,9 +158,9 @@ grep -ho 'VAE_NCCL.*' "$LOGS/parallel_vae_nccl.log" | awk -F'\t' \
   '{ printf "  %-12s %-5s %-15s %-7s %11s %11s  %-26s %s\n", $2, $3, $4, $5, $6, $7, $8, $9 }'
 echo
 echo "where ours spends the time (480p bf16, 1 GPU, one decode with events around each conv):"
-grep -h '^OP' "$LOGS/ours_480p_bf16.log" 2>/dev/null | head -n 11 | awk -F'\t' \
+grep -h '^OP	' "$LOGS/ours_480p_bf16.log" 2>/dev/null | head -n 11 | awk -F'\t' \
   '{ printf "  %-52s %6s %10s %12s %8s\n", $2, $3, $4, $5, $6 }'
-grep -h '^PROFILE' "$LOGS/ours_480p_bf16.log" 2>/dev/null | awk -F'\t' '{ printf "  %-70s %9s ms %6s %%\n", $2, $3, $5 }'
+grep -h '^PROFILE	' "$LOGS/ours_480p_bf16.log" 2>/dev/null | awk -F'\t' '{ printf "  %-70s %9s ms %6s %%\n", $2, $3, $5 }'
 grep -h '^ATTENTION' "$LOGS/ours_480p_bf16.log" 2>/dev/null | awk -F'\t' \
   '{ printf "  attention alone %-40s %s %s %s ms/frame %s TFLOP/s\n", $2, $3, $4, $5, $7 }'
 echo

@@ -28,6 +28,23 @@
 //! their SiLU, the remaining adds, concatenations, clamp, and any GPU idle time between ops). `--attention` times the mid-block attention kernels alone at the
 //! frame's token count (one head of 384).
 //!
+//! **Per-rank breakdown** (always printed, `BREAKDOWN` lines, summed over the chunks of the median
+//! timed decode; for the 1-GPU run and each rank of the 2-GPU run): the host's time in each step,
+//! read from the decoder's `tracing` spans by a layer installed here (the library only marks its
+//! steps): queueing the chunk's work (decode_chunk less the waits below), the agreement step, the
+//! key/value gather of the mid-block attention, host-waited halo exchanges (a conv shape's first run
+//! only), the wait for the communicator at the chunk's end, and the gather of the frames to rank 0;
+//! plus the GPU's span from CUDA events, and the GPU's backlog when the host finished queueing each
+//! chunk: the GPU clock of an event recorded at that moment less the host clock then, both from the
+//! decode's start (the stream drained, so they start together). A backlog near 0 means the GPU had
+//! already run everything queued, i.e. it waited for the host (launch-bound); a large one means the
+//! host was ahead and its waits cost nothing. With `--profile`, the 2-GPU decode also runs once with
+//! CUDA events at the edges of every sharded conv, halo exchange and attention (`OP2` lines per
+//! rank, comparable with the 1-GPU `OP` lines) and prints cuDNN's plan per conv shape and GPU (`PLAN`:
+//! the band shapes' algorithms beside the full shapes'). `--launches` counts the GPU work items of
+//! one steady-state 1-GPU chunk by type (kernels, memsets, allocations…; a stream capture into a CUDA
+//! graph that never runs, so it runs last and the process exits after it).
+//!
 //! Warm-up (`--warmup N`): N decodes of the first min(3, T) latent frames of a fresh stream: chunks 0,
 //! 1 and 2 hit every distinct shape (cache of 0, 1, 2 frames; time_conv skipped, zero-padded, cached),
 //! so they compile every kernel, plan every GEMM and grow the memory pool to the per-chunk peak; later
@@ -36,7 +53,7 @@
 //! with the driver's default (0) the pool returns all free memory at every synchronisation and the next
 //! chunk maps it again.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,7 +68,8 @@ use ditstream_common::config::VaeSplitDim;
 use ditstream_decoder::parallel::ParallelVaeDecoder;
 use ditstream_decoder::vae::{SpatialOps, Unsharded, VaeConfig, VaeError, WanVaeDecoder};
 use ditstream_kernels::cuda::{
-    AttentionKernel, FLASH_VARIANTS, cuda_stream, synchronize, with_attention_kernel,
+    AttentionKernel, FLASH_VARIANTS, cuda_stream, cudnn_conv_plans, synchronize,
+    with_attention_kernel,
 };
 use ditstream_kernels::weights::RandomWeights;
 use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention};
@@ -95,6 +113,9 @@ struct Args {
     /// Seed of the random weights (the latent uses seed + 1).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Count the GPU work items of one 1-GPU chunk (a CUDA graph capture; runs last, then exits).
+    #[arg(long)]
+    launches: bool,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -185,10 +206,17 @@ struct Run {
     wall_ms: f64,
     /// Per chunk (ms).
     chunk_ms: Vec<f64>,
+    /// Where the host's time went (see the module docs).
+    breakdown: Breakdown,
 }
 
 impl Run {
-    fn from_events(start: &CudaEvent, ends: &[CudaEvent], wall_ms: f64) -> Result<Run> {
+    fn from_events(
+        start: &CudaEvent,
+        ends: &[CudaEvent],
+        wall_ms: f64,
+        breakdown: Breakdown,
+    ) -> Result<Run> {
         let mut chunk_ms = Vec::with_capacity(ends.len());
         let mut prev = start;
         for end in ends {
@@ -199,7 +227,137 @@ impl Run {
             total_ms: ms_between(start, prev)?,
             wall_ms,
             chunk_ms,
+            breakdown: Breakdown {
+                gpu_ms: ms_between(start, prev)?,
+                ..breakdown
+            },
         })
+    }
+}
+
+/// One decode's host and GPU time, summed over its chunks (module docs, "Per-rank breakdown").
+#[derive(Debug, Clone, Default)]
+struct Breakdown {
+    chunks: usize,
+    /// Host: the decode's start to the last chunk's end (its frames gathered).
+    wall_ms: f64,
+    /// GPU: start event to the last chunk's end event.
+    gpu_ms: f64,
+    /// Host inside decode_chunk (1 GPU: `vae_decode_chunk`; 2 GPUs: `parallel_vae_decode_chunk`).
+    decode_ms: f64,
+    agree_ms: f64,
+    attention_gather_ms: f64,
+    /// Host-waited halo exchanges: (count, ms).
+    halo_waited: (usize, f64),
+    /// Stream-ordered halo exchanges: (count, host ms to queue them).
+    halo_queued: (usize, f64),
+    sync_ms: f64,
+    gather_ms: f64,
+    /// Sharded convs run.
+    convs: usize,
+    /// Σ over chunks of the GPU's backlog when the host finished queueing the chunk; `None` when the
+    /// marks are missing.
+    backlog_ms: Option<f64>,
+}
+
+impl Breakdown {
+    /// From this thread's span records, the decode's start (`t0`, `start`, together) and, per chunk,
+    /// where the host finished queueing it: its clock and an event recorded then.
+    fn new(
+        records: &clock::Thread,
+        (t0, start): (Instant, &CudaEvent),
+        queued: &[(Instant, &CudaEvent)],
+        end: Instant,
+        chunks: usize,
+    ) -> Result<Breakdown> {
+        let host = |name: &str| records.host.get(name).copied().unwrap_or((0, 0.0));
+        let backlog_ms = if queued.len() == chunks {
+            let mut sum = 0.0;
+            for (at, e) in queued {
+                let host_ms = at.duration_since(t0).as_secs_f64() * 1e3;
+                sum += ms_between(start, e)? - host_ms;
+            }
+            Some(sum)
+        } else {
+            None
+        };
+        let parallel = host("parallel_vae_decode_chunk");
+        Ok(Breakdown {
+            chunks,
+            wall_ms: end.duration_since(t0).as_secs_f64() * 1e3,
+            gpu_ms: 0.0,
+            decode_ms: if parallel.0 > 0 {
+                parallel.1
+            } else {
+                host("vae_decode_chunk").1
+            },
+            agree_ms: host("parallel_vae_agree").1,
+            attention_gather_ms: host("parallel_vae_attention_gather").1,
+            halo_waited: host("parallel_vae_halo_waited"),
+            halo_queued: host("parallel_vae_halo"),
+            sync_ms: host("parallel_vae_sync").1,
+            gather_ms: host("parallel_vae_gather").1,
+            convs: host("parallel_vae_conv").0,
+            backlog_ms,
+        })
+    }
+
+    /// Host time queueing work: decode_chunk less its waits.
+    fn enqueue_ms(&self) -> f64 {
+        self.decode_ms
+            - self.agree_ms
+            - self.attention_gather_ms
+            - self.halo_waited.1
+            - self.sync_ms
+    }
+
+    /// Host time outside decode_chunk and the gather (the loop, the latent's narrowing, events).
+    fn other_ms(&self) -> f64 {
+        self.wall_ms - self.decode_ms - self.gather_ms
+    }
+
+    /// The `BREAKDOWN` line of run `name`, then a readable one.
+    fn print(&self, name: &str) {
+        let backlog = self
+            .backlog_ms
+            .map_or_else(|| "-".to_string(), |b| format!("{b:.1}"));
+        println!(
+            "BREAKDOWN\t{name}\t{}\t{:.1}\t{:.1}\t{:.1}\t{:.1}\t{:.1}\t{:.1}\t{}\t{:.1}\t{:.1}\t{:.1}\t{backlog}\t{}\t{:.1}\t{}",
+            self.chunks,
+            self.wall_ms,
+            self.gpu_ms,
+            self.enqueue_ms(),
+            self.agree_ms,
+            self.attention_gather_ms,
+            self.halo_waited.1,
+            self.halo_waited.0,
+            self.sync_ms,
+            self.gather_ms,
+            self.other_ms(),
+            self.halo_queued.0,
+            self.halo_queued.1,
+            self.convs,
+        );
+        println!(
+            "  {name}: {} chunks, host wall {:.1} ms, GPU {:.1} ms; host queueing {:.1}, agree {:.1}, \
+             attention k/v gather {:.1}, waited halos {:.1} ({}), end-of-chunk sync {:.1}, gather {:.1}, \
+             other {:.1}; GPU backlog at each chunk's queueing end, summed: {backlog} ms; {} queued halo \
+             exchanges ({:.1} ms of host), {} sharded convs",
+            self.chunks,
+            self.wall_ms,
+            self.gpu_ms,
+            self.enqueue_ms(),
+            self.agree_ms,
+            self.attention_gather_ms,
+            self.halo_waited.1,
+            self.halo_waited.0,
+            self.sync_ms,
+            self.gather_ms,
+            self.other_ms(),
+            self.halo_queued.0,
+            self.halo_queued.1,
+            self.convs,
+        );
     }
 }
 
@@ -211,6 +369,8 @@ struct Summary {
     first_ms: f64,
     later_median_ms: f64,
     later_max_ms: f64,
+    /// The median run's breakdown.
+    breakdown: Breakdown,
 }
 
 fn summarise(runs: &[Run]) -> Result<Summary> {
@@ -231,6 +391,7 @@ fn summarise(runs: &[Run]) -> Result<Summary> {
         first_ms: mid.chunk_ms.first().copied().unwrap_or(0.0),
         later_median_ms: median(later).unwrap_or(0.0),
         later_max_ms: later.iter().copied().fold(0.0, f64::max),
+        breakdown: mid.breakdown.clone(),
     })
 }
 
@@ -245,18 +406,25 @@ fn decode_timed(
     let shape = latent.shape();
     let mut stream = decoder.new_stream(shape[3], shape[4])?;
     synchronize(ordinal)?;
+    clock::start(ordinal, false);
     let t0 = Instant::now();
     let start = event(ordinal)?;
     let mut ends = Vec::with_capacity(frames);
+    let mut queued = Vec::with_capacity(frames);
     for t in 0..frames {
         let chunk = latent.narrow(2, t, 1)?;
         // The frames would go to the encoder; dropping them frees their memory, stream-ordered.
         drop(decoder.decode_chunk_with(&mut stream, &chunk, ops)?);
+        // Queued: on one GPU the chunk's end is where the host finished queueing it.
+        queued.push(Instant::now());
         ends.push(event(ordinal)?);
     }
+    let end = Instant::now();
     synchronize(ordinal)?;
     let wall_ms = t0.elapsed().as_secs_f64() * 1e3;
-    Run::from_events(&start, &ends, wall_ms)
+    let queued: Vec<_> = queued.into_iter().zip(&ends).collect();
+    let breakdown = Breakdown::new(&clock::take(), (t0, &start), &queued, end, frames)?;
+    Run::from_events(&start, &ends, wall_ms, breakdown)
 }
 
 /// `SpatialOps` that times every call on the kernels' stream (CUDA events around it) and groups the
@@ -390,6 +558,195 @@ impl SpatialOps for TimedOps {
         };
         let label = format!("attention {:?}", s);
         self.timed(label, flops, || Unsharded.frame_attention(q, k, v))
+    }
+}
+
+/// Per-rank accounting from the decoder's `tracing` spans (`vae_decode_chunk`, `parallel_vae_*`): the
+/// library only marks its steps; this layer times them. Everything is kept per thread (each rank is
+/// one thread driving one GPU), so the ranks never share a lock here while they decode.
+mod clock {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    use std::time::Instant;
+
+    use cudarc::driver::CudaEvent;
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id};
+    use tracing::subscriber::Interest;
+    use tracing::{Metadata, Subscriber};
+    use tracing_subscriber::layer::Context;
+    use tracing_subscriber::registry::LookupSpan;
+
+    /// The spans timed: the 1-GPU chunk, and every step of the parallel decode.
+    const WATCHED: [&str; 10] = [
+        "vae_decode_chunk",
+        "parallel_vae_decode_chunk",
+        "parallel_vae_agree",
+        "parallel_vae_sync",
+        "parallel_vae_gather",
+        "parallel_vae_conv",
+        "parallel_vae_halo",
+        "parallel_vae_halo_waited",
+        "parallel_vae_attention",
+        "parallel_vae_attention_gather",
+    ];
+
+    /// Spans with CUDA events at their edges in a profiling decode.
+    const EVENTED: [&str; 4] = [
+        "parallel_vae_conv",
+        "parallel_vae_halo",
+        "parallel_vae_attention",
+        "parallel_vae_attention_gather",
+    ];
+
+    /// One thread's (rank's) records.
+    #[derive(Default)]
+    pub struct Thread {
+        /// The GPU this thread drives (events go on its kernels' stream).
+        pub ordinal: Option<usize>,
+        /// Record CUDA events around the `EVENTED` spans (a profiling decode only: ~2 µs each).
+        pub events: bool,
+        /// Per span name: (count, host ms).
+        pub host: HashMap<&'static str, (usize, f64)>,
+        /// Where the host finished queueing a chunk (entering `parallel_vae_sync`): its clock and an
+        /// event recorded there on the kernels' stream.
+        pub marks: Vec<(Instant, CudaEvent)>,
+        /// (span name, conv label, FLOPs, start, end) per evented span.
+        pub timed: Vec<(&'static str, String, f64, CudaEvent, CudaEvent)>,
+    }
+
+    thread_local! {
+        static THREAD: RefCell<Thread> = RefCell::default();
+    }
+
+    /// This thread drives GPU `ordinal`; clears its records.
+    pub fn start(ordinal: usize, events: bool) {
+        THREAD.with_borrow_mut(|t| {
+            *t = Thread {
+                ordinal: Some(ordinal),
+                events,
+                ..Thread::default()
+            }
+        });
+    }
+
+    /// This thread's records (cleared).
+    pub fn take() -> Thread {
+        THREAD.with_borrow_mut(|t| {
+            let ordinal = t.ordinal;
+            let out = std::mem::take(t);
+            t.ordinal = ordinal;
+            out
+        })
+    }
+
+    fn event(ordinal: usize) -> Option<CudaEvent> {
+        super::event(ordinal).ok()
+    }
+
+    /// The conv span's fields, as a label and FLOPs (the same form as the 1-GPU profile's).
+    #[derive(Default)]
+    struct ConvFields {
+        n: HashMap<&'static str, u64>,
+        kind: String,
+    }
+
+    impl Visit for ConvFields {
+        fn record_u64(&mut self, field: &Field, value: u64) {
+            self.n.insert(field.name(), value);
+        }
+        fn record_i64(&mut self, field: &Field, value: i64) {
+            self.n.insert(field.name(), value.max(0) as u64);
+        }
+        fn record_str(&mut self, field: &Field, value: &str) {
+            if field.name() == "kind" {
+                self.kind = value.to_string();
+            }
+        }
+        fn record_debug(&mut self, _field: &Field, _value: &dyn std::fmt::Debug) {}
+    }
+
+    impl ConvFields {
+        fn label(&self) -> (String, f64) {
+            let g = |k: &str| self.n.get(k).copied().unwrap_or(0) as usize;
+            let xs = [1, g("c_in"), g("t"), g("h"), g("w")];
+            let ws = [g("c_out"), g("c_in"), g("kt"), g("kh"), g("kw")];
+            super::conv_label(&xs, &ws, &format!(" {}", self.kind).replace("  ", " "))
+        }
+    }
+
+    /// Per-span state: when it was entered, its start event and conv label.
+    struct Open {
+        at: Instant,
+        start: Option<CudaEvent>,
+        label: Option<(String, f64)>,
+    }
+
+    /// The layer: host time per watched span, per thread; events where asked.
+    pub struct Layer;
+
+    impl<S: Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<S> for Layer {
+        fn register_callsite(&self, meta: &'static Metadata<'static>) -> Interest {
+            if meta.is_span() && WATCHED.contains(&meta.name()) {
+                Interest::always()
+            } else {
+                Interest::never()
+            }
+        }
+
+        fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+            // Labels only for a profiling decode: the timed ones skip the field visit.
+            if attrs.metadata().name() != "parallel_vae_conv" || !THREAD.with_borrow(|t| t.events) {
+                return;
+            }
+            let mut fields = ConvFields::default();
+            attrs.record(&mut fields);
+            if let Some(span) = ctx.span(id) {
+                span.extensions_mut().insert(fields.label());
+            }
+        }
+
+        fn on_enter(&self, id: &Id, ctx: Context<'_, S>) {
+            let Some(span) = ctx.span(id) else { return };
+            let name = span.name();
+            let (ordinal, events) = THREAD.with_borrow(|t| (t.ordinal, t.events));
+            if name == "parallel_vae_sync"
+                && let Some(ordinal) = ordinal
+                && let Some(e) = event(ordinal)
+            {
+                THREAD.with_borrow_mut(|t| t.marks.push((Instant::now(), e)));
+            }
+            let start = match ordinal {
+                Some(ordinal) if events && EVENTED.contains(&name) => event(ordinal),
+                _ => None,
+            };
+            let label = span.extensions().get::<(String, f64)>().cloned();
+            span.extensions_mut().insert(Open {
+                at: Instant::now(),
+                start,
+                label,
+            });
+        }
+
+        fn on_exit(&self, id: &Id, ctx: Context<'_, S>) {
+            let Some(span) = ctx.span(id) else { return };
+            let name = span.name();
+            let Some(open) = span.extensions_mut().remove::<Open>() else {
+                return;
+            };
+            let ms = open.at.elapsed().as_secs_f64() * 1e3;
+            THREAD.with_borrow_mut(|t| {
+                let entry = t.host.entry(name).or_default();
+                entry.0 += 1;
+                entry.1 += ms;
+                if let (Some(start), Some(ordinal)) = (open.start, t.ordinal)
+                    && let Some(end) = event(ordinal)
+                {
+                    let (label, flops) = open.label.unwrap_or_else(|| (name.to_string(), 0.0));
+                    t.timed.push((name, label, flops, start, end));
+                }
+            });
+        }
     }
 }
 
@@ -543,6 +900,38 @@ fn attention_alone(tokens: usize, dtype: DType) -> Result<()> {
 struct RankRun {
     summary: Summary,
     peaks: (f64, f64),
+    /// `--profile`: the evented decode's total (ms) and its per-label rows (label, calls, ms, FLOPs).
+    profile: Option<(f64, OpRows)>,
+}
+
+/// (label, calls, ms, FLOPs) per op label.
+type OpRows = Vec<(String, usize, f64, f64)>;
+
+/// (label, calls, ms, FLOPs) per conv label (convs) or span name (the rest), most time first, from
+/// one evented decode's records.
+fn evented_table(records: &clock::Thread) -> Result<OpRows> {
+    let mut by_label: HashMap<String, (usize, f64, f64)> = HashMap::new();
+    for (name, label, flops, start, end) in &records.timed {
+        let key = match *name {
+            "parallel_vae_conv" => label.clone(),
+            "parallel_vae_halo" => "halo exchange + copies (inside the convs above)".to_string(),
+            "parallel_vae_attention" => "attention (incl. k/v gather)".to_string(),
+            "parallel_vae_attention_gather" => {
+                "attention k/v gather (inside the above)".to_string()
+            }
+            other => other.to_string(),
+        };
+        let entry = by_label.entry(key).or_default();
+        entry.0 += 1;
+        entry.1 += ms_between(start, end)?;
+        entry.2 += flops;
+    }
+    let mut rows: Vec<_> = by_label
+        .into_iter()
+        .map(|(l, (n, ms, f))| (l, n, ms, f))
+        .collect();
+    rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+    Ok(rows)
 }
 
 /// The parallel decode on 2 GPUs; rank 0's and rank 1's results.
@@ -563,43 +952,64 @@ fn two_gpus(
         let (h, w) = (latent_shape[3], latent_shape[4]);
         // One decode of the first `n` latent frames. The ranks start together (the kernels' stream
         // drained, then a barrier); rank 0's events and wall clock end with its last gather.
-        let decode = |comm: NcclComm, n: usize| -> Result<(NcclComm, Run)> {
-            synchronize(rank)?;
-            comm.barrier()?;
-            let mut vae = ParallelVaeDecoder::new(decoder.clone(), comm, split);
-            let mut stream = vae.new_stream(h, w)?;
-            let t0 = Instant::now();
-            let start = event(rank)?;
-            let mut ends = Vec::with_capacity(n);
-            for t in 0..n {
-                let band = stream.band_of(&latent.narrow(2, t, 1)?)?;
-                let frames = vae.decode_chunk(&mut stream, &band)?;
-                drop(vae.gather_frames(&stream, &frames)?);
-                ends.push(event(rank)?);
-            }
-            synchronize(rank)?;
-            let wall_ms = t0.elapsed().as_secs_f64() * 1e3;
-            let comm = vae
-                .into_communicator()
-                .context("the decoder failed earlier")?;
-            comm.barrier()?; // no rank leaves while the other still gathers
-            Ok((comm, Run::from_events(&start, &ends, wall_ms)?))
-        };
+        // `evented`: CUDA events at the edges of the sharded ops (the per-rank profile).
+        let decode =
+            |comm: NcclComm, n: usize, evented: bool| -> Result<(NcclComm, Run, clock::Thread)> {
+                synchronize(rank)?;
+                comm.barrier()?;
+                let mut vae = ParallelVaeDecoder::new(decoder.clone(), comm, split);
+                let mut stream = vae.new_stream(h, w)?;
+                clock::start(rank, evented);
+                let t0 = Instant::now();
+                let start = event(rank)?;
+                let mut ends = Vec::with_capacity(n);
+                for t in 0..n {
+                    let band = stream.band_of(&latent.narrow(2, t, 1)?)?;
+                    let frames = vae.decode_chunk(&mut stream, &band)?;
+                    drop(vae.gather_frames(&stream, &frames)?);
+                    ends.push(event(rank)?);
+                }
+                let end = Instant::now();
+                synchronize(rank)?;
+                let wall_ms = t0.elapsed().as_secs_f64() * 1e3;
+                let records = clock::take();
+                // Where the host finished queueing each chunk: the `parallel_vae_sync` span's entry.
+                let queued: Vec<_> = records.marks.iter().map(|(at, e)| (*at, e)).collect();
+                let breakdown = Breakdown::new(&records, (t0, &start), &queued, end, n)?;
+                let comm = vae
+                    .into_communicator()
+                    .context("the decoder failed earlier")?;
+                comm.barrier()?; // no rank leaves while the other still gathers
+                Ok((
+                    comm,
+                    Run::from_events(&start, &ends, wall_ms, breakdown)?,
+                    records,
+                ))
+            };
         let mut comm = comm;
         for _ in 0..args.warmup {
-            comm = decode(comm, frames.min(3))?.0;
+            comm = decode(comm, frames.min(3), false)?.0;
         }
         pool.reset_peaks()?;
         let mut runs = Vec::new();
         for _ in 0..args.iters.max(1) {
-            let (back, run) = decode(comm, frames)?;
+            let (back, run, _) = decode(comm, frames, false)?;
             comm = back;
             runs.push(run);
         }
+        let peaks = pool.peaks_gib()?;
+        let profile = if args.profile {
+            let (back, run, records) = decode(comm, frames, true)?;
+            comm = back;
+            Some((run.total_ms, evented_table(&records)?))
+        } else {
+            None
+        };
         drop(comm);
         Ok(RankRun {
             summary: summarise(&runs)?,
-            peaks: pool.peaks_gib()?,
+            peaks,
+            profile,
         })
     })?;
     results
@@ -614,6 +1024,11 @@ fn two_gpus(
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    {
+        use tracing_subscriber::layer::SubscriberExt;
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(clock::Layer))
+            .context("installing the span clock")?;
+    }
     let dtype = parse_dtype(&args.dtype)?;
     let split = parse_split(&args.split)?;
     if args.frames % 4 != 1 || args.height % 8 != 0 || args.width % 8 != 0 || args.frames == 0 {
@@ -658,6 +1073,12 @@ fn main() -> Result<()> {
         "RESULT\tours\t{label}\t1\t{:.1}\t{:.1}\t{:.1}\t{used:.2}\t{reserved:.2}",
         one.total_ms, one.first_ms, one.later_median_ms
     );
+    println!(
+        "BREAKDOWN\trun\tchunks\twall ms\tGPU ms\tqueueing\tagree\tattention k/v gather\t\
+         waited halos\twaited halo count\tsync\tgather\tother\tGPU backlog\tqueued halos\t\
+         queued halo host ms\tsharded convs"
+    );
+    one.breakdown.print("1gpu");
 
     if args.gpus == 2 {
         let ranks = two_gpus(&args, dtype, split, &latent_shape)?;
@@ -689,6 +1110,144 @@ fn main() -> Result<()> {
             "SPEEDUP\t{label}\t{:.1}\t{:.1}\t{speedup:.2}",
             one.total_ms, r0.summary.total_ms
         );
+        for (r, rank) in ranks.iter().enumerate() {
+            rank.summary.breakdown.print(&format!("2gpu-rank{r}"));
+        }
+        for (r, rank) in ranks.iter().enumerate() {
+            let Some((total, rows)) = &rank.profile else {
+                continue;
+            };
+            print_profile2(r, *total, rows);
+        }
+        if args.profile {
+            // cuDNN's choice per conv shape: GPU 0 holds the full shapes (1 GPU) and rank 0's bands,
+            // GPU 1 rank 1's bands.
+            for ordinal in 0..2 {
+                for plan in cudnn_conv_plans(ordinal)? {
+                    println!("PLAN\tcuda:{ordinal}\t{plan}");
+                }
+            }
+        }
+    }
+    if args.launches {
+        // Last: the capture leaves allocations of a graph that never runs (see count_launches).
+        let code = match count_launches(&args, dtype, &latent_shape) {
+            Ok(()) => 0,
+            Err(e) => {
+                println!("LAUNCHES\tunavailable\t{e:#}");
+                0
+            }
+        };
+        std::process::exit(code);
+    }
+    Ok(())
+}
+
+/// The per-rank profile of the evented 2-GPU decode (`OP2` lines, most time first).
+fn print_profile2(rank: usize, total: f64, rows: &[(String, usize, f64, f64)]) {
+    println!(
+        "profile, 2 GPUs, rank {rank} (one decode with events around every sharded conv, halo \
+         exchange and the attention: {total:.1} ms)"
+    );
+    let (mut conv_ms, mut attn_ms, mut halo_ms, mut kv_ms) = (0.0, 0.0, 0.0, 0.0);
+    for (label, calls, ms, flops) in rows {
+        if label.starts_with("conv") {
+            conv_ms += ms;
+        } else if label.starts_with("attention (") {
+            attn_ms += ms;
+        } else if label.starts_with("halo") {
+            halo_ms += ms;
+        } else if label.starts_with("attention k/v") {
+            kv_ms += ms;
+        }
+        let tflops = if *flops > 0.0 {
+            format!("{:.1}", flops / (ms / 1e3) / 1e12)
+        } else {
+            "-".to_string()
+        };
+        println!(
+            "OP2\trank{rank}\t{label}\t{calls}\t{ms:.1}\t{:.1}\t{tflops}",
+            100.0 * ms / total
+        );
+    }
+    let other = total - conv_ms - attn_ms;
+    for (what, ms) in [
+        ("convolutions (incl. halo exchange and copies)", conv_ms),
+        ("  of which halo exchange + copies", halo_ms),
+        ("mid-block attention (incl. k/v gather)", attn_ms),
+        ("  of which k/v gather", kv_ms),
+        (
+            "everything else (norms, SiLU, upsample, concat, clamp, idle)",
+            other,
+        ),
+    ] {
+        println!(
+            "PROFILE2\trank{rank}\t{what}\t{ms:.1}\tms\t{:.1}\t%",
+            100.0 * ms / total
+        );
+    }
+}
+
+/// The GPU work items of one steady-state 1-GPU chunk (module docs): the chunk after three warm
+/// chunks (every shape planned, caches full) is queued under a relaxed stream capture of the kernels'
+/// stream into a CUDA graph, whose nodes are counted by type (`LAUNCHES` lines). The graph never
+/// runs: the capture's allocations are graph memory that must not be freed outside it, so the
+/// chunk's outputs are leaked and the caller exits right after.
+fn count_launches(args: &Args, dtype: DType, latent_shape: &[usize]) -> Result<()> {
+    let decoder = build(0, dtype, args.seed)?;
+    let latent = Tensor::randn(latent_shape, dtype, args.seed + 1, Device::Cuda(0))?;
+    let frames = latent_shape[2];
+    ensure!(frames >= 2, "--launches needs at least 2 latent frames");
+    let warm = (frames - 1).min(3);
+    let mut stream = decoder.new_stream(latent_shape[3], latent_shape[4])?;
+    for t in 0..warm {
+        drop(decoder.decode_chunk(&mut stream, &latent.narrow(2, t, 1)?)?);
+    }
+    let chunk = latent.narrow(2, warm, 1)?;
+    synchronize(0)?;
+    let cu_stream = cuda_stream(0)?.cu_stream();
+    // SAFETY: the kernels' stream of cuda:0, drained; this thread queues the chunk and ends the
+    // capture itself, and nothing else uses the GPU meanwhile.
+    let code = unsafe {
+        cu::cuStreamBeginCapture_v2(
+            cu_stream,
+            cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        )
+    };
+    check(code, "cuStreamBeginCapture")?;
+    let mut probe = stream.clone(); // the captured caches go into the probe, never freed
+    let t = Instant::now();
+    let out = decoder.decode_chunk(&mut probe, &chunk);
+    let host_ms = t.elapsed().as_secs_f64() * 1e3;
+    let mut graph: cu::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above on the same stream; `graph` is a valid out-pointer.
+    let end = unsafe { cu::cuStreamEndCapture(cu_stream, &mut graph) };
+    std::mem::forget(probe);
+    let out = out?;
+    std::mem::forget(out);
+    check(end, "cuStreamEndCapture")?;
+    let mut n: usize = 0;
+    // SAFETY: a null node array asks for the count only.
+    let code = unsafe { cu::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) };
+    check(code, "cuGraphGetNodes")?;
+    let mut nodes: Vec<cu::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    // SAFETY: `nodes` has room for `n` handles.
+    let code = unsafe { cu::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) };
+    check(code, "cuGraphGetNodes")?;
+    let mut by_type: BTreeMap<String, usize> = BTreeMap::new();
+    for node in nodes.iter().take(n) {
+        let mut kind = cu::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` is a node of `graph`; `kind` a valid out-pointer.
+        let code = unsafe { cu::cuGraphNodeGetType(*node, &mut kind) };
+        check(code, "cuGraphNodeGetType")?;
+        *by_type.entry(format!("{kind:?}")).or_default() += 1;
+    }
+    println!(
+        "one steady-state 1-GPU chunk (latent frame {warm}): {n} GPU work items, queued in {host_ms:.1} ms \
+         of host time under capture"
+    );
+    for (kind, count) in &by_type {
+        println!("LAUNCHES\t{kind}\t{count}");
     }
     Ok(())
 }

@@ -43,6 +43,13 @@ use super::{
     Result, check, locate_in_groups, prefix_offsets,
 };
 
+/// [`NcclComm`]'s waits: queries of the stream back to back before pacing starts.
+const FAST_POLLS: u32 = 32;
+/// [`NcclComm`]'s waits: the host's pause between two paced queries of the stream.
+const POLL_GAP: Duration = Duration::from_micros(5);
+/// [`NcclComm`]'s waits: how long a wait polls (paced) before it sleeps between queries.
+const SPIN_PHASE: Duration = Duration::from_millis(20);
+
 /// `NCCL_SPLIT_NOCOLOR` from nccl.h: the rank joins no new communicator.
 const NCCL_SPLIT_NOCOLOR: i32 = -1;
 
@@ -713,10 +720,16 @@ impl NcclComm {
     }
 
     /// Waits until everything enqueued on the stream is done, polling for NCCL errors and the
-    /// deadline. Spins briefly first (collectives take ~1 ms; a sleep would distort them), then
-    /// backs off to short sleeps.
+    /// deadline. Queries back to back at first (collectives take ~1 ms or less; a sleep would distort
+    /// them), then paced: between queries the host spins on its own clock for [`POLL_GAP`] without
+    /// calling the driver, and after [`SPIN_PHASE`] it sleeps briefly instead. Why paced: the ranks of
+    /// one host are threads of one process sharing one CUDA driver, and a wait often overlaps a peer
+    /// still queueing its part (a gather, the parallel VAE's agreement and end-of-chunk waits); a
+    /// back-to-back `cuStreamQuery` loop there competes with the peer's launches inside the driver.
+    /// The pacing adds at most one gap (µs) to a wait.
     fn sync(&self, op: &'static str) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
+        let started = Instant::now();
+        let deadline = started + self.timeout;
         let mut polls: u32 = 0;
         loop {
             // SAFETY: the stream handle is valid while `self.stream` lives.
@@ -737,8 +750,13 @@ impl NcclComm {
                 }
             }
             polls = polls.wrapping_add(1);
-            if polls < 20_000 {
+            if polls < FAST_POLLS {
                 std::hint::spin_loop();
+            } else if started.elapsed() < SPIN_PHASE {
+                let next = Instant::now() + POLL_GAP;
+                while Instant::now() < next {
+                    std::hint::spin_loop();
+                }
             } else {
                 std::thread::sleep(Duration::from_micros(50));
             }

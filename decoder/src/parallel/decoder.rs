@@ -171,6 +171,8 @@ impl<C: TensorWire + Send> ParallelVaeDecoder<C> {
             // The chunk's last halo transfers are done (or failed, or timed out) before anyone can
             // wait for the frames on the GPU (module docs).
             let comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+            let _wait =
+                tracing::debug_span!("parallel_vae_sync", vae_rank = shard.rank()).entered();
             comm.synchronize()?;
             Ok(frames)
         })?;
@@ -241,6 +243,7 @@ impl<C: TensorWire + Send> ParallelVaeDecoder<C> {
     /// The agreement step (module docs): checks this rank's chunk, learns every rank's verdict and
     /// description, and fails on every rank alike if any rank rejected or the chunks differ.
     fn agree(&mut self, stream: &ParallelDecodeStream, latent: &Tensor) -> Result<()> {
+        let _span = tracing::debug_span!("parallel_vae_agree", vae_rank = self.rank).entered();
         let checked = self.check_chunk(stream, latent);
         let (batch, frames) = match (checked.is_ok(), latent.shape()) {
             (true, &[batch, _, frames, _, _]) => (batch, frames),

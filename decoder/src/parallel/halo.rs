@@ -16,7 +16,15 @@
 //! same GEMM). Copies: x and the cache once each, to put the halo rows around them; the kernels
 //! crate joins cache, x and the front zero frames the way it does for `causal_conv3d` (in the one
 //! channels-last copy its cuDNN path makes anyway), where joining them here first cost one more full
-//! copy of the input per conv, and the zero frames another on the first chunk.
+//! copy of the input per conv, and the zero frames another on the first chunk. The residual blocks'
+//! last conv adds its shortcut in the conv's epilogue (`conv3d_cached_residual`), as the unsharded
+//! decode does, rather than writing the conv's output and adding in a separate pass.
+//!
+//! **Spans.** The conv, its halo exchange (`waited` when host-waited), the attention and its key/value
+//! gather each run inside a `tracing` debug span (`parallel_vae_*`; a host-waited exchange is
+//! `parallel_vae_halo_waited`), and the decoder adds the agreement
+//! step, the wait at the chunk's end and the gather: the VAE benchmark's per-rank breakdown reads
+//! them (host time per step, and CUDA events at their edges); without a subscriber they cost nothing.
 //!
 //! **Exchange order.** One [`TensorWire::exchange`] per conv swaps the edge rows with both
 //! neighbours (send my edge, receive theirs). Where it runs as one waited `send_recv` per neighbour
@@ -58,7 +66,10 @@ use std::sync::{LazyLock, Mutex, MutexGuard};
 use ditstream_common::collectives::CollectiveError;
 use ditstream_common::collectives::wire::{self, TensorWire};
 use ditstream_common::config::VaeSplitDim;
-use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, conv3d_cached};
+use ditstream_kernels::{
+    AttentionOptions, DType, Device, Tensor, attention, conv3d_cached, conv3d_cached_residual,
+    upsample_nearest2x,
+};
 
 use super::shard::Shard;
 use crate::vae::{Result, SpatialOps, Unsharded, VaeError};
@@ -114,14 +125,20 @@ impl<'a, C: TensorWire> HaloOps<'a, C> {
     }
 }
 
-impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
-    /// See the trait; x and cache hold this rank's band, and so does the output.
-    fn causal_conv3d(
+impl<C: TensorWire + Send> HaloOps<'_, C> {
+    /// The halo convolution: `causal_conv3d(x, weight, bias, cache)` on this rank's band, plus
+    /// `residual` (the output's shape, this rank's band) when given, added in the conv's epilogue
+    /// as [`Unsharded`]'s `causal_conv3d_residual` adds it (the kernels crate's
+    /// `conv3d_cached_residual`: the same bits as the conv then `add`, without writing the conv's
+    /// output and reading it back). `kind` labels the span ("", "+up2", "+res").
+    fn conv(
         &self,
         x: &Tensor,
         weight: &Tensor,
         bias: Option<&Tensor>,
         cache: Option<&Tensor>,
+        residual: Option<&Tensor>,
+        kind: &'static str,
     ) -> Result<Tensor> {
         let ws = weight.shape();
         let axis = self.shard.axis();
@@ -133,10 +150,25 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
             [ws[2], ws[3], ws[4]]
         };
         let halo = kernel[axis - 2] / 2;
+        // Host-side markers for the benchmark's per-rank breakdown (bench/src/bin/vae_decode.rs
+        // reads them through a tracing layer); no cost without a subscriber.
+        let xs = x.shape();
+        let _span = match (ws, xs) {
+            (&[c_out, c_in, kt, kh, kw], &[_, _, t, h, w]) => {
+                tracing::debug_span!("parallel_vae_conv", c_in, c_out, kt, kh, kw, t, h, w, kind,)
+            }
+            _ => tracing::Span::none(),
+        }
+        .entered();
         // No neighbourhood along the split axis (1×1 convs, time_conv, a single rank), or arguments the
         // kernel's own checks reject (even kernels, too many cached frames): nothing to exchange.
         if plain || halo == 0 || kernel.iter().any(|k| k % 2 == 0) || cached >= kernel[0] {
-            return Unsharded.causal_conv3d(x, weight, bias, cache);
+            return match residual {
+                Some(residual) => {
+                    Unsharded.causal_conv3d_residual(x, weight, bias, cache, residual)
+                }
+                None => Unsharded.causal_conv3d(x, weight, bias, cache),
+            };
         }
         let device = match x.device() {
             Device::Cpu => 0,
@@ -144,23 +176,73 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
         };
         let shape_key: Vec<usize> = [device]
             .into_iter()
-            .chain(x.shape().iter().copied())
+            .chain(xs.iter().copied())
             .chain([cached, usize::from(x.dtype() == DType::BF16)])
             .chain(ws.iter().copied())
             .collect();
         let ordered = self.ordered && warm_shapes().contains(&shape_key);
         let cache = cache.filter(|_| cached > 0);
-        let (cache, x) = exchange_halo(&*self.comm(), &self.shard, cache, x, halo, ordered)?;
+        let (cache, x) = {
+            let _halo = if ordered {
+                tracing::debug_span!("parallel_vae_halo")
+            } else {
+                tracing::debug_span!("parallel_vae_halo_waited")
+            }
+            .entered();
+            exchange_halo(&*self.comm(), &self.shard, cache, x, halo, ordered)?
+        };
         // Causal front padding: kt − 1 frames, less the cached ones; none on the split axis.
         let mut front = [kernel[0] - 1 - cached, kernel[1] / 2, kernel[2] / 2];
         let mut back = [0, kernel[1] / 2, kernel[2] / 2];
         front[axis - 2] = 0;
         back[axis - 2] = 0;
-        let out = conv3d_cached(&x, weight, bias, cache.as_ref(), front, back)?;
+        let out = match residual {
+            Some(residual) => {
+                conv3d_cached_residual(&x, weight, bias, cache.as_ref(), front, back, residual)?
+            }
+            None => conv3d_cached(&x, weight, bias, cache.as_ref(), front, back)?,
+        };
         if self.ordered && !ordered {
             warm_shapes().insert(shape_key); // its first run (and any GPU wait in it) is over
         }
         Ok(out)
+    }
+}
+
+impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
+    /// See the trait; x and cache hold this rank's band, and so does the output.
+    fn causal_conv3d(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        cache: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        self.conv(x, weight, bias, cache, None, "")
+    }
+
+    /// See the trait: the upsampling, then the halo conv of the upsampled band (its halo is of the
+    /// upsampled rows). The kernels' fused op would read the upsampling in place, but only with the
+    /// causal padding on both spatial axes, not with halo rows in place of the split axis' padding.
+    fn causal_conv3d_upsampled(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        self.conv(&upsample_nearest2x(x)?, weight, bias, None, None, "+up2")
+    }
+
+    /// See the trait; x, cache and residual hold this rank's band, and so does the output.
+    fn causal_conv3d_residual(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        cache: Option<&Tensor>,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        self.conv(x, weight, bias, cache, Some(residual), "+res")
     }
 
     /// See the trait; q, k, v hold this rank's tokens (its band of each frame, row-major), and so
@@ -169,7 +251,11 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
         if self.shard.size() == 1 || k.rank() != 4 || v.shape() != k.shape() {
             return Unsharded.frame_attention(q, k, v);
         }
-        let keys = gather_frame_tokens(&*self.comm(), &self.shard, &Tensor::concat(&[k, v], 0)?)?;
+        let _span = tracing::debug_span!("parallel_vae_attention").entered();
+        let keys = {
+            let _gather = tracing::debug_span!("parallel_vae_attention_gather").entered();
+            gather_frame_tokens(&*self.comm(), &self.shard, &Tensor::concat(&[k, v], 0)?)?
+        };
         let frames = k.shape()[0];
         let (k, v) = (keys.narrow(0, 0, frames)?, keys.narrow(0, frames, frames)?);
         let (out, _lse) = attention(q, &k, &v, AttentionOptions::default())?;

@@ -193,16 +193,31 @@ fn keep_pool_memory(ctx: &CudaContext) -> std::result::Result<(), cu::CUresult> 
 
 impl CudaBackend {
     /// The backend of GPU `ordinal`, created on first use.
+    ///
+    /// Every op calls this (often more than once), from every thread that drives a GPU: the ranks of
+    /// a parallel decode are threads of one process. The lookup of a created backend therefore takes
+    /// no lock (a `OnceLock` per ordinal, read with an atomic load), so those threads never queue
+    /// behind one another here; the mutex only serialises creation (a context and a stream, once per
+    /// GPU). Ordinals beyond the table, which no machine of ours has, take the locked map.
     pub fn get(ordinal: usize) -> Result<Arc<CudaBackend>> {
-        static BACKENDS: OnceLock<Mutex<HashMap<usize, Arc<CudaBackend>>>> = OnceLock::new();
-        let backends = BACKENDS.get_or_init(Default::default);
+        const SLOTS: usize = 64;
+        static READY: [OnceLock<Arc<CudaBackend>>; SLOTS] = [const { OnceLock::new() }; SLOTS];
+        static CREATING: Mutex<Option<HashMap<usize, Arc<CudaBackend>>>> = Mutex::new(None);
+        if let Some(backend) = READY.get(ordinal).and_then(OnceLock::get) {
+            return Ok(backend.clone());
+        }
         // A poisoned lock only means another thread panicked while inserting; the map is still valid.
-        let mut map = backends.lock().unwrap_or_else(|e| e.into_inner());
+        let mut creating = CREATING.lock().unwrap_or_else(|e| e.into_inner());
+        let map = creating.get_or_insert_with(HashMap::new);
         if let Some(backend) = map.get(&ordinal) {
             return Ok(backend.clone());
         }
         let backend = Arc::new(Self::new(ordinal)?);
         map.insert(ordinal, backend.clone());
+        if let Some(slot) = READY.get(ordinal) {
+            // Only this thread (holding `CREATING`) sets a slot, once: it is empty here.
+            let _ = slot.set(backend.clone());
+        }
         Ok(backend)
     }
 

@@ -378,6 +378,42 @@ pub fn conv3d_cached(
     run(OP, cache, x, w, bias, &geometry, false, None)
 }
 
+/// `add(&conv3d_cached(x, w, bias, cache, pad_front, pad_back)?, residual)`, bit for bit, as
+/// [`causal_conv3d_residual`] is to [`causal_conv3d`] (the residual added in the conv's epilogue where
+/// the conv runs channels-last): the parallel VAE's residual blocks on a rank's haloed band.
+/// `residual` has the output's shape.
+pub fn conv3d_cached_residual(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    cache: Option<&Tensor>,
+    pad_front: [usize; 3],
+    pad_back: [usize; 3],
+    residual: &Tensor,
+) -> Result<Tensor> {
+    const OP: &str = "conv3d_cached_residual";
+    expect_rank(OP, "x [B, C_in, T, H, W]", x, 5)?;
+    let mut input_shape = x.shape().to_vec();
+    input_shape[2] += cache_frames(OP, x, cache)?;
+    let geometry = geometry(
+        OP,
+        &input_shape,
+        w.shape(),
+        bias,
+        [1, 1, 1],
+        pad_front,
+        pad_back,
+    )?;
+    if residual.shape() != geometry.output_shape() {
+        return Err(KernelError::shape(
+            OP,
+            "residual must have the convolution's output shape [B, C_out, T, H, W]",
+            &[x.shape(), w.shape(), residual.shape()],
+        ));
+    }
+    run(OP, cache, x, w, bias, &geometry, false, Some(residual))
+}
+
 /// Conv2d with symmetric zero padding (PyTorch `nn.Conv2d`, dilation 1, groups 1):
 /// x [N, C_in, H, W], w [C_out, C_in, kh, kw], bias [C_out] →
 /// [N, C_out, (H + 2p_h − kh)/s_h + 1, (W + 2p_w − kw)/s_w + 1] in x's dtype. The VAE's per-frame 3×3

@@ -193,6 +193,30 @@ fn conv3d_cached_pads_each_side_as_asked() -> Result<()> {
     Ok(())
 }
 
+/// The halo form with a residual (the parallel VAE's residual blocks) is `conv3d_cached` then `add`,
+/// bit for bit, in f32 and bf16; a residual of another shape is refused.
+#[test]
+fn conv3d_cached_residual_is_conv_then_add() -> Result<()> {
+    let (front, back) = ([1, 0, 1], [0, 0, 1]);
+    for dtype in [DType::F32, DType::BF16] {
+        let cache = Tensor::randn(&[1, 3, 1, 6, 5], dtype, 110, Device::Cpu)?;
+        let x = Tensor::randn(&[1, 3, 2, 6, 5], dtype, 111, Device::Cpu)?;
+        let w = Tensor::randn(&[4, 3, 3, 3, 3], dtype, 112, Device::Cpu)?;
+        let b = Tensor::randn(&[4], DType::F32, 113, Device::Cpu)?;
+        let r = Tensor::randn(&[1, 4, 2, 4, 5], dtype, 114, Device::Cpu)?;
+        let fused = conv3d_cached_residual(&x, &w, Some(&b), Some(&cache), front, back, &r)?;
+        let conv = conv3d_cached(&x, &w, Some(&b), Some(&cache), front, back)?;
+        let composed = crate::add(&conv, &r)?;
+        assert_eq!(fused.dtype(), dtype);
+        assert_eq!(fused.to_vec_f32()?, composed.to_vec_f32()?, "{dtype:?}");
+    }
+    let x = randn(&[1, 3, 2, 6, 5], 115);
+    let w = randn(&[4, 3, 3, 3, 3], 116);
+    let wrong = randn(&[1, 4, 2, 6, 5], 117); // rows of the haloed input, not the output's
+    assert!(conv3d_cached_residual(&x, &w, None, None, [2, 0, 1], [0, 0, 1], &wrong).is_err());
+    Ok(())
+}
+
 #[test]
 fn conv3d_channels_last_matches_naive() -> Result<()> {
     // x [B, T, H, W, C] and w [C_out, kt, kh, kw, C_in]: the naive loop runs on the channels-first

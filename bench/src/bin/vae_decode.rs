@@ -578,7 +578,7 @@ mod clock {
     use tracing_subscriber::registry::LookupSpan;
 
     /// The spans timed: the 1-GPU chunk, and every step of the parallel decode.
-    const WATCHED: [&str; 10] = [
+    const WATCHED: [&str; 11] = [
         "vae_decode_chunk",
         "parallel_vae_decode_chunk",
         "parallel_vae_agree",
@@ -587,14 +587,16 @@ mod clock {
         "parallel_vae_conv",
         "parallel_vae_halo",
         "parallel_vae_halo_waited",
+        "parallel_vae_halo_nccl",
         "parallel_vae_attention",
         "parallel_vae_attention_gather",
     ];
 
     /// Spans with CUDA events at their edges in a profiling decode.
-    const EVENTED: [&str; 4] = [
+    const EVENTED: [&str; 5] = [
         "parallel_vae_conv",
         "parallel_vae_halo",
+        "parallel_vae_halo_nccl",
         "parallel_vae_attention",
         "parallel_vae_attention_gather",
     ];
@@ -915,6 +917,7 @@ fn evented_table(records: &clock::Thread) -> Result<OpRows> {
         let key = match *name {
             "parallel_vae_conv" => label.clone(),
             "parallel_vae_halo" => "halo exchange + copies (inside the convs above)".to_string(),
+            "parallel_vae_halo_nccl" => "halo NCCL swap alone (inside the above)".to_string(),
             "parallel_vae_attention" => "attention (incl. k/v gather)".to_string(),
             "parallel_vae_attention_gather" => {
                 "attention k/v gather (inside the above)".to_string()
@@ -1150,11 +1153,14 @@ fn print_profile2(rank: usize, total: f64, rows: &[(String, usize, f64, f64)]) {
          exchange and the attention: {total:.1} ms)"
     );
     let (mut conv_ms, mut attn_ms, mut halo_ms, mut kv_ms) = (0.0, 0.0, 0.0, 0.0);
+    let mut nccl_ms = 0.0;
     for (label, calls, ms, flops) in rows {
         if label.starts_with("conv") {
             conv_ms += ms;
         } else if label.starts_with("attention (") {
             attn_ms += ms;
+        } else if label.starts_with("halo NCCL") {
+            nccl_ms += ms;
         } else if label.starts_with("halo") {
             halo_ms += ms;
         } else if label.starts_with("attention k/v") {
@@ -1174,6 +1180,7 @@ fn print_profile2(rank: usize, total: f64, rows: &[(String, usize, f64, f64)]) {
     for (what, ms) in [
         ("convolutions (incl. halo exchange and copies)", conv_ms),
         ("  of which halo exchange + copies", halo_ms),
+        ("    of which the NCCL swap alone", nccl_ms),
         ("mid-block attention (incl. k/v gather)", attn_ms),
         ("  of which k/v gather", kv_ms),
         (

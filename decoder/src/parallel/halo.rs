@@ -20,9 +20,10 @@
 //! last conv adds its shortcut in the conv's epilogue (`conv3d_cached_residual`), as the unsharded
 //! decode does, rather than writing the conv's output and adding in a separate pass.
 //!
-//! **Spans.** The conv, its halo exchange (`waited` when host-waited), the attention and its key/value
-//! gather each run inside a `tracing` debug span (`parallel_vae_*`; a host-waited exchange is
-//! `parallel_vae_halo_waited`), and the decoder adds the agreement
+//! **Spans.** The conv, its halo exchange (`waited` when host-waited; the swap itself, without the
+//! edge and haloed-band copies around it, is `parallel_vae_halo_nccl`), the attention and its
+//! key/value gather each run inside a `tracing` debug span (`parallel_vae_*`; a host-waited exchange
+//! is `parallel_vae_halo_waited`), and the decoder adds the agreement
 //! step, the wait at the chunk's end and the gather: the VAE benchmark's per-rank breakdown reads
 //! them (host time per step, and CUDA events at their edges); without a subscriber they cost nothing.
 //!
@@ -302,7 +303,10 @@ fn exchange_halo<C: TensorWire>(
         .into_iter()
         .filter_map(|(peer, edge)| peer.map(|peer| (peer, edge)))
         .collect();
-    let received = comm.exchange(&swaps, ordered)?;
+    let received = {
+        let _swap = tracing::debug_span!("parallel_vae_halo_nccl").entered();
+        comm.exchange(&swaps, ordered)?
+    };
     let (mut from_prev, mut from_next) = (None, None);
     for (&(peer, _), rows) in swaps.iter().zip(received) {
         if Some(peer) == prev {

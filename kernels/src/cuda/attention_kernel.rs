@@ -34,8 +34,8 @@ pub struct HopperVariant {
     /// The warp-specialised kernel (`hopper_ws_*`: a TMA producer warpgroup, two consumer warpgroups
     /// taking turns, 384 threads, Q/K/V as tensor maps) rather than the cp.async one (256 threads).
     pub warp_specialised: bool,
-    /// Keys per K/V block: 128, or 176 (FlashAttention-3's choice at head dim 128; warp-specialised
-    /// only).
+    /// Keys per K/V block: 128, or 176 (FlashAttention-3's choice at head dim 128) or 192
+    /// (warp-specialised only).
     pub block_k: usize,
 }
 
@@ -79,6 +79,12 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         stages: 2,
         warp_specialised: true,
         block_k: 176,
+    },
+    HopperVariant {
+        name: "hopper_ws_fwd_d128_br128_bc192_s2",
+        stages: 2,
+        warp_specialised: true,
+        block_k: 192,
     },
 ];
 

@@ -116,6 +116,15 @@ __device__ __forceinline__ void wgmma_ss176(float* d, u64 da, u64 db, int accumu
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// As wgmma_ss, m64n192k16 (96 accumulators): Q·Kᵀ over K/V blocks of 192 keys.
+__device__ __forceinline__ void wgmma_ss192(float* d, u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
 // d (+)= A·B over one k16 step, m64n128: A from registers (four bf16x2 fragments, §2.3 of the brief), B
 // from shared memory through a descriptor, N-major (trans-b = 1).
 __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, u64 db, int accumulate) {
@@ -419,7 +428,8 @@ __device__ __forceinline__ void qk(float* s, unsigned q_wg, unsigned kt) {
     for (int kk = 0; kk < D / 16; ++kk) {
         const unsigned qoff = (kk >> 2) * HALF + (kk & 3) * 32, koff = (kk >> 2) * KB * 128 + (kk & 3) * 32;
         if constexpr (KB == 128) wgmma_ss(s, desc(q_wg + qoff, 16, 1024), desc(kt + koff, 16, 1024), kk > 0);
-        else wgmma_ss176(s, desc(q_wg + qoff, 16, 1024), desc(kt + koff, 16, 1024), kk > 0);
+        else if constexpr (KB == 176) wgmma_ss176(s, desc(q_wg + qoff, 16, 1024), desc(kt + koff, 16, 1024), kk > 0);
+        else wgmma_ss192(s, desc(q_wg + qoff, 16, 1024), desc(kt + koff, 16, 1024), kk > 0);
     }
 }
 
@@ -434,7 +444,7 @@ __device__ __forceinline__ void pv(float* o, unsigned (*p)[4], unsigned vt) {
 template <int STAGES, int KB>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, bf16* __restrict__ out,
                                     float* __restrict__ lse, int seq_q, int heads, int kv_len, float scale) {
-    static_assert(KB == 128 || KB == 176, "keys per K/V block: 128, or FA3's 176");
+    static_assert(KB == 128 || KB == 176 || KB == 192, "keys per K/V block: 128, FA3's 176, or 192");
     static_assert((1 + 2 * STAGES * KB / 128) * TILE + 1024 <= 227 * 1024, "shared memory");
     constexpr int KV_TILE = KB * 256;  // bytes of a K or V tile
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -611,3 +621,4 @@ HOPPER_KERNEL(3)
 HOPPER_WS_KERNEL(2, 128)
 HOPPER_WS_KERNEL(3, 128)
 HOPPER_WS_KERNEL(2, 176)
+HOPPER_WS_KERNEL(2, 192)

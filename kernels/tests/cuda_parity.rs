@@ -1183,6 +1183,109 @@ fn causal_conv3d_upsampled_matches_unfused_and_cpu() -> Result<()> {
     Ok(())
 }
 
+/// `conv3d_cached` with a halo (the parallel VAE's band between its neighbours' rows, read in place by
+/// the channels-last transpose, `conv_to_ndhwc_halo`, and joined by concatenation on the other paths)
+/// is bit-identical on the GPU to `conv3d_cached` on the explicitly joined input, on every path: rows
+/// and columns, with and without cached frames, with and without a residual, odd and even channel
+/// counts (both transpose word sizes), f32 and bf16. The joined conv's agreement with the CPU is
+/// `convolutions_match_cpu`'s.
+#[test]
+fn conv3d_cached_halo_matches_joined() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    let paths = [
+        (ConvAlgo::Im2col, "im2col"),
+        (ConvAlgo::Cudnn, "cudnn"),
+        (ConvAlgo::CudnnNdhwc, "cudnn_ndhwc"),
+        (ConvAlgo::Auto, "auto"),
+    ];
+    for dtype in [DType::F32, DType::BF16] {
+        for (axis, c_in, cached, residual) in [
+            (3, 16, 2, true),
+            (3, 5, 0, false),
+            (4, 16, 1, false),
+            (4, 7, 2, true),
+        ] {
+            let (frames, hw) = (2, [6, 10]);
+            let x = randn(&[1, c_in, frames, hw[0], hw[1]], dtype, 140).to_device(dev)?;
+            let w = randn(&[8, c_in, 3, 3, 3], dtype, 141).to_device(dev)?;
+            let b = randn(&[8], dtype, 142).to_device(dev)?;
+            let cache = (cached > 0)
+                .then(|| randn(&[1, c_in, cached, hw[0], hw[1]], dtype, 143).to_device(dev))
+                .transpose()?;
+            let mut edge = vec![1, c_in, cached + frames, hw[0], hw[1]];
+            edge[axis] = 1;
+            let before = randn(&edge, dtype, 144).to_device(dev)?;
+            let after = randn(&edge, dtype, 145).to_device(dev)?;
+            let halo = k::Halo {
+                axis,
+                before: &before,
+                after: &after,
+            };
+            // Causal in T, kw/2 on the other spatial axis, none along the halo's.
+            let mut pads = ([2 - cached, 1, 1], [0, 1, 1]);
+            pads.0[axis - 2] = 0;
+            pads.1[axis - 2] = 0;
+            let mut out_shape = vec![1, 8, frames, hw[0], hw[1]];
+            out_shape[axis] = hw[axis - 3];
+            let r = residual
+                .then(|| randn(&out_shape, dtype, 146).to_device(dev))
+                .transpose()?;
+            let join = |t: &Tensor, from: usize, n: usize| -> Result<Tensor> {
+                Ok(k::Tensor::concat(
+                    &[&before.narrow(2, from, n)?, t, &after.narrow(2, from, n)?],
+                    axis,
+                )?)
+            };
+            let joined_x = join(&x, cached, frames)?;
+            let joined_cache = cache.as_ref().map(|c| join(c, 0, cached)).transpose()?;
+            for (algo, label) in paths {
+                let haloed = with_conv_algo(algo, || {
+                    k::conv3d_cached(
+                        &x,
+                        &w,
+                        Some(&b),
+                        cache.as_ref(),
+                        Some(&halo),
+                        pads,
+                        r.as_ref(),
+                    )
+                })?;
+                let joined = with_conv_algo(algo, || {
+                    k::conv3d_cached(
+                        &joined_x,
+                        &w,
+                        Some(&b),
+                        joined_cache.as_ref(),
+                        None,
+                        pads,
+                        r.as_ref(),
+                    )
+                })?;
+                assert_eq!(haloed.shape(), out_shape.as_slice(), "{label}");
+                let (p, q) = (
+                    haloed.to_device(Device::Cpu)?.to_vec_f32()?,
+                    joined.to_device(Device::Cpu)?.to_vec_f32()?,
+                );
+                let differing = p
+                    .iter()
+                    .zip(&q)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                println!(
+                    "PARITY\tconv3d_cached halo {label} vs joined gpu\t{}\taxis {axis} c_in {c_in} cached {cached}\t{differing} differing\texact",
+                    name(dtype),
+                );
+                assert_eq!(
+                    differing, 0,
+                    "{label} {dtype:?} axis {axis} c_in {c_in}: haloed differs"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `causal_conv3d_residual` on the GPU is bit-identical to the GPU's own causal conv then `add` on
 /// every path (the channels-last path adds in `conv_from_ndhwc`'s epilogue after the bias's rounding;
 /// the others, and a residual in another dtype, run the `add` op), with f32 and bf16 biases (both

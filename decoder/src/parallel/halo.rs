@@ -10,18 +10,19 @@
 //! with the previous chunk) but keeps the ops stateless; it adds ≤ 2 frames of one row per message.
 //! At a true image border the "halo" is zero rows, which is exactly the unsharded conv's zero padding.
 //! The conv then runs with padding 0 on the split axis (the halo is the padding), kw/2 on the other
-//! spatial axis, and the causal front padding, through the kernels crate's `conv3d_cached` on the
-//! haloed cache and x: the output is the rank's band, with no rows computed and thrown away, and
-//! every output pixel sees the very values the unsharded conv gives it (the same im2col column, the
-//! same GEMM). Copies: x and the cache once each, to put the halo rows around them; the kernels
-//! crate joins cache, x and the front zero frames the way it does for `causal_conv3d` (in the one
-//! channels-last copy its cuDNN path makes anyway), where joining them here first cost one more full
-//! copy of the input per conv, and the zero frames another on the first chunk. The residual blocks'
-//! last conv adds its shortcut in the conv's epilogue (`conv3d_cached_residual`), as the unsharded
-//! decode does, rather than writing the conv's output and adding in a separate pass.
+//! spatial axis, and the causal front padding, through the kernels crate's `conv3d_cached` with the
+//! received rows as its [`Halo`]: the output is the rank's band, with no rows computed and thrown
+//! away, and every output pixel sees the very values the unsharded conv gives it (the same im2col
+//! column, the same GEMM). Copies: only the edge rows sent. The kernels crate joins the halo rows,
+//! the cache, x and the front zero frames in the one channels-last copy its cuDNN path makes anyway
+//! (elsewhere by concatenation), where putting the halo rows around x and the cache here first cost a
+//! full copy of both per conv: 2-GPU profiles on the H200 put that at ~245 ms of a 965 ms 480p decode
+//! per rank, against 17–38 ms for the NCCL swaps themselves. The residual blocks' last conv adds its
+//! shortcut in the conv's epilogue, as the unsharded decode does, rather than writing the conv's
+//! output and adding in a separate pass.
 //!
 //! **Spans.** The conv, its halo exchange (`waited` when host-waited; the swap itself, without the
-//! edge and haloed-band copies around it, is `parallel_vae_halo_nccl`), the attention and its
+//! edge copies around it, is `parallel_vae_halo_nccl`), the attention and its
 //! key/value gather each run inside a `tracing` debug span (`parallel_vae_*`; a host-waited exchange
 //! is `parallel_vae_halo_waited`), and the decoder adds the agreement
 //! step, the wait at the chunk's end and the gather: the VAE benchmark's per-rank breakdown reads
@@ -68,8 +69,7 @@ use ditstream_common::collectives::CollectiveError;
 use ditstream_common::collectives::wire::{self, TensorWire};
 use ditstream_common::config::VaeSplitDim;
 use ditstream_kernels::{
-    AttentionOptions, DType, Device, Tensor, attention, conv3d_cached, conv3d_cached_residual,
-    upsample_nearest2x,
+    AttentionOptions, DType, Device, Halo, Tensor, attention, conv3d_cached, upsample_nearest2x,
 };
 
 use super::shard::Shard;
@@ -129,9 +129,9 @@ impl<'a, C: TensorWire> HaloOps<'a, C> {
 impl<C: TensorWire + Send> HaloOps<'_, C> {
     /// The halo convolution: `causal_conv3d(x, weight, bias, cache)` on this rank's band, plus
     /// `residual` (the output's shape, this rank's band) when given, added in the conv's epilogue
-    /// as [`Unsharded`]'s `causal_conv3d_residual` adds it (the kernels crate's
-    /// `conv3d_cached_residual`: the same bits as the conv then `add`, without writing the conv's
-    /// output and reading it back). `kind` labels the span ("", "+up2", "+res").
+    /// as [`Unsharded`]'s `causal_conv3d_residual` adds it (the kernels crate's `conv3d_cached`: the
+    /// same bits as the conv then `add`, without writing the conv's output and reading it back).
+    /// `kind` labels the span ("", "+up2", "+res").
     fn conv(
         &self,
         x: &Tensor,
@@ -183,7 +183,7 @@ impl<C: TensorWire + Send> HaloOps<'_, C> {
             .collect();
         let ordered = self.ordered && warm_shapes().contains(&shape_key);
         let cache = cache.filter(|_| cached > 0);
-        let (cache, x) = {
+        let (before, after) = {
             let _halo = if ordered {
                 tracing::debug_span!("parallel_vae_halo")
             } else {
@@ -192,17 +192,17 @@ impl<C: TensorWire + Send> HaloOps<'_, C> {
             .entered();
             exchange_halo(&*self.comm(), &self.shard, cache, x, halo, ordered)?
         };
+        let halo = Halo {
+            axis,
+            before: &before,
+            after: &after,
+        };
         // Causal front padding: kt − 1 frames, less the cached ones; none on the split axis.
         let mut front = [kernel[0] - 1 - cached, kernel[1] / 2, kernel[2] / 2];
         let mut back = [0, kernel[1] / 2, kernel[2] / 2];
         front[axis - 2] = 0;
         back[axis - 2] = 0;
-        let out = match residual {
-            Some(residual) => {
-                conv3d_cached_residual(&x, weight, bias, cache.as_ref(), front, back, residual)?
-            }
-            None => conv3d_cached(&x, weight, bias, cache.as_ref(), front, back)?,
-        };
+        let out = conv3d_cached(x, weight, bias, cache, Some(&halo), (front, back), residual)?;
         if self.ordered && !ordered {
             warm_shapes().insert(shape_key); // its first run (and any GPU wait in it) is over
         }
@@ -265,11 +265,11 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
 }
 
 /// cache [B, C, T_c, H, W] (optional, T_c > 0) and x [B, C, T, H, W] (this rank's band along the
-/// shard's axis) → both with `halo` rows of each neighbour's band (of its cache and x) before and
-/// after them along that axis (zeros where there is no neighbour); `ordered`: stream-ordered where
-/// the backend can ([`TensorWire::exchange`]). One message per neighbour carries the edge rows of
-/// cache ++ x (joined along T: a copy of the rows only), and each side is copied once, with its
-/// halo rows around it.
+/// shard's axis) → the `halo` rows of each neighbour's band (of its cache, then its x, joined along
+/// T) that lie before and after this band along that axis, zeros where there is no neighbour: the
+/// edges of a [`Halo`], which the convolution reads around the band in place (no copy of the band).
+/// `ordered`: stream-ordered where the backend can ([`TensorWire::exchange`]). One message per
+/// neighbour carries the edge rows of cache ++ x (joined along T: a copy of the rows only).
 fn exchange_halo<C: TensorWire>(
     comm: &C,
     shard: &Shard,
@@ -277,7 +277,7 @@ fn exchange_halo<C: TensorWire>(
     x: &Tensor,
     halo: usize,
     ordered: bool,
-) -> Result<(Option<Tensor>, Tensor)> {
+) -> Result<(Tensor, Tensor)> {
     let axis = shard.axis();
     let extent = x.shape()[axis];
     let edge = |start: usize| -> Result<Tensor> {
@@ -316,31 +316,10 @@ fn exchange_halo<C: TensorWire>(
         }
     }
     let border = || zeros(&edge_shape, x.dtype(), x.device());
-    let from_prev = from_prev.map_or_else(border, Ok)?;
-    let from_next = from_next.map_or_else(border, Ok)?;
-    // Each received edge: the cache's frames first, then x's.
-    let cached = cache.map_or(0, |c| c.shape()[2]);
-    let frames = x.shape()[2];
-    let haloed_x = Tensor::concat(
-        &[
-            &from_prev.narrow(2, cached, frames)?,
-            x,
-            &from_next.narrow(2, cached, frames)?,
-        ],
-        axis,
-    )?;
-    let haloed_cache = match cache {
-        Some(cache) => Some(Tensor::concat(
-            &[
-                &from_prev.narrow(2, 0, cached)?,
-                cache,
-                &from_next.narrow(2, 0, cached)?,
-            ],
-            axis,
-        )?),
-        None => None,
-    };
-    Ok((haloed_cache, haloed_x))
+    Ok((
+        from_prev.map_or_else(border, Ok)?,
+        from_next.map_or_else(border, Ok)?,
+    ))
 }
 
 /// Zeros of `shape` on `device`, filled there. `Tensor::zeros` builds them on the host and uploads them

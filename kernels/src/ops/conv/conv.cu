@@ -280,6 +280,66 @@ __device__ void conv_to_ndhwc(const U* x, const U* cache, U* out, i64 batch, i64
     }
 }
 
+// conv_to_ndhwc_halo: conv_to_ndhwc (no upsampling) where the join also puts a neighbour's halo
+// around each frame along one spatial axis (the parallel VAE's band of a frame): out [B, F, plane, C]
+// with plane = height × width the haloed frame, whose first `halo` rows (axis 3) or columns (axis 4)
+// come from `before` and last `halo` from `after`, each [B, C, cached + x_frames, eh, ew] (the cache's
+// frames first, then x's; [eh, ew] = [halo, width] or [height, halo]), and the rest from the cache
+// and x frames of [height, width] less the halos. Zero frames stay zero, halo included. The bits equal
+// those of concatenating before, the band and after along the axis first, without that copy.
+template <typename U, int PACK>
+__device__ void conv_to_ndhwc_halo(const U* x, const U* cache, const U* before, const U* after, U* out,
+                                   i64 batch, i64 channels, i64 zeros_front, i64 cached, i64 x_frames,
+                                   i64 zeros_back, int height, int width, int halo, int axis) {
+    constexpr int TE = TR_WORDS * PACK;
+    __shared__ U tile[TE][TE + 1];
+    const i64 frames = zeros_front + cached + x_frames + zeros_back, joined = cached + x_frames;
+    const i64 plane = (i64)height * width;
+    const bool rows = axis == 3;
+    const int band = (rows ? height : width) - 2 * halo;  // extent of the band along the axis
+    const int band_w = rows ? width : band;              // width of a band frame
+    const i64 band_plane = rows ? (i64)band * width : (i64)height * band;
+    const i64 edge_plane = rows ? (i64)halo * width : (i64)height * halo;
+    const int edge_w = rows ? width : halo;
+    const i64 k0 = (i64)blockIdx.x * TE, r0 = (i64)blockIdx.y * TE;
+    for (i64 s = blockIdx.z; s < batch * frames; s += gridDim.z) {
+        const i64 b = s / frames, f = s % frames;
+        const i64 fc = f - zeros_front, fx = fc - cached;
+        const bool data = fc >= 0 && fc < joined;
+        auto load = [&](i64 c, i64 k) -> Word<U, PACK> {
+            Word<U, PACK> w;
+#pragma unroll
+            for (int j = 0; j < PACK; ++j) {
+                const i64 kk = k + j;
+                U v = U(0);
+                if (data && c < channels && kk < plane) {
+                    const int ki = (int)kk, r = ki / width, col = ki % width;  // plane < 2³¹ (host check)
+                    const int a = rows ? r : col;  // coordinate along the split axis
+                    if (a < halo || a >= halo + band) {
+                        const U* edge = a < halo ? before : after;
+                        const int e = a < halo ? a : a - halo - band;
+                        const int er = rows ? e : r, ec = rows ? col : e;
+                        v = edge[((b * channels + c) * joined + fc) * edge_plane + (i64)er * edge_w + ec];
+                    } else {
+                        const int br = rows ? r - halo : r, bc = rows ? col : col - halo;
+                        const i64 at = (i64)br * band_w + bc;
+                        v = fx < 0 ? cache[((b * channels + c) * cached + fc) * band_plane + at]
+                                   : x[((b * channels + c) * x_frames + fx) * band_plane + at];
+                    }
+                }
+                w.elem[j] = v;
+            }
+            return w;
+        };
+        U* slab = out + s * plane * channels;
+        auto put = [&](i64 p, i64 c, const Word<U, PACK>& w) {
+            *reinterpret_cast<decltype(w.word)*>(slab + p * channels + c) = w.word;
+        };
+        auto put_tail = [&](i64 p, i64 c, U v) { slab[p * channels + c] = v; };
+        transpose_tile<U, PACK>(tile, channels, plane, r0, k0, load, put, put_tail);
+    }
+}
+
 #define TO_NDHWC(NAME, U, PACK)                                                                       \
     extern "C" __global__ void __launch_bounds__(TR_WORDS * TR_ROWS) conv_to_ndhwc_##NAME(           \
         const U* x, const U* cache, U* out, i64 batch, i64 channels, i64 zeros_front, i64 cached,    \
@@ -293,6 +353,18 @@ __device__ void conv_to_ndhwc(const U* x, const U* cache, U* out, i64 batch, i64
         conv_to_ndhwc<U, PACK, true>(x, cache, out, batch, channels, zeros_front, cached, x_frames,   \
                                      zeros_back, plane, src_w);                                       \
     }
+#define TO_NDHWC_HALO(NAME, U, PACK)                                                                  \
+    extern "C" __global__ void __launch_bounds__(TR_WORDS * TR_ROWS) conv_to_ndhwc_halo_##NAME(      \
+        const U* x, const U* cache, const U* before, const U* after, U* out, i64 batch, i64 channels, \
+        i64 zeros_front, i64 cached, i64 x_frames, i64 zeros_back, int height, int width, int halo,   \
+        int axis) {                                                                                   \
+        conv_to_ndhwc_halo<U, PACK>(x, cache, before, after, out, batch, channels, zeros_front,       \
+                                    cached, x_frames, zeros_back, height, width, halo, axis);         \
+    }
+TO_NDHWC_HALO(e2_p1, unsigned short, 1)
+TO_NDHWC_HALO(e2_p2, unsigned short, 2)
+TO_NDHWC_HALO(e4_p1, unsigned int, 1)
+TO_NDHWC_HALO(e4_p2, unsigned int, 2)
 TO_NDHWC(e2_p1, unsigned short, 1)
 TO_NDHWC(e2_p2, unsigned short, 2)
 TO_NDHWC(e4_p1, unsigned int, 1)

@@ -46,6 +46,7 @@ use std::sync::{LazyLock, Mutex, Weak};
 
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
+use super::Halo;
 use super::cpu::ConvGeometry;
 use crate::cuda::cudnn::{self, DnnConvKey, DnnLayout};
 use crate::cuda::{
@@ -181,8 +182,7 @@ fn choose(backend: &CudaBackend, op: &'static str, g: &ConvGeometry, dtype: DTyp
 #[allow(clippy::too_many_arguments)]
 pub(super) fn conv3d(
     op: &'static str,
-    cache: Option<&Tensor>,
-    x: &Tensor,
+    (cache, x, halo): (Option<&Tensor>, &Tensor, Option<&Halo>),
     w: &Tensor,
     bias: Option<&Tensor>,
     g: &ConvGeometry,
@@ -209,6 +209,33 @@ pub(super) fn conv3d(
     let backend = CudaBackend::get(xc.cuda_storage(op)?.ordinal)?;
     let path = choose(&backend, op, g, dtype)?;
     let in_place = matches!(&path, Path::Cudnn { key, .. } if key.layout == DnnLayout::Ndhwc);
+    let mut edges = match halo {
+        Some(h) => Some((h.axis, h.before.to_dtype(dtype)?, h.after.to_dtype(dtype)?)),
+        None => None,
+    };
+    if let Some((axis, before, after)) = edges.take_if(|_| !in_place) {
+        // Only the channels-last transpose reads the halo in place: join it for the other paths.
+        let cached = cache.as_ref().map_or(0, |c| c.shape()[2]);
+        let frames = xc.shape()[2];
+        xc = Tensor::concat(
+            &[
+                &before.narrow(2, cached, frames)?,
+                &xc,
+                &after.narrow(2, cached, frames)?,
+            ],
+            axis,
+        )?;
+        if let Some(c) = &cache {
+            cache = Some(Tensor::concat(
+                &[
+                    &before.narrow(2, 0, cached)?,
+                    c,
+                    &after.narrow(2, 0, cached)?,
+                ],
+                axis,
+            )?);
+        }
+    }
     if upsampled && !in_place {
         // Only the channels-last transpose reads the upsampling in place: materialise it for the rest.
         xc = crate::upsample_nearest2x(&xc)?;
@@ -233,6 +260,7 @@ pub(super) fn conv3d(
             g,
             (&key, zeros),
             (up, fused_residual),
+            edges.as_ref(),
         )?,
         Path::Cudnn { key, zeros } => {
             let wc = w.to_dtype(dtype)?;
@@ -317,6 +345,7 @@ fn ndhwc_conv3d(
     g: &ConvGeometry,
     (key, zeros): (&DnnConvKey, [usize; 2]),
     (upsampled, residual): (bool, Option<&Tensor>),
+    halo: Option<&(usize, Tensor, Tensor)>,
 ) -> Result<CudaStorage> {
     let cached = cache.map_or(0, |c| c.shape()[2]);
     let cache_ptr = match cache {
@@ -324,6 +353,16 @@ fn ndhwc_conv3d(
         None => 0,
     };
     let frames = [zeros[0], cached, g.input[0] - cached, zeros[1]];
+    let source = match halo {
+        Some((axis, before, after)) => Source::Haloed {
+            before: before.cuda_storage(op)?.ptr(),
+            after: after.cuda_storage(op)?.ptr(),
+            extent: before.shape()[*axis],
+            axis: *axis,
+        },
+        None if upsampled => Source::Upsampled,
+        None => Source::Plain,
+    };
     let input = to_ndhwc(
         backend,
         op,
@@ -331,7 +370,7 @@ fn ndhwc_conv3d(
         (xc.cuda_storage(op)?.ptr(), cache_ptr),
         (g.batch, g.in_channels),
         frames,
-        (g.input[1] * g.input[2], upsampled.then_some(g.input[2] / 2)),
+        ([g.input[1], g.input[2]], source),
     )?;
     let filter = ndhwc_filter(op, w, key.dtype)?;
     let pixels: usize = key.output().iter().product();
@@ -435,11 +474,32 @@ fn transpose_grid(tiles: (usize, usize), slabs: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// `conv_to_ndhwc`'s instance for `dtype` (a bit copy: named by element size) and `pack`, or that of
-/// `conv_to_ndhwc_up2` (upsampling on the fly) when `upsampled`.
-fn to_ndhwc_kernel(dtype: DType, pack: usize, upsampled: bool) -> String {
-    let up = if upsampled { "_up2" } else { "" };
-    format!("conv_to_ndhwc{up}_e{}_p{pack}", dtype.size_in_bytes())
+/// What `to_ndhwc` reads besides the cache and x frames of the plane it writes.
+#[derive(Debug, Clone, Copy)]
+enum Source {
+    /// Frames of the plane itself.
+    Plain,
+    /// Frames of a quarter of the plane, nearest ×2 upsampled on the fly (`conv_to_ndhwc_up2`).
+    Upsampled,
+    /// Frames of the plane less `extent` rows (axis 3) or columns (axis 4) on each side, which come
+    /// from `before` and `after` ([`Halo`]'s edges, cache frames first; `conv_to_ndhwc_halo`).
+    Haloed {
+        before: u64,
+        after: u64,
+        extent: usize,
+        axis: usize,
+    },
+}
+
+/// The `conv_to_ndhwc` kernel reading `source` for `dtype` (a bit copy: named by element size) and
+/// `pack`.
+fn to_ndhwc_kernel(dtype: DType, pack: usize, source: Source) -> String {
+    let kind = match source {
+        Source::Plain => "",
+        Source::Upsampled => "_up2",
+        Source::Haloed { .. } => "_halo",
+    };
+    format!("conv_to_ndhwc{kind}_e{}_p{pack}", dtype.size_in_bytes())
 }
 
 /// `conv_from_ndhwc`'s instance for data `dtype`, bias `bias_dtype` and `pack`.
@@ -451,11 +511,11 @@ fn from_ndhwc_kernel(dtype: DType, bias_dtype: DType, pack: usize) -> String {
     )
 }
 
-/// [B, F, plane, C] in `dtype` holding, along F, `frames[0]` zero frames, the `frames[1]` frames of the
-/// cache [B, C, frames[1], plane] at `cache_ptr`, the `frames[2]` frames of x [B, C, frames[2], plane]
-/// at `x_ptr` and `frames[3]` zero frames: the frame join and the NCDHW → NDHWC transpose in one kernel.
-/// With `src_w` = Some(w), the cache and x hold frames of [plane / 4] = [H, w] pixels and the join is of
-/// their nearest ×2 upsampling ([2H, 2w] = plane pixels), made on the fly.
+/// [B, F, H·W, C] in `dtype` holding, along F, `frames[0]` zero frames, the `frames[1]` frames of the
+/// cache [B, C, frames[1], ·] at `cache_ptr`, the `frames[2]` frames of x [B, C, frames[2], ·] at `x_ptr`
+/// and `frames[3]` zero frames, each frame [H, W] = `dims` as `source` makes it from the cache's and
+/// x's (plain: the same [H, W]; upsampled: [H/2, W/2], nearest ×2 on the fly; haloed: the band between
+/// the halo's edges): the frame join and the NCDHW → NDHWC transpose in one kernel.
 fn to_ndhwc(
     backend: &CudaBackend,
     op: &'static str,
@@ -463,15 +523,16 @@ fn to_ndhwc(
     (x_ptr, cache_ptr): (u64, u64),
     (batch, channels): (usize, usize),
     frames: [usize; 4],
-    (plane, src_w): (usize, Option<usize>),
+    (dims, source): ([usize; 2], Source),
 ) -> Result<CudaStorage> {
+    let plane = dims[0] * dims[1];
     let total: usize = frames.iter().sum();
     let out = backend.alloc(dtype, batch * total * plane * channels)?;
     if batch * total * plane * channels == 0 {
         return Ok(out);
     }
     let pack = transpose_pack(plane, channels);
-    let f = backend.function(&SOURCE, &to_ndhwc_kernel(dtype, pack, src_w.is_some()))?;
+    let f = backend.function(&SOURCE, &to_ndhwc_kernel(dtype, pack, source))?;
     let tile = 32 * pack;
     let cfg = transpose_grid(
         (plane.div_ceil(tile), channels.div_ceil(tile)),
@@ -480,24 +541,69 @@ fn to_ndhwc(
     let out_ptr = out.ptr();
     let [zf, cached, x_frames, zb] = frames.map(|v| v as i64);
     let (b, c, p) = (batch as i64, channels as i64, plane as i64);
-    let src_w_i = src_w.unwrap_or(0) as i64;
     let mut launch = backend.stream.launch_builder(&f);
-    launch
-        .arg(&x_ptr)
-        .arg(&cache_ptr)
-        .arg(&out_ptr)
-        .arg(&b)
-        .arg(&c)
-        .arg(&zf)
-        .arg(&cached)
-        .arg(&x_frames)
-        .arg(&zb)
-        .arg(&p)
-        .arg(&src_w_i);
-    // SAFETY: x holds B·C·x_frames·plane elements and cache B·C·cached·plane (read only when cached > 0),
-    // or a quarter of that with src_w (the caller's geometry is the upsampled one: plane = 4·H·src_w),
-    // out B·F·plane·C, all of `dtype` (whose size the kernel's element type has); with pack 2, plane and C
-    // are even, so every word access is aligned (buffers start 256-byte aligned).
+    launch.arg(&x_ptr).arg(&cache_ptr);
+    let (halo_ptrs, halo_ints);
+    let src_w;
+    match source {
+        Source::Haloed {
+            before,
+            after,
+            extent,
+            axis,
+        } => {
+            // The kernel indexes a frame's pixels in 32 bits.
+            let int = |name, v: usize| {
+                i32::try_from(v).map_err(|_| {
+                    KernelError::arg(op, name, v, "the halo transpose takes it as an i32")
+                })
+            };
+            int("plane", plane)?;
+            halo_ptrs = [before, after];
+            halo_ints = [
+                int("height", dims[0])?,
+                int("width", dims[1])?,
+                int("halo", extent)?,
+                axis as i32,
+            ];
+            launch.arg(&halo_ptrs[0]).arg(&halo_ptrs[1]);
+            launch
+                .arg(&out_ptr)
+                .arg(&b)
+                .arg(&c)
+                .arg(&zf)
+                .arg(&cached)
+                .arg(&x_frames)
+                .arg(&zb);
+            for v in &halo_ints {
+                launch.arg(v);
+            }
+        }
+        Source::Plain | Source::Upsampled => {
+            src_w = if matches!(source, Source::Upsampled) {
+                dims[1] as i64 / 2
+            } else {
+                0
+            };
+            launch
+                .arg(&out_ptr)
+                .arg(&b)
+                .arg(&c)
+                .arg(&zf)
+                .arg(&cached)
+                .arg(&x_frames)
+                .arg(&zb);
+            launch.arg(&p).arg(&src_w);
+        }
+    }
+    // SAFETY: x holds B·C·x_frames·(its frame) elements and cache B·C·cached·(its frame) (read only when
+    // cached > 0), their frames [H, W] (plain), [H/2, W/2] (upsampled: the caller's geometry is the
+    // upsampled one) or the band [H − 2e, W] / [H, W − 2e] (haloed), and a halo's edges
+    // B·C·(cached + x_frames)·e·W or ·H·e each (checked by `conv3d_cached`); out B·F·plane·C; all of
+    // `dtype` (whose size the kernel's element type has), and the arguments in the kernel's order;
+    // with pack 2, plane and C are even, so every word store is aligned (buffers start 256-byte
+    // aligned; the halo kernel and the upsampling load element by element, the plain one by words of
+    // two pixels on even offsets).
     unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     Ok(out)
 }
@@ -885,10 +991,16 @@ mod tests {
         let has = |name: &str| cubin.windows(name.len()).any(|w| w == name.as_bytes());
         for dtype in [DType::F32, DType::BF16] {
             for pack in [1, 2] {
-                for up in [false, true] {
+                let haloed = Source::Haloed {
+                    before: 0,
+                    after: 0,
+                    extent: 1,
+                    axis: 3,
+                };
+                for source in [Source::Plain, Source::Upsampled, haloed] {
                     assert!(
-                        has(&to_ndhwc_kernel(dtype, pack, up)),
-                        "{dtype:?} {pack} {up}"
+                        has(&to_ndhwc_kernel(dtype, pack, source)),
+                        "{dtype:?} {pack} {source:?}"
                     );
                 }
                 for bias in [DType::F32, DType::BF16] {

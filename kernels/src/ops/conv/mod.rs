@@ -93,6 +93,8 @@ fn geometry(
 /// describes is `cache` (frames in front, optional, x's dtype) followed by x along T, nearest ×2
 /// upsampled in H and W when `upsampled` (then x and the cache hold frames of half the geometry's H, W).
 /// With `residual` (the output's shape, checked by the caller) the result is `add(conv, residual)`.
+/// With `halo` (checked by the caller; not with `upsampled`), its edges sit around the cache and x
+/// along its axis, and the geometry's extent there includes them.
 #[allow(clippy::too_many_arguments)]
 fn run(
     op: &'static str,
@@ -103,16 +105,23 @@ fn run(
     geometry: &ConvGeometry,
     upsampled: bool,
     residual: Option<&Tensor>,
+    halo: Option<&Halo>,
 ) -> Result<Tensor> {
     let mut operands = vec![x, w];
     operands.extend(bias);
     operands.extend(cache);
     operands.extend(residual);
+    operands.extend(halo.iter().flat_map(|h| [h.before, h.after]));
     match same_device(op, &operands)? {
         Device::Cpu => {
             let input = match cache {
                 Some(cache) => Tensor::concat(&[cache, x], 2)?,
                 None => x.clone(),
+            };
+            // The definition: the band between its halos (each holds the cache's frames, then x's).
+            let input = match halo {
+                Some(h) => Tensor::concat(&[h.before, &input, h.after], h.axis)?,
+                None => input,
             };
             // The definition: upsample, then convolve (the CUDA path reads the upsampling in place).
             let input = if upsampled {
@@ -132,7 +141,9 @@ fn run(
             residual.map_or(Ok(out.clone()), |r| crate::add(&out, r))
         }
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => cuda::conv3d(op, cache, x, w, bias, geometry, upsampled, residual),
+        Device::Cuda(_) => {
+            cuda::conv3d(op, (cache, x, halo), w, bias, geometry, upsampled, residual)
+        }
         #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => {
             let _ = upsampled;
@@ -161,7 +172,7 @@ pub fn conv3d(
         padding,
         padding,
     )?;
-    run("conv3d", None, x, w, bias, &geometry, false, None)
+    run("conv3d", None, x, w, bias, &geometry, false, None, None)
 }
 
 /// [`conv3d`] on channels-last tensors: x [B, T, H, W, C_in], w [C_out, kt, kh, kw, C_in], bias
@@ -318,7 +329,7 @@ fn causal(
             &[x.shape(), w.shape(), r.shape()],
         ));
     }
-    run(op, cache, x, w, bias, &geometry, upsampled, residual)
+    run(op, cache, x, w, bias, &geometry, upsampled, residual, None)
 }
 
 /// The frames of `cache` [B, C_in, T_c, H, W] (0 without one), checked against x [B, C_in, T, H, W]:
@@ -347,25 +358,81 @@ fn cache_frames(op: &'static str, x: &Tensor, cache: Option<&Tensor>) -> Result<
     Ok(cs[2])
 }
 
+/// Halo rows (or columns) around a band of a frame along one spatial axis: the parallel VAE's
+/// neighbours' edges, joined to a band for [`conv3d_cached`] without a copy of the band.
+#[derive(Debug, Clone, Copy)]
+pub struct Halo<'a> {
+    /// The split axis of [B, C, T, H, W]: 3 (rows) or 4 (columns).
+    pub axis: usize,
+    /// The rows (columns) before the band, [B, C_in, T_c + T, e, W] (axis 3) or
+    /// [B, C_in, T_c + T, H, e] (axis 4): the cache's T_c frames first, then x's T.
+    pub before: &'a Tensor,
+    /// The rows (columns) after the band, shaped as `before`.
+    pub after: &'a Tensor,
+}
+
+/// Checks `halo` against x [B, C_in, T, H, W] and the cache's `cached` frames; returns its extent e.
+fn halo_extent(op: &'static str, x: &Tensor, cached: usize, halo: &Halo) -> Result<usize> {
+    if halo.axis != 3 && halo.axis != 4 {
+        return Err(KernelError::arg(
+            op,
+            "halo.axis",
+            halo.axis,
+            "a halo lies along H (3) or W (4)",
+        ));
+    }
+    let xs = x.shape();
+    let bs = halo.before.shape();
+    let mut expected = xs.to_vec();
+    expected[2] += cached;
+    expected[halo.axis] = bs.get(halo.axis).copied().unwrap_or(0);
+    if bs != expected.as_slice() || halo.after.shape() != bs || expected[halo.axis] == 0 {
+        return Err(KernelError::shape(
+            op,
+            "halo edges must be [B, C_in, T_c + T, e, W] (axis 3) or [B, C_in, T_c + T, H, e] \
+             (axis 4), both alike, e ≥ 1",
+            &[xs, bs, halo.after.shape()],
+        ));
+    }
+    for (name, t) in [("halo.before", halo.before), ("halo.after", halo.after)] {
+        if t.dtype() != x.dtype() {
+            return Err(KernelError::DTypeMismatch {
+                op,
+                name,
+                expected: x.dtype(),
+                got: t.dtype(),
+            });
+        }
+    }
+    Ok(expected[halo.axis])
+}
+
 /// Conv3d, stride 1, of `cache` [B, C_in, T_c, H, W] (frames in front, optional) followed by
-/// x [B, C_in, T, H, W] along T, zero-padded by `pad_front` before and `pad_back` after each of
-/// T, H, W: → [B, C_out, T_c + T + front + back − kt + 1, …] in x's dtype. [`causal_conv3d`] is the
-/// case front = (kt − 1 − T_c, kh/2, kw/2), back = (0, kh/2, kw/2); the parallel VAE passes its
-/// halo rows joined to x and cache, with no padding on the split axis. The frames are joined as
-/// [`causal_conv3d`] joins them (read in place, or in the one copy a cuDNN path makes anyway), so
-/// equal inputs give the bits that concatenating them and calling [`conv3d`] gives.
+/// x [B, C_in, T, H, W] along T, with `halo`'s edges (optional) before and after along its axis, then
+/// zero-padded by `pad_front` before and `pad_back` after each of T, H, W: → [B, C_out,
+/// T_c + T + front + back − kt + 1, …] in x's dtype, plus `residual` (the output's shape, optional).
+/// [`causal_conv3d`] is the case front = (kt − 1 − T_c, kh/2, kw/2), back = (0, kh/2, kw/2) without
+/// a halo; the parallel VAE passes its neighbours' rows as the halo, with no padding on the split
+/// axis. Frames and halos are joined as [`causal_conv3d`] joins the cache (read in place, or in the one
+/// copy a cuDNN path makes anyway), and the residual is added as [`causal_conv3d_residual`] adds it, so
+/// equal inputs give the bits that concatenating them, calling [`conv3d`] and `add` give.
 pub fn conv3d_cached(
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
     cache: Option<&Tensor>,
-    pad_front: [usize; 3],
-    pad_back: [usize; 3],
+    halo: Option<&Halo>,
+    (pad_front, pad_back): ([usize; 3], [usize; 3]),
+    residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     const OP: &str = "conv3d_cached";
     expect_rank(OP, "x [B, C_in, T, H, W]", x, 5)?;
+    let cached = cache_frames(OP, x, cache)?;
     let mut input_shape = x.shape().to_vec();
-    input_shape[2] += cache_frames(OP, x, cache)?;
+    input_shape[2] += cached;
+    if let Some(halo) = halo {
+        input_shape[halo.axis] += 2 * halo_extent(OP, x, cached, halo)?;
+    }
     let geometry = geometry(
         OP,
         &input_shape,
@@ -375,43 +442,16 @@ pub fn conv3d_cached(
         pad_front,
         pad_back,
     )?;
-    run(OP, cache, x, w, bias, &geometry, false, None)
-}
-
-/// `add(&conv3d_cached(x, w, bias, cache, pad_front, pad_back)?, residual)`, bit for bit, as
-/// [`causal_conv3d_residual`] is to [`causal_conv3d`] (the residual added in the conv's epilogue where
-/// the conv runs channels-last): the parallel VAE's residual blocks on a rank's haloed band.
-/// `residual` has the output's shape.
-pub fn conv3d_cached_residual(
-    x: &Tensor,
-    w: &Tensor,
-    bias: Option<&Tensor>,
-    cache: Option<&Tensor>,
-    pad_front: [usize; 3],
-    pad_back: [usize; 3],
-    residual: &Tensor,
-) -> Result<Tensor> {
-    const OP: &str = "conv3d_cached_residual";
-    expect_rank(OP, "x [B, C_in, T, H, W]", x, 5)?;
-    let mut input_shape = x.shape().to_vec();
-    input_shape[2] += cache_frames(OP, x, cache)?;
-    let geometry = geometry(
-        OP,
-        &input_shape,
-        w.shape(),
-        bias,
-        [1, 1, 1],
-        pad_front,
-        pad_back,
-    )?;
-    if residual.shape() != geometry.output_shape() {
+    if let Some(residual) = residual
+        && residual.shape() != geometry.output_shape()
+    {
         return Err(KernelError::shape(
             OP,
             "residual must have the convolution's output shape [B, C_out, T, H, W]",
             &[x.shape(), w.shape(), residual.shape()],
         ));
     }
-    run(OP, cache, x, w, bias, &geometry, false, Some(residual))
+    run(OP, cache, x, w, bias, &geometry, false, residual, halo)
 }
 
 /// Conv2d with symmetric zero padding (PyTorch `nn.Conv2d`, dilation 1, groups 1):
@@ -442,7 +482,7 @@ pub fn conv2d(
         pad,
         pad,
     )?;
-    let out = run(OP, None, &x3, &w3, bias, &geometry, false, None)?;
+    let out = run(OP, None, &x3, &w3, bias, &geometry, false, None, None)?;
     let os = out.shape();
     out.reshape(&[os[0], os[1], os[3], os[4]])
 }

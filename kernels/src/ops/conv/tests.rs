@@ -177,35 +177,79 @@ fn conv3d_cached_pads_each_side_as_asked() -> Result<()> {
     let x = randn(&[1, 3, 4, 6, 5], 61);
     let w = randn(&[2, 3, 3, 3, 3], 62);
     let bias = randn(&[2], 63);
-    let (front, back) = ([1, 0, 1], [0, 0, 1]);
-    let out = conv3d_cached(&x, &w, Some(&bias), Some(&cache), front, back)?;
+    let pads = ([1, 0, 1], [0, 0, 1]);
+    let out = conv3d_cached(&x, &w, Some(&bias), Some(&cache), None, pads, None)?;
     assert_eq!(out.shape(), [1, 2, 4, 4, 5]);
-    let (padded, dims) = pad(&Tensor::concat(&[&cache, &x], 2)?, front, back)?;
+    let (padded, dims) = pad(&Tensor::concat(&[&cache, &x], 2)?, pads.0, pads.1)?;
     let (expect, _) = naive_valid_conv3d((&padded, dims), &w, Some(&bias), [1, 1, 1])?;
     assert_close_slices(&out.to_vec_f32()?, &expect, ATOL, 0.0);
     // Without a cache it is the plain conv of the padded x; a cache of another size is an error.
-    let out = conv3d_cached(&x, &w, None, None, [2, 1, 0], [0, 1, 0])?;
+    let out = conv3d_cached(&x, &w, None, None, None, ([2, 1, 0], [0, 1, 0]), None)?;
     let (padded, dims) = pad(&x, [2, 1, 0], [0, 1, 0])?;
     let (expect, _) = naive_valid_conv3d((&padded, dims), &w, None, [1, 1, 1])?;
     assert_close_slices(&out.to_vec_f32()?, &expect, ATOL, 0.0);
     let wrong = randn(&[1, 3, 1, 5, 5], 64);
-    assert!(conv3d_cached(&x, &w, None, Some(&wrong), front, back).is_err());
+    assert!(conv3d_cached(&x, &w, None, Some(&wrong), None, pads, None).is_err());
     Ok(())
 }
 
-/// The halo form with a residual (the parallel VAE's residual blocks) is `conv3d_cached` then `add`,
-/// bit for bit, in f32 and bf16; a residual of another shape is refused.
+/// With a halo, the input is the halo's edges around cache ++ x along its axis (each edge holds the
+/// cache's frames, then x's), for rows and for columns, against the naive conv of that explicit
+/// join; edges of the wrong shape or axis are refused.
+#[test]
+fn conv3d_cached_reads_a_halo_around_the_band() -> Result<()> {
+    let cache = randn(&[1, 3, 2, 4, 5], 65);
+    let x = randn(&[1, 3, 3, 4, 5], 66);
+    let w = randn(&[2, 3, 3, 3, 3], 67);
+    let bias = randn(&[2], 68);
+    for (axis, edge, pads) in [
+        (3, [1, 3, 5, 1, 5], ([0, 0, 1], [0, 0, 1])),
+        (4, [1, 3, 5, 4, 1], ([0, 1, 0], [0, 1, 0])),
+    ] {
+        let (before, after) = (randn(&edge, 69), randn(&edge, 70));
+        let halo = Halo {
+            axis,
+            before: &before,
+            after: &after,
+        };
+        let out = conv3d_cached(&x, &w, Some(&bias), Some(&cache), Some(&halo), pads, None)?;
+        let joined = Tensor::concat(&[&before, &Tensor::concat(&[&cache, &x], 2)?, &after], axis)?;
+        let (padded, dims) = pad(&joined, pads.0, pads.1)?;
+        let (expect, _) = naive_valid_conv3d((&padded, dims), &w, Some(&bias), [1, 1, 1])?;
+        assert_eq!(out.shape(), [1, 2, 3, 4, 5], "axis {axis}");
+        assert_close_slices(&out.to_vec_f32()?, &expect, ATOL, 0.0);
+        let short = before.narrow(2, 1, 4)?; // x's frames only: the cache's are missing
+        let bad = Halo {
+            before: &short,
+            after: &short,
+            axis,
+        };
+        assert!(conv3d_cached(&x, &w, None, Some(&cache), Some(&bad), pads, None).is_err());
+    }
+    let edge = randn(&[1, 3, 5, 1, 5], 71);
+    let bad = Halo {
+        axis: 2,
+        before: &edge,
+        after: &edge,
+    };
+    let pads = ([0, 0, 1], [0, 0, 1]);
+    assert!(conv3d_cached(&x, &w, None, Some(&cache), Some(&bad), pads, None).is_err());
+    Ok(())
+}
+
+/// With a residual (the parallel VAE's residual blocks) it is the conv then `add`, bit for bit, in
+/// f32 and bf16; a residual of another shape is refused.
 #[test]
 fn conv3d_cached_residual_is_conv_then_add() -> Result<()> {
-    let (front, back) = ([1, 0, 1], [0, 0, 1]);
+    let pads = ([1, 0, 1], [0, 0, 1]);
     for dtype in [DType::F32, DType::BF16] {
         let cache = Tensor::randn(&[1, 3, 1, 6, 5], dtype, 110, Device::Cpu)?;
         let x = Tensor::randn(&[1, 3, 2, 6, 5], dtype, 111, Device::Cpu)?;
         let w = Tensor::randn(&[4, 3, 3, 3, 3], dtype, 112, Device::Cpu)?;
         let b = Tensor::randn(&[4], DType::F32, 113, Device::Cpu)?;
         let r = Tensor::randn(&[1, 4, 2, 4, 5], dtype, 114, Device::Cpu)?;
-        let fused = conv3d_cached_residual(&x, &w, Some(&b), Some(&cache), front, back, &r)?;
-        let conv = conv3d_cached(&x, &w, Some(&b), Some(&cache), front, back)?;
+        let fused = conv3d_cached(&x, &w, Some(&b), Some(&cache), None, pads, Some(&r))?;
+        let conv = conv3d_cached(&x, &w, Some(&b), Some(&cache), None, pads, None)?;
         let composed = crate::add(&conv, &r)?;
         assert_eq!(fused.dtype(), dtype);
         assert_eq!(fused.to_vec_f32()?, composed.to_vec_f32()?, "{dtype:?}");
@@ -213,7 +257,8 @@ fn conv3d_cached_residual_is_conv_then_add() -> Result<()> {
     let x = randn(&[1, 3, 2, 6, 5], 115);
     let w = randn(&[4, 3, 3, 3, 3], 116);
     let wrong = randn(&[1, 4, 2, 6, 5], 117); // rows of the haloed input, not the output's
-    assert!(conv3d_cached_residual(&x, &w, None, None, [2, 0, 1], [0, 0, 1], &wrong).is_err());
+    let pads = ([2, 0, 1], [0, 0, 1]);
+    assert!(conv3d_cached(&x, &w, None, None, None, pads, Some(&wrong)).is_err());
     Ok(())
 }
 

@@ -35,6 +35,14 @@ use ditstream_kernels::{AttentionOptions, DType, Device, Tensor};
 type Result<T> = anyhow::Result<T>;
 
 /// The GPU to test on (the shared gate: skips without one unless DITSTREAM_REQUIRE_GPUS is set).
+/// Every CUDA convolution path, forced in turn by the conv tests, and its label.
+const CONV_PATHS: [(ConvAlgo, &str); 4] = [
+    (ConvAlgo::Im2col, "im2col"),
+    (ConvAlgo::Cudnn, "cudnn"),
+    (ConvAlgo::CudnnNdhwc, "cudnn_ndhwc"),
+    (ConvAlgo::Auto, "auto"),
+];
+
 fn gpu() -> Option<Device> {
     ditstream_kernels::testing::test_gpu()
 }
@@ -693,12 +701,6 @@ fn convolutions_match_cpu() -> Result<()> {
                 DType::F32 => 0.0,
             }
     };
-    let paths = [
-        (ConvAlgo::Im2col, "im2col"),
-        (ConvAlgo::Cudnn, "cudnn"),
-        (ConvAlgo::CudnnNdhwc, "cudnn_ndhwc"),
-        (ConvAlgo::Auto, "auto"),
-    ];
     for dtype in [DType::F32, DType::BF16] {
         // conv3d: (x shape, w shape, stride, padding, bias); batch 2 and odd sizes included.
         for (xs, ws, stride, padding, with_bias) in [
@@ -728,7 +730,7 @@ fn convolutions_match_cpu() -> Result<()> {
             let gbias = with_bias.then_some(&gb);
             let taps = ws[1] * ws[2] * ws[3] * ws[4];
             let cpu = k::conv3d(&x, &w, bias, stride, padding)?;
-            for (algo, label) in paths {
+            for (algo, label) in CONV_PATHS {
                 let out = with_conv_algo(algo, || k::conv3d(&gx, &gw, gbias, stride, padding))?;
                 check(
                     &format!("conv3d {label}"),
@@ -764,7 +766,7 @@ fn convolutions_match_cpu() -> Result<()> {
             let (gx, gw, gb) = (x.to_device(dev)?, w.to_device(dev)?, b.to_device(dev)?);
             let taps = ws[1] * ws[2] * ws[3] * ws[4];
             let cpu = k::causal_conv3d(&x, &w, Some(&b), cache.as_ref())?;
-            for (algo, label) in paths {
+            for (algo, label) in CONV_PATHS {
                 let out = with_conv_algo(algo, || {
                     k::causal_conv3d(&gx, &gw, Some(&gb), gcache.as_ref())
                 })?;
@@ -789,7 +791,7 @@ fn convolutions_match_cpu() -> Result<()> {
             let (gx, gw, gb) = (x.to_device(dev)?, w.to_device(dev)?, b.to_device(dev)?);
             let taps = ws[1] * ws[2] * ws[3];
             let cpu = k::conv2d(&x, &w, Some(&b), stride, padding)?;
-            for (algo, label) in paths {
+            for (algo, label) in CONV_PATHS {
                 let out = with_conv_algo(algo, || k::conv2d(&gx, &gw, Some(&gb), stride, padding))?;
                 check(
                     &format!("conv2d {label}"),
@@ -848,7 +850,7 @@ fn convolutions_match_cpu() -> Result<()> {
         let w = randn(&[4, 3, 3, 3, 3], DType::F32, 131);
         let (gx, gw) = (x.to_device(dev)?, w.to_device(dev)?);
         let cpu = k::causal_conv3d(&x, &w, None, None)?;
-        for (algo, label) in paths {
+        for (algo, label) in CONV_PATHS {
             check(
                 &format!("conv3d_mixed {label}"),
                 &with_conv_algo(algo, || k::causal_conv3d(&gx, &gw, None, None))?,
@@ -1115,12 +1117,6 @@ fn rms_norm_channels_silu_matches_unfused_and_cpu() -> Result<()> {
 fn causal_conv3d_upsampled_matches_unfused_and_cpu() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     use ditstream_kernels as k;
-    let paths = [
-        (ConvAlgo::Im2col, "im2col"),
-        (ConvAlgo::Cudnn, "cudnn"),
-        (ConvAlgo::CudnnNdhwc, "cudnn_ndhwc"),
-        (ConvAlgo::Auto, "auto"),
-    ];
     for dtype in [DType::F32, DType::BF16] {
         for (ws, cached, hw, batch) in [
             ([8, 16, 1, 3, 3], 0, [6, 10], 1),
@@ -1143,7 +1139,7 @@ fn causal_conv3d_upsampled_matches_unfused_and_cpu() -> Result<()> {
                     DType::BF16 => 4.0 * 2f32.powi(-9),
                     DType::F32 => 0.0,
                 };
-            for (algo, label) in paths {
+            for (algo, label) in CONV_PATHS {
                 let fused = with_conv_algo(algo, || {
                     k::causal_conv3d_upsampled(&gx, &gw, Some(&gb), gcache.as_ref())
                 })?;
@@ -1193,12 +1189,6 @@ fn causal_conv3d_upsampled_matches_unfused_and_cpu() -> Result<()> {
 fn conv3d_cached_halo_matches_joined() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     use ditstream_kernels as k;
-    let paths = [
-        (ConvAlgo::Im2col, "im2col"),
-        (ConvAlgo::Cudnn, "cudnn"),
-        (ConvAlgo::CudnnNdhwc, "cudnn_ndhwc"),
-        (ConvAlgo::Auto, "auto"),
-    ];
     for dtype in [DType::F32, DType::BF16] {
         for (axis, c_in, cached, residual) in [
             (3, 16, 2, true),
@@ -1239,7 +1229,7 @@ fn conv3d_cached_halo_matches_joined() -> Result<()> {
             };
             let joined_x = join(&x, cached, frames)?;
             let joined_cache = cache.as_ref().map(|c| join(c, 0, cached)).transpose()?;
-            for (algo, label) in paths {
+            for (algo, label) in CONV_PATHS {
                 let haloed = with_conv_algo(algo, || {
                     k::conv3d_cached(
                         &x,
@@ -1297,12 +1287,6 @@ fn conv3d_cached_halo_matches_joined() -> Result<()> {
 fn causal_conv3d_residual_matches_unfused_and_cpu() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     use ditstream_kernels as k;
-    let paths = [
-        (ConvAlgo::Im2col, "im2col"),
-        (ConvAlgo::Cudnn, "cudnn"),
-        (ConvAlgo::CudnnNdhwc, "cudnn_ndhwc"),
-        (ConvAlgo::Auto, "auto"),
-    ];
     for dtype in [DType::F32, DType::BF16] {
         for (ws, cached, hw, batch, bias_dtype, residual_dtype) in [
             ([16, 16, 3, 3, 3], 2, [6, 10], 1, dtype, dtype),
@@ -1336,7 +1320,7 @@ fn causal_conv3d_residual_matches_unfused_and_cpu() -> Result<()> {
                     DType::F32 => 0.0,
                 }
                 + rtol(dtype) * max_conv;
-            for (algo, label) in paths {
+            for (algo, label) in CONV_PATHS {
                 let fused = with_conv_algo(algo, || {
                     k::causal_conv3d_residual(&gx, &gw, Some(&gb), gcache.as_ref(), &gr)
                 })?;

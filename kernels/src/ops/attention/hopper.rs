@@ -180,24 +180,20 @@ pub(super) fn attention(
     // The warp-specialised kernel reads K and V through maps that end at kv_len, so that TMA zero-fills
     // the padded keys of the partial block (their P is 0 and V must be finite there).
     let (maps, threads) = if variant.warp_specialised {
+        let kv_map = |t| {
+            tensor_map(
+                op,
+                backend,
+                t,
+                [batch, seq_k, heads],
+                variant.block_k,
+                kv_len,
+            )
+        };
         let maps = [
             tensor_map(op, backend, q, [batch, seq_q, heads], BLOCK_Q, seq_q)?,
-            tensor_map(
-                op,
-                backend,
-                k,
-                [batch, seq_k, heads],
-                variant.block_k,
-                kv_len,
-            )?,
-            tensor_map(
-                op,
-                backend,
-                v,
-                [batch, seq_k, heads],
-                variant.block_k,
-                kv_len,
-            )?,
+            kv_map(k)?,
+            kv_map(v)?,
         ];
         (Some(maps), WS_THREADS)
     } else {

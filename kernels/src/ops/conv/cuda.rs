@@ -491,6 +491,13 @@ enum Source {
     },
 }
 
+/// The last arguments of a `conv_to_ndhwc` kernel: the halo kernel's (height, width, halo, axis) as
+/// i32, or the others' (plane, source width) as i64.
+enum Tail {
+    Halo([i32; 4]),
+    Plane([i64; 2]),
+}
+
 /// The `conv_to_ndhwc` kernel reading `source` for `dtype` (a bit copy: named by element size) and
 /// `pack`.
 fn to_ndhwc_kernel(dtype: DType, pack: usize, source: Source) -> String {
@@ -541,11 +548,9 @@ fn to_ndhwc(
     let out_ptr = out.ptr();
     let [zf, cached, x_frames, zb] = frames.map(|v| v as i64);
     let (b, c, p) = (batch as i64, channels as i64, plane as i64);
-    let mut launch = backend.stream.launch_builder(&f);
-    launch.arg(&x_ptr).arg(&cache_ptr);
-    let (halo_ptrs, halo_ints);
-    let src_w;
-    match source {
+    // The kernels' arguments: (x, cache, [before, after,] out, B, C, the four frame counts, then the
+    // halo kernel's height, width, halo and axis, or the others' plane and source width).
+    let (edges, ints) = match source {
         Source::Haloed {
             before,
             after,
@@ -559,42 +564,31 @@ fn to_ndhwc(
                 })
             };
             int("plane", plane)?;
-            halo_ptrs = [before, after];
-            halo_ints = [
-                int("height", dims[0])?,
-                int("width", dims[1])?,
-                int("halo", extent)?,
-                axis as i32,
-            ];
-            launch.arg(&halo_ptrs[0]).arg(&halo_ptrs[1]);
-            launch
-                .arg(&out_ptr)
-                .arg(&b)
-                .arg(&c)
-                .arg(&zf)
-                .arg(&cached)
-                .arg(&x_frames)
-                .arg(&zb);
-            for v in &halo_ints {
-                launch.arg(v);
-            }
+            let dims = [int("height", dims[0])?, int("width", dims[1])?];
+            (
+                Some([before, after]),
+                Tail::Halo([dims[0], dims[1], int("halo", extent)?, axis as i32]),
+            )
         }
-        Source::Plain | Source::Upsampled => {
-            src_w = if matches!(source, Source::Upsampled) {
-                dims[1] as i64 / 2
-            } else {
-                0
-            };
-            launch
-                .arg(&out_ptr)
-                .arg(&b)
-                .arg(&c)
-                .arg(&zf)
-                .arg(&cached)
-                .arg(&x_frames)
-                .arg(&zb);
-            launch.arg(&p).arg(&src_w);
-        }
+        Source::Upsampled => (None, Tail::Plane([p, dims[1] as i64 / 2])),
+        Source::Plain => (None, Tail::Plane([p, 0])),
+    };
+    let mut launch = backend.stream.launch_builder(&f);
+    launch.arg(&x_ptr).arg(&cache_ptr);
+    if let Some([before, after]) = &edges {
+        launch.arg(before).arg(after);
+    }
+    launch.arg(&out_ptr);
+    for v in [&b, &c, &zf, &cached, &x_frames, &zb] {
+        launch.arg(v);
+    }
+    match &ints {
+        Tail::Halo(v) => v.iter().for_each(|v| {
+            launch.arg(v);
+        }),
+        Tail::Plane(v) => v.iter().for_each(|v| {
+            launch.arg(v);
+        }),
     }
     // SAFETY: x holds B·C·x_frames·(its frame) elements and cache B·C·cached·(its frame) (read only when
     // cached > 0), their frames [H, W] (plain), [H/2, W/2] (upsampled: the caller's geometry is the

@@ -18,9 +18,10 @@
 # and the decodes.
 # With --pvae (issue 7's parallel-VAE speedup): only step 2 and ours at 480p bf16 on 1 and 2 GPUs
 # (height split) with the per-rank breakdown, the 1-GPU and per-rank profiles, cuDNN's plans and the
-# launch count of one chunk (no attention parity, no diffusers, no 720p); about 2–3 minutes; the
-# table last is the breakdown, the profiles side by side and the speedup. Logs go to $OUT (the device runner's output folder) when set, else
-# /tmp/ditstream-gpu. Exits non-zero if any step failed (the table is printed anyway).
+# launch count of one chunk (no attention parity, no diffusers, no 720p); about 1–2 minutes on a
+# warm machine (60 s measured); the table last is the breakdown, the profiles side by side and the
+# speedup.
+# Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu. Exits non-zero if any step failed (the table is printed anyway).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 extra=0

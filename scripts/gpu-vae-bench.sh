@@ -21,7 +21,8 @@
 # launch count of one chunk (no attention parity, no diffusers, no 720p); about 1–2 minutes on a
 # warm machine (60 s measured); the table last is the breakdown, the profiles side by side and the
 # speedup.
-# Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu. Exits non-zero if any step failed (the table is printed anyway).
+# Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu. Exits
+# non-zero if any step failed (the table is printed anyway).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 extra=0

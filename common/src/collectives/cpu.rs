@@ -4,7 +4,7 @@
 //! [`CpuWorld`] hands out one [`CpuRank`] per rank (move each into its own thread);
 //! [`CpuRank::group`] (or [`CommWorld::split`]) makes a [`CpuComm`] for a list of ranks.
 //!
-//! How an exchange works: the members of a group share one [`GroupState`] (a mutex, a condvar
+//! How an exchange works: the members of a group share one `GroupState` (a mutex, a condvar
 //! and a generation counter). For collective number `seq`, each rank waits until the state's
 //! generation is `seq` (the previous round has been read by everyone), deposits its
 //! contribution, and the last to arrive checks that all ranks called the same operation with

@@ -377,10 +377,10 @@ pub trait Communicator {
     /// The contents of `buf` copied to the host.
     fn download<T: Element>(&self, buf: &Self::Buf<T>) -> Result<Vec<T>>;
 
-    /// send: [n] → recv: [P·n], concatenated along the leading (outermost) axis in group-rank
+    /// send: `[n]` → recv: `[P·n]`, concatenated along the leading (outermost) axis in group-rank
     /// order: `recv[i·n .. (i+1)·n]` is rank i's `send`.
     fn all_gather<T: Element>(&self, send: &Self::Buf<T>, recv: &mut Self::Buf<T>) -> Result<()>;
-    /// Uneven all-gather: send: [counts[r]] → recv: [Σ counts], rank i's part at offset
+    /// Uneven all-gather: send: `[counts[r]]` → recv: `[Σ counts]`, rank i's part at offset
     /// `Σ_{j<i} counts[j]`. Every rank passes the same `counts`.
     fn all_gather_v<T: Element>(
         &self,
@@ -388,8 +388,8 @@ pub trait Communicator {
         recv: &mut Self::Buf<T>,
         counts: &[usize],
     ) -> Result<()>;
-    /// send: [P·n] split into P contiguous chunks, chunk j goes to rank j → recv: [P·n], chunk i
-    /// came from rank i.
+    /// send: `[P·n]` split into P contiguous chunks, chunk j goes to rank j → recv: `[P·n]`,
+    /// chunk i came from rank i.
     fn all_to_all<T: Element>(&self, send: &Self::Buf<T>, recv: &mut Self::Buf<T>) -> Result<()>;
     /// Uneven all-to-all: send chunk j (`send_counts[j]` elements, packed in order) goes to rank j;
     /// recv chunk i (`recv_counts[i]` elements, packed in order) came from rank i. Rank i's
@@ -401,23 +401,24 @@ pub trait Communicator {
         recv: &mut Self::Buf<T>,
         recv_counts: &[usize],
     ) -> Result<()>;
-    /// send: [n] → recv: [n], `recv[k] = op over ranks of send[k]` (the same bits on every rank).
+    /// send: `[n]` → recv: `[n]`, `recv[k] = op over ranks of send[k]` (the same bits on every
+    /// rank).
     fn all_reduce<T: Element>(
         &self,
         send: &Self::Buf<T>,
         recv: &mut Self::Buf<T>,
         op: ReduceOp,
     ) -> Result<()>;
-    /// In-place [`Communicator::all_reduce`]: buf: [n] → [n].
+    /// In-place [`Communicator::all_reduce`]: buf: `[n]` → `[n]`.
     fn all_reduce_in_place<T: Element>(&self, buf: &mut Self::Buf<T>, op: ReduceOp) -> Result<()>;
-    /// send: [P·n] → recv: [n], `recv = op over ranks of chunk r of their send`.
+    /// send: `[P·n]` → recv: `[n]`, `recv = op over ranks of chunk r of their send`.
     fn reduce_scatter<T: Element>(
         &self,
         send: &Self::Buf<T>,
         recv: &mut Self::Buf<T>,
         op: ReduceOp,
     ) -> Result<()>;
-    /// buf: [n] on every rank; afterwards every rank holds group rank `root`'s contents.
+    /// buf: `[n]` on every rank; afterwards every rank holds group rank `root`'s contents.
     fn broadcast<T: Element>(&self, buf: &mut Self::Buf<T>, root: usize) -> Result<()>;
     /// Returns once every rank of the group has called it.
     fn barrier(&self) -> Result<()>;

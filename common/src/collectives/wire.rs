@@ -156,7 +156,7 @@ pub trait TensorWire: Communicator + Sized {
     /// instead *queues* the exchange (module docs, "stream-ordered exchange") and returns at once:
     /// the received tensors are complete for every op queued afterwards on the kernels' stream,
     /// and the host learns about a failure or a timeout only at the communicator's next waiting
-    /// operation ([`Communicator::synchronize`](super::Communicator::synchronize), a collective),
+    /// operation ([`Communicator::synchronize`], a collective),
     /// which the caller must reach before reading results on the host.
     fn exchange(&self, swaps: &[(usize, &Tensor)], ordered: bool) -> Result<Vec<Tensor>> {
         let _ = ordered; // no stream ordering here: every transfer completes before the next

@@ -14,7 +14,7 @@ use super::error::Result;
 /// The decoder's neighbourhood operations. [`Unsharded`] runs them on whole frames.
 pub trait SpatialOps: Send + Sync {
     /// Wan's causal Conv3d with its cached frames (the kernels crate's [`causal_conv3d`] contract):
-    /// x [B, C_in, T, H, W], weight [C_out, C_in, kt, kh, kw] (odd sizes), bias [C_out],
+    /// x [B, C_in, T, H, W], weight [C_out, C_in, kt, kh, kw] (odd sizes), bias `[C_out]`,
     /// cache [B, C_in, T_c ≤ kt − 1, H, W] → [B, C_out, T, H, W]. H and W are zero-padded by kh/2 and
     /// kw/2 on both sides: a sharded implementation needs a halo of kh/2 rows (1 for 3×3, 0 for 1×1).
     /// The upsamplers' per-frame 3×3 Conv2d comes here too, as a kt = 1 kernel.

@@ -292,7 +292,7 @@ impl WanTransformer {
         self.dtype
     }
 
-    /// Full forward on one rank: x [B, C_in, T, H, W], timestep [B] (or [B, L] per token),
+    /// Full forward on one rank: x [B, C_in, T, H, W], timestep `[B]` (or [B, L] per token),
     /// context [B, S_txt, text_dim] → velocity [B, C_out, T, H, W] in the model's dtype, on its
     /// device. Inputs may live anywhere (see [`WanTransformer::embed`]).
     pub fn forward(

@@ -37,7 +37,7 @@ pub fn seq_attention<'c, C: TensorWire>(
     }
 }
 
-/// The sequence-parallel forward on one rank: x [B, C_in, T, H, W], timestep [B] (or [B, L] per
+/// The sequence-parallel forward on one rank: x [B, C_in, T, H, W], timestep `[B]` (or [B, L] per
 /// token), context [B, S_txt, text_dim] → velocity [B, C_out, T, H, W], the same on every rank of
 /// the sequence group and equal to `model.forward` on one rank. Every rank of the group calls it
 /// with the same inputs.

@@ -13,8 +13,8 @@
 //!   attention, and the adapter that hands a wrapper to the model as its `SelfAttention`.
 //! - [`ulysses`], [`ring`], [`attn2d`]: the three wrappers. Ulysses wraps any inner wrapper
 //!   (Ring × Ulysses, Attention2D × Ulysses: Ulysses outer, as in TensorRT-LLM).
-//! - [`forward`]: embed → shard → blocks → gather → head, on every rank of a sequence group.
-//! - [`cfg`]: the denoise loop with the guidance branches on the two halves of the mesh.
+//! - [`mod@forward`]: embed → shard → blocks → gather → head, on every rank of a sequence group.
+//! - [`mod@cfg`]: the denoise loop with the guidance branches on the two halves of the mesh.
 //!
 //! Padding: the token count L need not divide by the sequence degree P. Every rank holds
 //! `shard_len = ceil(L/P)` tokens ([`SeqShard`]); padding sits at the end of the padded sequence,

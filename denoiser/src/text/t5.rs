@@ -195,7 +195,7 @@ impl T5Encoder {
     /// activations stay O(1)): embedding N(0, 1), q N(0, 1/(d·d_kv)), k/v N(0, 1/d), o N(0, 1/inner),
     /// wi N(0, 1/d), wo N(0, 1/d_ff), bias tables N(0, 1), norms 1 + N(0, 0.1²), stored as `dtype` on
     /// `device`. Each tensor draws from its own stream `seed·1000 + k` with
-    /// [`random_normal`](ditstream_kernels::random_normal), on the device itself: umT5-XXL's 5.7 B
+    /// [`random_normal`], on the device itself: umT5-XXL's 5.7 B
     /// values take well under a second on a GPU, where a host draw and upload would take minutes. The
     /// CPU draw is bit for bit the one the tiny built-in model has always had.
     pub fn random(

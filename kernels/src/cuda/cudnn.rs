@@ -1,17 +1,17 @@
 //! Convolutions through cuDNN (cudarc feature `cudnn`, the legacy N-d API): one handle per device on the
-//! backend's stream, a [`Plan`] per convolution shape (descriptors, the algorithm cuDNN measured fastest,
+//! backend's stream, a `Plan` per convolution shape (descriptors, the algorithm cuDNN measured fastest,
 //! its math type and workspace size), and one workspace grown to the largest plan's need.
 //!
 //! - Why the `result`/`sys` layers and not cudarc's safe `Cudnn`/`ConvForward`: those hold an
 //!   `Arc<Cudnn>`, which is neither `Send` nor `Sync`, so they cannot live in the shared
-//!   [`CudaBackend`]; they also unwrap when binding the context and when dropping descriptors, and their
+//!   `CudaBackend`; they also unwrap when binding the context and when dropping descriptors, and their
 //!   `pick_algorithm` is the heuristic only. The `result` layer is the same legacy API returning Results.
-//! - Loading: cudarc panics when libcudnn (or one of its symbols) cannot be loaded. [`DnnSlot`] probes
-//!   the library before the first call, and every cuDNN call runs under [`catch`], so absence is
+//! - Loading: cudarc panics when libcudnn (or one of its symbols) cannot be loaded. `DnnSlot` probes
+//!   the library before the first call, and every cuDNN call runs under `catch`, so absence is
 //!   `KernelError::CudaUnavailable { library: "libcudnn" }`, remembered per device. `ConvAlgo::Auto`
 //!   then falls back to im2col (with one warning); `ConvAlgo::Cudnn` and `CudnnNdhwc` return the error.
 //! - Algorithm: `cudnnFindConvolutionForwardAlgorithmEx` on the first call's own buffers (each candidate
-//!   run and timed, as torch's `cudnn.benchmark = True` does), with up to [`FIND_WORKSPACE_BYTES`] of
+//!   run and timed, as torch's `cudnn.benchmark = True` does), with up to `FIND_WORKSPACE_BYTES` of
 //!   workspace; the fastest that succeeded is kept. Should Find fail, the heuristic ranking
 //!   (`cudnnGetConvolutionForwardAlgorithm_v7`) picks instead. Find writes the output buffer, which
 //!   the caller is about to overwrite anyway. Find costs time once per shape (the `PLAN` lines of
@@ -19,7 +19,7 @@
 //!   ranks without running instead (µs), `find` (the default) measures.
 //! - Numerics: bf16 data with an f32 compute type (f32 accumulation) and tensor-op maths; f32 data with
 //!   FMA maths only (no TF32), so the f32 path stays as exact as the f32 GEMMs (`gemm.rs`) for parity.
-//! - Sizes: the legacy descriptors take 32-bit dims and strides: [`DnnConvKey::fits`] says whether a
+//! - Sizes: the legacy descriptors take 32-bit dims and strides: `DnnConvKey::fits` says whether a
 //!   call can go here at all.
 
 use std::collections::HashMap;

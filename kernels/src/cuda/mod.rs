@@ -1,10 +1,10 @@
-//! The CUDA backend's device layer (feature `cuda`): one [`CudaBackend`] per GPU ordinal, holding the
+//! The CUDA backend's device layer (feature `cuda`): one `CudaBackend` per GPU ordinal, holding the
 //! context, the one stream every op of that device runs on, the NVRTC-compiled kernels, the cuBLASLt
-//! plans and the cuDNN convolution plans; plus device storage for [`Tensor`](crate::Tensor) and the strided-copy kernel behind the layout
-//! ops and casts.
+//! plans and the cuDNN convolution plans; plus device storage for [`Tensor`] and the strided-copy
+//! kernel behind the layout ops and casts.
 //!
 //! - Libraries load at run time (cudarc `dynamic-loading`). cudarc panics when a library is missing, so
-//!   [`CudaBackend::get`] probes `libcuda` and `libnvrtc` first, `gemm` probes `libcublasLt` and
+//!   `CudaBackend::get` probes `libcuda` and `libnvrtc` first, `gemm` probes `libcublasLt` and
 //!   [`cudnn`] `libcudnn` before their first use: a missing library is [`KernelError::CudaUnavailable`]
 //!   naming the library (for cuDNN, convolutions fall back to im2col; see [`ConvAlgo`]).
 //! - One stream per device: every op on `Device::Cuda(n)` is queued on backend `n`'s stream, so ops are

@@ -153,7 +153,7 @@ fn run(
 }
 
 /// Conv3d with symmetric zero padding (PyTorch `nn.Conv3d`, dilation 1, groups 1):
-/// x [B, C_in, T, H, W], w [C_out, C_in, kt, kh, kw], bias [C_out] →
+/// x [B, C_in, T, H, W], w [C_out, C_in, kt, kh, kw], bias `[C_out]` →
 /// [B, C_out, (T + 2p_t − kt)/s_t + 1, (H + 2p_h − kh)/s_h + 1, (W + 2p_w − kw)/s_w + 1], x's dtype.
 /// The DiT's patch embedding is kernel = stride = (1, 2, 2), padding 0.
 pub fn conv3d(
@@ -176,8 +176,8 @@ pub fn conv3d(
 }
 
 /// [`conv3d`] on channels-last tensors: x [B, T, H, W, C_in], w [C_out, kt, kh, kw, C_in], bias
-/// [C_out] → [B, T_out, H_out, W_out, C_out] in x's dtype, with the sizes, stride and symmetric padding
-/// of [`conv3d`]. By definition it equals permuting x and w to channels-first, [`conv3d`], and permuting
+/// `[C_out]` → [B, T_out, H_out, W_out, C_out] in x's dtype, with the sizes, stride and symmetric
+/// padding of [`conv3d`]. By definition it equals permuting x and w to channels-first, [`conv3d`], and permuting
 /// the result back, which is what the CPU does. On CUDA it is cuDNN with channels-last descriptors (an
 /// error where cuDNN cannot be used): the measurement of whether a channels-last VAE would pay
 /// (`bench/src/bin/conv.rs`); the models keep channels-first tensors.
@@ -455,7 +455,7 @@ pub fn conv3d_cached(
 }
 
 /// Conv2d with symmetric zero padding (PyTorch `nn.Conv2d`, dilation 1, groups 1):
-/// x [N, C_in, H, W], w [C_out, C_in, kh, kw], bias [C_out] →
+/// x [N, C_in, H, W], w [C_out, C_in, kh, kw], bias `[C_out]` →
 /// [N, C_out, (H + 2p_h − kh)/s_h + 1, (W + 2p_w − kw)/s_w + 1] in x's dtype. The VAE's per-frame 3×3
 /// resample conv is stride 1, padding 1 on x reshaped to [B·T, C, H, W].
 pub fn conv2d(
@@ -518,8 +518,8 @@ pub fn upsample_nearest2x(x: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// Upsample3d's reshape after time_conv: channels [0:C] become frames 2i and channels [C:2C] frames 2i+1:
-/// x [B, 2C, T, H, W] → [B, C, 2T, H, W] (diffusers: reshape to [B, 2, C, T, H, W], stack the two
+/// Upsample3d's reshape after time_conv: channels `[0:C]` become frames 2i and channels `[C:2C]`
+/// frames 2i+1: x [B, 2C, T, H, W] → [B, C, 2T, H, W] (diffusers: reshape to [B, 2, C, T, H, W], stack the two
 /// halves on a new axis after T, merge). A reshape and one permute: on a GPU the permute is the strided
 /// copy kernel, so this needs no kernel of its own.
 pub fn channels_to_frames(x: &Tensor) -> Result<Tensor> {

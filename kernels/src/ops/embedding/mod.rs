@@ -15,7 +15,7 @@ use super::expect_rank;
 use super::unsupported;
 use crate::{Device, KernelError, Result, Tensor};
 
-/// Rows of `table` picked by `ids`: table [V, D], ids [N] (each < V, on the table's device) →
+/// Rows of `table` picked by `ids`: table [V, D], ids `[N]` (each < V, on the table's device) →
 /// [N, D] in the table's dtype, `out[n] = table[ids[n]]`. A copy: exact in either dtype.
 pub fn embedding(table: &Tensor, ids: &Indices) -> Result<Tensor> {
     const OP: &str = "embedding";

@@ -53,7 +53,8 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// x [.., in] · W [out, in]ᵀ + bias [out] → [.., out] in x's dtype (PyTorch `nn.Linear`), f32 accumulation.
+/// x [.., in] · W [out, in]ᵀ + bias `[out]` → [.., out] in x's dtype (PyTorch `nn.Linear`), f32
+/// accumulation.
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     const OP: &str = "linear";
     let contract = "x [.., in], w [out, in], bias [out]";

@@ -32,9 +32,9 @@ fn expect_len(
     }
 }
 
-/// LayerNorm over the last dim: x [.., D] → (x − mean) / sqrt(var + eps) · weight [D] + bias [D], in x's
-/// dtype. `var` is the biased variance (PyTorch). `weight`/`bias` are optional (DiT norm1/norm3 have
-/// neither; norm2 has both).
+/// LayerNorm over the last dim: x [.., D] → (x − mean) / sqrt(var + eps) · weight `[D]` + bias `[D]`,
+/// in x's dtype. `var` is the biased variance (PyTorch). `weight`/`bias` are optional (DiT
+/// norm1/norm3 have neither; norm2 has both).
 pub fn layer_norm(
     x: &Tensor,
     weight: Option<&Tensor>,
@@ -152,8 +152,8 @@ fn modulation_rows(op: &'static str, x: &Tensor, shift: &Tensor, scale: &Tensor)
     Ok(xs[..kept].iter().product())
 }
 
-/// RMSNorm over the whole last dim: x [.., D] → x · rsqrt(mean(x²) + eps) · weight [D], in x's dtype.
-/// For the DiT's q/k norm D is the full model width ("across heads"), eps 1e-6.
+/// RMSNorm over the whole last dim: x [.., D] → x · rsqrt(mean(x²) + eps) · weight `[D]`, in x's
+/// dtype. For the DiT's q/k norm D is the full model width ("across heads"), eps 1e-6.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     const OP: &str = "rms_norm";
     let d = *x
@@ -175,7 +175,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
 
 /// The VAE's channel-first RMS norm (diffusers `WanRMS_norm`, `F.normalize` over dim 1):
 /// x [B, C, ..] → x / max(‖x‖₂ over C, 1e-12) · √C · gamma + bias, per position, in x's dtype.
-/// `gamma` and `bias` hold C values in any shape ([C, 1, 1, 1] as in the checkpoint, or [C]).
+/// `gamma` and `bias` hold C values in any shape ([C, 1, 1, 1] as in the checkpoint, or `[C]`).
 pub fn rms_norm_channels(x: &Tensor, gamma: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     channel_norm("rms_norm_channels", x, gamma, bias, false)
 }

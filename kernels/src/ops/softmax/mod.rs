@@ -26,7 +26,7 @@ pub(crate) const MASKED: f32 = f32::MIN;
 /// - buckets [S_q + S_k − 1]: the bucket of relative position r = k − q at index r + S_q − 1, each < NB
 ///   (the host computes them: transformers' bucket formula is an f32 logarithm whose value lands exactly
 ///   on bucket edges at some distances, so it is evaluated once, bit for bit, not per element);
-/// - valid_lens [B], each ≤ S_k: keys k ≥ valid_lens[b] get [`MASKED`] added;
+/// - valid_lens `[B]`, each ≤ S_k: keys k ≥ `valid_lens[b]` get `MASKED` (`f32::MIN`) added;
 ///
 /// → weights [B, H, S_q, S_k] in logits' dtype,
 /// `softmax_k(logits[b, h, q, k] + (table[buckets[k − q + S_q − 1], h] + mask[b, k]))`.

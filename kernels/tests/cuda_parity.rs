@@ -35,6 +35,20 @@ use ditstream_kernels::{AttentionOptions, DType, Device, Tensor};
 type Result<T> = anyhow::Result<T>;
 
 /// The GPU to test on (the shared gate: skips without one unless DITSTREAM_REQUIRE_GPUS is set).
+/// How many elements of a and b (any devices, one shape) differ in their bits: the check of ops that
+/// must equal the ops they fuse exactly.
+fn differing_bits(a: &Tensor, b: &Tensor) -> Result<usize> {
+    assert_eq!(a.shape(), b.shape(), "shapes differ");
+    let (a, b) = (
+        a.to_device(Device::Cpu)?.to_vec_f32()?,
+        b.to_device(Device::Cpu)?.to_vec_f32()?,
+    );
+    Ok(a.iter()
+        .zip(&b)
+        .filter(|(p, q)| p.to_bits() != q.to_bits())
+        .count())
+}
+
 /// Every CUDA convolution path, forced in turn by the conv tests, and its label.
 const CONV_PATHS: [(ConvAlgo, &str); 4] = [
     (ConvAlgo::Im2col, "im2col"),
@@ -1070,15 +1084,7 @@ fn rms_norm_channels_silu_matches_unfused_and_cpu() -> Result<()> {
         let (gx, gg) = (x.to_device(dev)?, gamma.to_device(dev)?);
         let fused = k::rms_norm_channels_silu(&gx, &gg, None)?;
         let unfused = k::silu(&k::rms_norm_channels(&gx, &gg, None)?)?;
-        let (fused_host, unfused_host) = (
-            fused.to_device(Device::Cpu)?.to_vec_f32()?,
-            unfused.to_device(Device::Cpu)?.to_vec_f32()?,
-        );
-        let differing = fused_host
-            .iter()
-            .zip(&unfused_host)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
+        let differing = differing_bits(&fused, &unfused)?;
         println!(
             "PARITY\trms_norm_channels_silu vs unfused gpu\t{}\t{:?}\t{differing} differing\texact",
             name(dtype),
@@ -1151,15 +1157,7 @@ fn causal_conv3d_upsampled_matches_unfused_and_cpu() -> Result<()> {
                         gup_cache.as_ref(),
                     )
                 })?;
-                let (a, b) = (
-                    fused.to_device(Device::Cpu)?.to_vec_f32()?,
-                    unfused.to_device(Device::Cpu)?.to_vec_f32()?,
-                );
-                let differing = a
-                    .iter()
-                    .zip(&b)
-                    .filter(|(p, q)| p.to_bits() != q.to_bits())
-                    .count();
+                let differing = differing_bits(&fused, &unfused)?;
                 println!(
                     "PARITY\tcausal_conv3d_upsampled {label} vs unfused gpu\t{}\t{:?}\t{differing} differing\texact",
                     name(dtype),
@@ -1253,15 +1251,7 @@ fn conv3d_cached_halo_matches_joined() -> Result<()> {
                     )
                 })?;
                 assert_eq!(haloed.shape(), out_shape.as_slice(), "{label}");
-                let (p, q) = (
-                    haloed.to_device(Device::Cpu)?.to_vec_f32()?,
-                    joined.to_device(Device::Cpu)?.to_vec_f32()?,
-                );
-                let differing = p
-                    .iter()
-                    .zip(&q)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
+                let differing = differing_bits(&haloed, &joined)?;
                 println!(
                     "PARITY\tconv3d_cached halo {label} vs joined gpu\t{}\taxis {axis} c_in {c_in} cached {cached}\t{differing} differing\texact",
                     name(dtype),
@@ -1330,15 +1320,7 @@ fn causal_conv3d_residual_matches_unfused_and_cpu() -> Result<()> {
                         &gr,
                     )
                 })?;
-                let (p, q) = (
-                    fused.to_device(Device::Cpu)?.to_vec_f32()?,
-                    unfused.to_device(Device::Cpu)?.to_vec_f32()?,
-                );
-                let differing = p
-                    .iter()
-                    .zip(&q)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
+                let differing = differing_bits(&fused, &unfused)?;
                 println!(
                     "PARITY\tcausal_conv3d_residual {label} vs unfused gpu\t{}\t{:?}\t{differing} differing\texact",
                     name(dtype),

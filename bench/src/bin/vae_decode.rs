@@ -316,33 +316,13 @@ impl Breakdown {
         self.wall_ms - self.decode_ms - self.gather_ms
     }
 
-    /// The `BREAKDOWN` line of run `name`, then a readable one.
+    /// The `BREAKDOWN` line of run `name` (scripts/gpu-vae-bench.sh prints it as a table).
     fn print(&self, name: &str) {
         let backlog = self
             .backlog_ms
             .map_or_else(|| "-".to_string(), |b| format!("{b:.1}"));
         println!(
             "BREAKDOWN\t{name}\t{}\t{:.1}\t{:.1}\t{:.1}\t{:.1}\t{:.1}\t{:.1}\t{}\t{:.1}\t{:.1}\t{:.1}\t{backlog}\t{}\t{:.1}\t{}",
-            self.chunks,
-            self.wall_ms,
-            self.gpu_ms,
-            self.enqueue_ms(),
-            self.agree_ms,
-            self.attention_gather_ms,
-            self.halo_waited.1,
-            self.halo_waited.0,
-            self.sync_ms,
-            self.gather_ms,
-            self.other_ms(),
-            self.halo_queued.0,
-            self.halo_queued.1,
-            self.convs,
-        );
-        println!(
-            "  {name}: {} chunks, host wall {:.1} ms, GPU {:.1} ms; host queueing {:.1}, agree {:.1}, \
-             attention k/v gather {:.1}, waited halos {:.1} ({}), end-of-chunk sync {:.1}, gather {:.1}, \
-             other {:.1}; GPU backlog at each chunk's queueing end, summed: {backlog} ms; {} queued halo \
-             exchanges ({:.1} ms of host), {} sharded convs",
             self.chunks,
             self.wall_ms,
             self.gpu_ms,

@@ -132,7 +132,12 @@ fn tensor_map(
         heads as u64,
         batch as u64,
     ];
-    let strides = [row_bytes, (HEAD_DIM * 2) as u64, seq as u64 * row_bytes];
+    // With S = 0 the batch stride would be 0, which a map may not have; nothing is read then.
+    let strides = [
+        row_bytes,
+        (HEAD_DIM * 2) as u64,
+        seq.max(1) as u64 * row_bytes,
+    ];
     let boxes = [64u32, box_rows as u32, 1, 1];
     let elem_strides = [1u32; 4];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
@@ -179,7 +184,9 @@ pub(super) fn attention(
     );
     // The warp-specialised kernel reads K and V through maps that end at kv_len, so that TMA zero-fills
     // the padded keys of the partial block (their P is 0 and V must be finite there).
-    let (maps, threads) = if variant.warp_specialised {
+    // An empty output launches nothing (`launch`), and a map may not have an empty batch or head
+    // dimension: maps only where there is work.
+    let (maps, threads) = if variant.warp_specialised && batch * heads * seq_q > 0 {
         let kv_map = |t| {
             tensor_map(
                 op,

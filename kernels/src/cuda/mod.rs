@@ -145,6 +145,8 @@ pub(crate) struct CudaBackend {
     pub stream: Arc<CudaStream>,
     /// NVRTC target, e.g. `sm_90a` on H200.
     pub arch: String,
+    /// Streaming multiprocessors (132 on the H200): how many CTAs of a one-CTA-per-SM kernel run at once.
+    pub sm_count: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(&'static str, String), CudaFunction>>,
     /// Created on the first GEMM (probing libcublasLt then).
@@ -258,12 +260,16 @@ impl CudaBackend {
         } else {
             format!("sm_{major}{minor}")
         };
-        tracing::debug!(ordinal, %arch, "CUDA backend ready");
+        let sm_count = ctx
+            .attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| err("cuDeviceGetAttribute", e))? as usize;
+        tracing::debug!(ordinal, %arch, sm_count, "CUDA backend ready");
         Ok(CudaBackend {
             ordinal,
             ctx,
             stream,
             arch,
+            sm_count,
             modules: Mutex::default(),
             functions: Mutex::default(),
             blas: Mutex::new(None),

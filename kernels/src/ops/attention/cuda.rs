@@ -16,7 +16,7 @@
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::hopper::TensorMap;
+use super::hopper::WsArgs;
 use crate::cuda::attention_kernel::attention_kernel;
 use crate::cuda::{AttentionKernel, CudaBackend, KernelSource, grid_1d, suffix};
 use crate::{DType, KernelError, Result, Tensor};
@@ -45,12 +45,13 @@ pub(super) fn int(op: &'static str, name: &'static str, v: usize) -> Result<i32>
 /// allocates out (q's dtype) and lse [B, H, S_q] f32, opts `f` into its dynamic shared memory when
 /// that is above the 48 KiB default, and launches `grid` × `block` threads with the argument list
 /// they all take: (q, k, v, out, lse, seq_q, seq_k, heads, [head_dim,] kv_len, scale), where q, k, v
-/// are the buffers' addresses, or, given `maps`, the tensor maps of them (the warp-specialised
-/// Hopper kernel's TMA copies). Nothing is launched for an empty output.
+/// are the buffers' addresses, or, given `ws` (the warp-specialised Hopper kernel), the tensor maps of
+/// them (its TMA copies), with its work schedule appended. Nothing is launched for an empty output.
 ///
 /// # Safety
-/// `f` takes exactly that argument list (`head_dim_arg`: whether `head_dim` is in it; tensor maps by
-/// value in place of the addresses when `maps` is given, encoded over these q, k, v), q/k/v are
+/// `f` takes exactly that argument list (`head_dim_arg`: whether `head_dim` is in it; with `ws`, the
+/// tensor maps by value in place of the addresses, encoded over these q, k, v, and the schedule's
+/// arguments after scale, its buffers live until the launch is queued), q/k/v are
 /// contiguous [B, S, H, D] buffers of the checked `dims` in the dtype `f` reads, kv_len ≤ S_k, and
 /// `grid`, `block` and `smem` are what `f` expects for these shapes (its shared-memory carve-up).
 #[allow(clippy::too_many_arguments)]
@@ -62,7 +63,7 @@ pub(super) unsafe fn launch(
     [batch, seq_q, seq_k, heads, head_dim]: [usize; 5],
     (scale, kv_len, head_dim_arg): (f32, usize, bool),
     (grid, block, smem): ((u32, u32, u32), u32, usize),
-    maps: Option<&[TensorMap; 3]>,
+    ws: Option<&WsArgs>,
 ) -> Result<(Tensor, Tensor)> {
     let out = backend.alloc(q.dtype(), q.numel())?;
     let lse = backend.alloc(DType::F32, batch * heads * seq_q)?;
@@ -96,8 +97,10 @@ pub(super) unsafe fn launch(
         }
         ints.push(int(op, "kv_len", kv_len)?);
         let mut launch = backend.stream.launch_builder(f);
-        match maps {
-            Some([mq, mk, mv]) => launch.arg(mq).arg(mk).arg(mv),
+        match ws {
+            Some(WsArgs {
+                maps: [mq, mk, mv], ..
+            }) => launch.arg(mq).arg(mk).arg(mv),
             None => launch.arg(&qp).arg(&kp).arg(&vp),
         };
         launch.arg(&op_ptr).arg(&lp);
@@ -105,6 +108,12 @@ pub(super) unsafe fn launch(
             launch.arg(i);
         }
         launch.arg(&scale);
+        if let Some(ws) = ws {
+            launch.arg(&ws.part).arg(&ws.tickets);
+            for i in &ws.schedule {
+                launch.arg(i);
+            }
+        }
         // SAFETY: the caller's contract (above); out and lse were allocated here with the sizes the
         // kernels write (q's shape, B·H·S_q).
         unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;

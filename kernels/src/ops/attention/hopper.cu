@@ -168,9 +168,13 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, flo
     bool rescale = false;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        float mx = m[hf];
+        // The row max as four interleaved chains (max is exact in any order): the exponentials wait for
+        // it, and one chain over N/4 values is N/4 dependent FMNMX latencies long.
+        float part[4] = {m[hf], -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-        for (int nt = 0; nt < N / 8; ++nt) mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+        for (int nt = 0; nt < N / 8; ++nt)
+            part[nt % 4] = fmaxf(part[nt % 4], fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+        float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         alpha[hf] = ex2((m[hf] - mx) * c);
@@ -233,28 +237,49 @@ __device__ __forceinline__ void load_tile(unsigned dst, const bf16* base, int ro
     }
 }
 
-// Final normalisation and stores of this thread's two rows (row0 + lane/4 and + 8; row0 is the warp's
-// first row in the sequence): out = O / l (0 when l = 0), lse = m·scale + ln l (−∞ when l = 0), written
-// by lane 0 of each quad, rows ≥ S_q dropped.
-__device__ __forceinline__ void store_rows(bf16* __restrict__ out, float* __restrict__ lse, const float* o,
-                                           const float* m, const float* l, int b, int h, int row0, int lane,
-                                           int seq_q, int heads, float scale) {
-    const i64 tok = (i64)heads * D;
+// Final normalisation of this thread's two rows (r0 = row0 + lane/4 and r0 + 8): O ← O / l (0 when
+// l = 0; l quad-summed first), and their LSE, m·scale + ln l (−∞ when l = 0).
+__device__ __forceinline__ void normalise_rows(float* o, const float* m, const float* l, float scale, float* row_lse) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         float sum = l[hf];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            o[4 * dt + 2 * hf] *= inv;
+            o[4 * dt + 2 * hf + 1] *= inv;
+        }
+        row_lse[hf] = sum > 0.0f ? m[hf] * scale + logf(sum) : -INFINITY;
+    }
+}
+
+// Stores of this thread's two normalised rows (row0 is the warp's first row in the sequence): out as
+// bf16, lse by lane 0 of each quad; rows ≥ S_q dropped.
+__device__ __forceinline__ void write_rows(bf16* __restrict__ out, float* __restrict__ lse, const float* o,
+                                           const float* row_lse, int b, int h, int row0, int lane, int seq_q,
+                                           int heads) {
+    const i64 tok = (i64)heads * D;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
         const int r = row0 + hf * 8 + (lane >> 2);
         if (r < seq_q) {
             bf16* orow = out + ((i64)b * seq_q + r) * tok + (i64)h * D + 2 * (lane & 3);
 #pragma unroll
             for (int dt = 0; dt < D / 8; ++dt)
-                *(unsigned*)(orow + dt * 8) = pack_bf16(o[4 * dt + 2 * hf] * inv, o[4 * dt + 2 * hf + 1] * inv);
-            if ((lane & 3) == 0) lse[((i64)b * heads + h) * seq_q + r] = sum > 0.0f ? m[hf] * scale + logf(sum) : -INFINITY;
+                *(unsigned*)(orow + dt * 8) = pack_bf16(o[4 * dt + 2 * hf], o[4 * dt + 2 * hf + 1]);
+            if ((lane & 3) == 0) lse[((i64)b * heads + h) * seq_q + r] = row_lse[hf];
         }
     }
+}
+
+__device__ __forceinline__ void store_rows(bf16* __restrict__ out, float* __restrict__ lse, float* o, const float* m,
+                                           const float* l, int b, int h, int row0, int lane, int seq_q, int heads,
+                                           float scale) {
+    float row_lse[2];
+    normalise_rows(o, m, l, scale, row_lse);
+    write_rows(out, lse, o, row_lse, b, h, row0, lane, seq_q, heads);
 }
 
 template <int STAGES>
@@ -377,9 +402,12 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
 // GEMMs), issues S = Q·K_iᵀ and O += P_{i−1}·V_{i−1}, hands the turn over, waits for S only
 // (wait_group 1), releases K_i, runs the softmax of block i while P·V still runs (intra-warpgroup
 // overlap), waits for P·V, releases V_{i−1}, then O·α and the new P.
+// Each CTA computes one work item of `Schedule` (below): a whole tile, or one run of a tile's K/V
+// blocks when the last wave is split (the chunk's first block is then its last, "last to first").
 namespace ws {
 
-constexpr int TURN = 1;  // named barriers TURN + w: consumer w's turn to issue (0 is __syncthreads')
+constexpr int TURN = 1;   // named barriers TURN + w: consumer w's turn to issue (0 is __syncthreads')
+constexpr int MERGE = 3;  // named barrier of the 256 consumer threads around a split tile's ticket
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -441,27 +469,63 @@ __device__ __forceinline__ void pv(float* o, unsigned (*p)[4], unsigned vt) {
     for (int kk = 0; kk < KB / 16; ++kk) wgmma_rs(o, p[kk], desc(vt + kk * 2048, KB * 128, 1024), 1);
 }
 
+// The ws kernel's work schedule (hopper.rs picks it per call). Work items are the tiles of 128 query
+// rows of one (batch, head), numbered tile = q-tile + tiles_x·(h + heads·b) (the q-tiles of a head
+// consecutive, so the CTAs running at once share their K/V in L2), one item per CTA of a 1-D grid. When
+// the tile count leaves a last wave that would keep few SMs busy (the rest idle for a whole tile's
+// time), its tiles are split over `ways` CTAs each along the keys: item n_full + (t − n_full)·ways + c
+// takes the c-th of `ways` even runs of the K/V blocks of tile t. Each writes its partial rows (O
+// normalised by its own row sums, and its LSE) to `part`; the last of the `ways` to take a ticket
+// merges them (out = Σ_c e^(lse_c − lse)·O_c, lse = log Σ_c e^(lse_c)) in chunk order, so the result
+// does not depend on which CTA finishes last.
+struct Schedule {
+    float* part;        // [split tiles][ways][66][256]: per consumer thread, its 64 O values and 2 LSEs
+    unsigned* tickets;  // [split tiles], zero before the launch
+    int tiles_x;        // q-tiles per (batch, head)
+    int n_full;         // tiles computed whole by one CTA: the first n_full
+    int ways;           // CTAs per split tile (1: nothing is split)
+};
+
+// This consumer thread's slot e (0–63: O, 64–65: the LSE of its rows r0 and r0 + 8) of chunk `item`:
+// element-major, so a warp's 32 threads touch 32 consecutive floats.
+__device__ __forceinline__ float* part_slot(float* part, int item, int e) {
+    return part + ((i64)item * 66 + e) * 256 + threadIdx.x;
+}
+
 template <int STAGES, int KB>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, bf16* __restrict__ out,
-                                    float* __restrict__ lse, int seq_q, int heads, int kv_len, float scale) {
+                                    float* __restrict__ lse, int seq_q, int heads, int kv_len, float scale,
+                                    const Schedule sched) {
     static_assert(KB == 128 || KB == 176 || KB == 192, "keys per K/V block: 128, FA3's 176, or 192");
-    static_assert((1 + 2 * STAGES * KB / 128) * TILE + 1024 <= 227 * 1024, "shared memory");
+    // Dynamic (Q, the K/V stages, 1 KiB alignment slack) + static (barriers, `pin`, `last`) shared memory.
+    static_assert((1 + 2 * STAGES * KB / 128) * TILE + 1024 + 8 * (1 + 4 * STAGES) + 4 * 257 <= 227 * 1024,
+                  "shared memory");
     constexpr int KV_TILE = KB * 256;  // bytes of a K or V tile
     extern __shared__ __align__(1024) unsigned char smem[];
     // full Q, full K[STAGES], full V[STAGES], empty K[STAGES], empty V[STAGES]
     __shared__ __align__(8) u64 bars[1 + 4 * STAGES];
+    __shared__ float pin[256];  // one slot per consumer thread, written to order the softmax (see its use)
+    __shared__ int last;        // a split tile's last chunk: this CTA merges
     const unsigned base = (smem_addr(smem) + 1023u) & ~1023u;
     const unsigned sq = base, sk = base + TILE, sv = base + TILE + STAGES * KV_TILE;
     const unsigned full_q = smem_addr(&bars[0]);
     const unsigned full_k = full_q + 8, full_v = full_k + 8 * STAGES;
     const unsigned empty_k = full_v + 8 * STAGES, empty_v = empty_k + 8 * STAGES;
 
-    const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * BR;
+    // This CTA's work item: tile, and for a split tile its chunk c of the K/V blocks [lo, hi).
+    const int item = blockIdx.x;
+    const bool split = item >= sched.n_full;
+    const int tile = split ? sched.n_full + (item - sched.n_full) / sched.ways : item;
+    const int chunk = split ? (item - sched.n_full) % sched.ways : 0;
+    const int q0 = (tile % sched.tiles_x) * BR, h = (tile / sched.tiles_x) % heads,
+              b = tile / (sched.tiles_x * heads);
+    const int blocks = (kv_len + KB - 1) / KB;  // of the whole tile; hopper.rs splits only when ≥ ways
+    const int lo = split ? chunk * blocks / sched.ways : 0, hi = split ? (chunk + 1) * blocks / sched.ways : blocks;
+    const int nblk = hi - lo;
     // Warpgroups 0 and 1 consume, 2 produces. The warpgroup index is made visibly warp-uniform (a
     // shuffle, brief §5.7): every .aligned instruction below runs converged per warpgroup.
     const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
     const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-    const int nblk = (kv_len + KB - 1) / KB;
     if (nblk <= 0) {  // no valid key: out = 0, lse = −∞ (kv_len is uniform; no barrier has run)
         if (wg < 2) {
             const float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
@@ -490,7 +554,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         mbar_expect_tx(full_q, TILE);
         tma_tile<BR>(sq, tq, full_q, q0, h, b);
         for (int i = 0; i < nblk; ++i) {
-            const int j = nblk - 1 - i, s = i % STAGES;
+            const int j = hi - 1 - i, s = i % STAGES;
             const unsigned phase = (i / STAGES) & 1;
             mbar_wait(empty_k + 8 * s, phase ^ 1);
             mbar_expect_tx(full_k + 8 * s, KV_TILE);
@@ -511,11 +575,12 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     const bool leader = threadIdx.x % 128 == 0;    // releases stages for its WG
     const float c = scale * 1.4426950408889634f;  // scale·log2 e
     const unsigned q_wg = sq + w * 64 * 128;       // this WG's 64 rows, in each half
+    const unsigned scratch = smem_addr(&pin[threadIdx.x]);
     float s[KB / 2];
     unsigned p[KB / 16][4];
     if (w == 1) bar_arrive(TURN + 0);  // consumer 0 issues first
 
-    // Prologue: block nblk − 1 (stage 0, phase 0), the only one that can be partial.
+    // Prologue: block hi − 1 (stage 0, phase 0), the only one that can be partial.
     mbar_wait(full_q, 0);
     mbar_wait(full_k, 0);
     bar_sync(TURN + w);
@@ -527,7 +592,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     wgmma_wait0();
     fence_regs<KB / 2>(s);
     if (leader) mbar_arrive(empty_k);
-    if (nblk * KB > kv_len) mask_keys<KB>(s, kv_len - (nblk - 1) * KB, lane);
+    if (hi * KB > kv_len) mask_keys<KB>(s, kv_len - (hi - 1) * KB, lane);
     {
         float alpha[2];
         online_softmax<KB>(s, m, l, alpha, c);  // O = 0: nothing to rescale
@@ -554,6 +619,11 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         if (leader) mbar_arrive(empty_k + 8 * st);
         float alpha[2];
         const bool rescale = online_softmax<KB>(s, m, l, alpha, c);
+        // ptxas hoisted the wait below above the softmax (to just after the first row's max: every
+        // MUFU.EX2 came after the WARPGROUP.DEPBAR), so the exponentials ran after P·V, not under it. A
+        // store of the row sums (which need every exponential) to shared memory pins it: ptxas keeps
+        // shared-memory accesses on their side of a wgmma wait.
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(l[0] + l[1]) : "memory");
         wgmma_wait0();
         fence_regs(o);
         fence_regs(&p[0][0], KB / 4);
@@ -563,12 +633,12 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     }
 
     // The last block's P·V (outside the turns: nothing of this WG follows it to overlap with).
-    const int last = (nblk - 1) % STAGES;
-    mbar_wait(full_v + 8 * last, ((nblk - 1) / STAGES) & 1);
+    const int last_stage = (nblk - 1) % STAGES;
+    mbar_wait(full_v + 8 * last_stage, ((nblk - 1) / STAGES) & 1);
     fence_regs(o);
     fence_regs(&p[0][0], KB / 4);
     wgmma_fence();
-    pv<KB>(o, p, sv + last * KV_TILE);
+    pv<KB>(o, p, sv + last_stage * KV_TILE);
     wgmma_commit();
     wgmma_wait0();
     fence_regs(o);
@@ -576,7 +646,45 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     // arrival): consume it, so no barrier is left mid-phase at exit.
     if (w == 0) bar_sync(TURN + 0);
 
-    store_rows(out, lse, o, m, l, b, h, q0 + w * 64 + warp * 16, lane, seq_q, heads, scale);
+    const int row0 = q0 + w * 64 + warp * 16;
+    if (!split) {
+        store_rows(out, lse, o, m, l, b, h, row0, lane, seq_q, heads, scale);
+        return;
+    }
+    // A chunk of a split tile: its normalised rows and LSEs to `part`, made visible device-wide, then
+    // a ticket; the CTA taking the last one merges every chunk's rows.
+    float row_lse[2];
+    normalise_rows(o, m, l, scale, row_lse);
+    const int t = (item - sched.n_full) / sched.ways, first = t * sched.ways;
+#pragma unroll
+    for (int e = 0; e < 64; ++e) *part_slot(sched.part, item - sched.n_full, e) = o[e];
+    *part_slot(sched.part, item - sched.n_full, 64) = row_lse[0];
+    *part_slot(sched.part, item - sched.n_full, 65) = row_lse[1];
+    __threadfence();
+    bar_sync(MERGE);
+    if (threadIdx.x == 0) last = atomicAdd(&sched.tickets[t], 1u) == (unsigned)sched.ways - 1;
+    bar_sync(MERGE);
+    if (!last) return;
+    __threadfence();  // the other chunks' rows, fenced before their tickets, are visible from here
+    // Three passes over the chunks' LSEs (a handful of loads) rather than an array indexed at run time.
+    float mx[2] = {-INFINITY, -INFINITY}, wsum[2] = {0.0f, 0.0f};
+    for (int k = 0; k < sched.ways; ++k)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) mx[hf] = fmaxf(mx[hf], __ldcg(part_slot(sched.part, first + k, 64 + hf)));
+    for (int k = 0; k < sched.ways; ++k)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) wsum[hf] += expf(__ldcg(part_slot(sched.part, first + k, 64 + hf)) - mx[hf]);
+#pragma unroll
+    for (int e = 0; e < 64; ++e) o[e] = 0.0f;
+    for (int k = 0; k < sched.ways; ++k) {
+        const float w0 = expf(__ldcg(part_slot(sched.part, first + k, 64)) - mx[0]) / wsum[0];
+        const float w1 = expf(__ldcg(part_slot(sched.part, first + k, 65)) - mx[1]) / wsum[1];
+#pragma unroll
+        for (int e = 0; e < 64; ++e) o[e] += ((e & 2) ? w1 : w0) * __ldcg(part_slot(sched.part, first + k, e));
+    }
+    row_lse[0] = mx[0] + logf(wsum[0]);
+    row_lse[1] = mx[1] + logf(wsum[1]);
+    write_rows(out, lse, o, row_lse, b, h, row0, lane, seq_q, heads);
 }
 
 }  // namespace ws
@@ -602,21 +710,24 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 HOPPER_KERNEL(2)
 HOPPER_KERNEL(3)
 
-// hopper_ws_fwd_d128_br128_bc<KB>_s<STAGES> (the warp-specialised kernel): 384 threads, grid
-// (⌈S_q/128⌉, H, B), dynamic shared memory Q (32 KiB) + 2·STAGES K/V tiles of KB·256 bytes + 1 KiB
-// alignment slack; the tensor maps of q ([B, S_q, H, 128] bf16, box 64 × 128) and of k and v (S =
-// kv_len, box 64 × KB) come from hopper.rs; seq_k only keeps the argument list the cp.async kernels'
-// (the maps carry the strides).
+// hopper_ws_fwd_d128_br128_bc<KB>_s<STAGES> (the warp-specialised kernel): 384 threads, a 1-D grid of
+// work items (ws::Schedule: n_full + split tiles × ways), dynamic shared memory Q (32 KiB) + 2·STAGES
+// K/V tiles of KB·256 bytes + 1 KiB alignment slack; the tensor maps of q ([B, S_q, H, 128] bf16, box
+// 64 × 128) and of k and v (S = kv_len, box 64 × KB) and the schedule come from hopper.rs; seq_k only
+// keeps the argument list the cp.async kernels' (the maps carry the strides).
 #ifdef HOPPER_WGMMA
-#define HOPPER_WS_BODY(STAGES, KB) hopper::ws::fwd<STAGES, KB>(tq, tk, tv, out, lse, seq_q, heads, kv_len, scale);
+#define HOPPER_WS_BODY(STAGES, KB)                                                                   \
+    hopper::ws::fwd<STAGES, KB>(tq, tk, tv, out, lse, seq_q, heads, kv_len, scale,                  \
+                                hopper::ws::Schedule{part, tickets, tiles_x, n_full, ways});
 #else
 #define HOPPER_WS_BODY(STAGES, KB)
 #endif
-#define HOPPER_WS_KERNEL(STAGES, KB) \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_ws_fwd_d128_br128_bc##KB##_s##STAGES( \
+#define HOPPER_WS_KERNEL(STAGES, KB)                                                                       \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_ws_fwd_d128_br128_bc##KB##_s##STAGES(      \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
-        bf16* out, float* lse, int seq_q, int seq_k, int heads, int kv_len, float scale) { \
-        HOPPER_WS_BODY(STAGES, KB) \
+        bf16* out, float* lse, int seq_q, int seq_k, int heads, int kv_len, float scale, float* part,       \
+        unsigned* tickets, int tiles_x, int n_full, int ways) {                                             \
+        HOPPER_WS_BODY(STAGES, KB)                                                                         \
     }
 HOPPER_WS_KERNEL(2, 128)
 HOPPER_WS_KERNEL(3, 128)

@@ -3,13 +3,14 @@
 //! `shared/reference/attention.md`): where they apply and the launch. Two kinds, variants in
 //! `crate::cuda::HOPPER_VARIANTS`: cp.async K/V staging by every thread (stage a of the brief), and the
 //! warp-specialised kernel (a TMA producer warpgroup and two consumer warpgroups that take turns on the
-//! tensor cores and overlap softmax with P·V; stages c–d), which takes Q/K/V as tensor maps encoded here.
+//! tensor cores and overlap softmax with P·V; stages c–d), which takes Q/K/V as tensor maps encoded here
+//! and a work schedule that splits a sparse last wave of tiles along the keys (`schedule`).
 //! Anything a kernel cannot run is a `KernelError` naming the rule, never a panic and never a silent
 //! empty launch (the bodies are compiled only for sm_90a, so the architecture is checked before the
 //! source is even compiled).
 
-use cudarc::driver::DeviceRepr;
 use cudarc::driver::sys;
+use cudarc::driver::{DevicePtr, DeviceRepr};
 
 use super::cuda::{int, launch};
 use crate::cuda::{CudaBackend, HOPPER_VARIANTS, HopperVariant, KernelSource};
@@ -57,10 +58,11 @@ fn unsupported(
 }
 
 /// The variant `Auto` runs wherever the Hopper kernel applies (bf16, head dim 128, sm_90a), measured
-/// on the H200 (bench/RESULTS.md, 2026-11-30, third session): the warp-specialised kernel with K/V
-/// blocks of 176 keys (two-stage TMA rings), 651–723 TFLOP/s at the DiT shapes, 1.14–1.24× torch's
-/// SDPA in the same call; the 128-key blocks ran at 619–683, the cp.async kernel at 468–479.
-const AUTO_VARIANT: &str = "hopper_ws_fwd_d128_br128_bc176_s2";
+/// on the H200 (bench/RESULTS.md, 2026-11-30, fourth session): the warp-specialised kernel with K/V
+/// blocks of 192 keys (two-stage TMA rings), 654–661 TFLOP/s at issue 4's shapes against 639–655
+/// for 176 keys (FlashAttention-3's tile) in the same calls, and ahead of it in 5 of the 6 pairs
+/// measured over three sessions; 128-key blocks 627–638, the cp.async kernel 415–470.
+const AUTO_VARIANT: &str = "hopper_ws_fwd_d128_br128_bc192_s2";
 
 /// The variant `Auto` runs for this call, if the Hopper kernel applies to it.
 pub(super) fn auto(
@@ -101,6 +103,39 @@ pub(super) fn check(
         )),
         None => Ok(v),
     }
+}
+
+/// The most CTAs a split tile is shared by (`Schedule` below; hopper.cu's merge reads that many
+/// chunks).
+const MAX_WAYS: usize = 8;
+
+/// The warp-specialised kernel's work schedule (hopper.cu's `ws::Schedule`): `tiles` tiles of 128
+/// query rows, one CTA each, on `sms` SMs (one CTA fits an SM). When the last wave would be at most
+/// half full, its tiles are split along their `blocks` K/V blocks over `ways` CTAs each (as many as
+/// fill the SMs, at most `MAX_WAYS`, at least 2 blocks per CTA) and merged by the last CTA of each:
+/// at (1,12,32760,128), 3,072 tiles leave 36 for a 24th wave, which as 108 thirds takes a third of
+/// the time. Returns (n_full, ways): the first n_full tiles whole, the rest split `ways` ways (1: none).
+fn schedule(tiles: usize, sms: usize, blocks: usize) -> (usize, usize) {
+    let tail = tiles % sms.max(1);
+    if tail == 0 || 2 * tail > sms {
+        return (tiles, 1);
+    }
+    let ways = (sms / tail).min(MAX_WAYS).min(blocks / 2);
+    if ways < 2 {
+        (tiles, 1)
+    } else {
+        (tiles - tail, ways)
+    }
+}
+
+/// What the warp-specialised kernels take beyond the shared argument list: the tensor maps of q, k
+/// and v (in place of their addresses), then the schedule: the split tiles' partial rows and tickets
+/// (device addresses; 0 when nothing is split) and (tiles per head, n_full, ways).
+pub(super) struct WsArgs {
+    pub maps: [TensorMap; 3],
+    pub part: u64,
+    pub tickets: u64,
+    pub schedule: [i32; 3],
 }
 
 /// A CUDA tensor map (`CUtensorMap`, 128 opaque bytes), passed by value as hopper.cu's `TmaMap`.
@@ -177,42 +212,86 @@ pub(super) fn attention(
     variant: &HopperVariant,
 ) -> Result<(Tensor, Tensor)> {
     let f = backend.function(&SOURCE, variant.name)?;
-    let grid = (
-        int(op, "seq_q / 128", seq_q.div_ceil(BLOCK_Q))? as u32,
-        heads as u32,
-        batch as u32,
-    );
+    let tiles_x = seq_q.div_ceil(BLOCK_Q);
     // The warp-specialised kernel reads K and V through maps that end at kv_len, so that TMA zero-fills
     // the padded keys of the partial block (their P is 0 and V must be finite there).
     // An empty output launches nothing (`launch`), and a map may not have an empty batch or head
     // dimension: maps only where there is work.
-    let (maps, threads) = if variant.warp_specialised && batch * heads * seq_q > 0 {
-        let kv_map = |t| {
-            tensor_map(
+    if !(variant.warp_specialised && batch * heads * seq_q > 0) {
+        let grid = (
+            int(op, "seq_q / 128", tiles_x)? as u32,
+            heads as u32,
+            batch as u32,
+        );
+        // SAFETY: hopper.cu's cp.async kernels take the shared argument list without head_dim, the
+        // addresses of contiguous bf16 [B, S, H, 128] buffers of the shapes `check` accepted
+        // (allocations 256-byte aligned, rows of 256 bytes, so every 16-byte cp.async is aligned),
+        // kv_len ≤ S_k, one CTA per (q-tile, head, batch) of 256 threads and the variant's dynamic
+        // shared memory (within the 227 KiB an sm_90 block may opt into: a unit test); or the output
+        // is empty and nothing is launched.
+        return unsafe {
+            launch(
                 op,
                 backend,
-                t,
-                [batch, seq_k, heads],
-                variant.block_k,
-                kv_len,
+                &f,
+                (q, k, v),
+                [batch, seq_q, seq_k, heads, HEAD_DIM],
+                (scale, kv_len, false),
+                (grid, THREADS, variant.shared_bytes()),
+                None,
             )
         };
-        let maps = [
+    }
+    let tiles = tiles_x * heads * batch;
+    let (n_full, ways) = schedule(tiles, backend.sm_count, kv_len.div_ceil(variant.block_k));
+    let split = tiles - n_full;
+    // Per split chunk and consumer thread: 64 O values and 2 LSEs (hopper.cu's `part_slot`).
+    let part = (ways > 1)
+        .then(|| {
+            // SAFETY: every chunk writes all of its slots before any CTA reads them (tickets).
+            unsafe { backend.stream.alloc::<f32>(split * ways * 66 * 256) }
+        })
+        .transpose()
+        .map_err(|e| backend.err(op, "cuMemAllocAsync", e))?;
+    let tickets = (ways > 1)
+        .then(|| backend.stream.alloc_zeros::<u32>(split))
+        .transpose()
+        .map_err(|e| backend.err(op, "cuMemAllocAsync", e))?;
+    let kv_map = |t| {
+        tensor_map(
+            op,
+            backend,
+            t,
+            [batch, seq_k, heads],
+            variant.block_k,
+            kv_len,
+        )
+    };
+    let ws = WsArgs {
+        maps: [
             tensor_map(op, backend, q, [batch, seq_q, heads], BLOCK_Q, seq_q)?,
             kv_map(k)?,
             kv_map(v)?,
-        ];
-        (Some(maps), WS_THREADS)
-    } else {
-        (None, THREADS)
+        ],
+        part: part.as_ref().map_or(0, |p| p.device_ptr(&backend.stream).0),
+        tickets: tickets
+            .as_ref()
+            .map_or(0, |t| t.device_ptr(&backend.stream).0),
+        schedule: [
+            int(op, "seq_q / 128", tiles_x)?,
+            int(op, "tiles", n_full)?,
+            ways as i32,
+        ],
     };
-    // SAFETY: hopper.cu's kernels take the shared argument list without head_dim (the
-    // warp-specialised ones with the tensor maps, encoded above over these buffers, for the
-    // addresses); contiguous bf16 [B, S, H, 128] buffers of the shapes `check` accepted (allocations
-    // 256-byte aligned, rows of 256 bytes, so every 16-byte cp.async is aligned); kv_len ≤ S_k; the
-    // dynamic shared memory is the variant's carve-up (Q and its K/V stages, 32 KiB tiles, + 1 KiB of
-    // alignment slack), within the 227 KiB an sm_90 block may opt into (checked by a unit test); the
-    // block size is the variant's; the architecture is sm_90a.
+    let grid = (int(op, "tiles", n_full + split * ways)? as u32, 1, 1);
+    // SAFETY: hopper.cu's ws kernels take the shared argument list without head_dim, with the tensor
+    // maps (encoded above over these buffers) for the addresses and the schedule after scale: its
+    // grid is one CTA per work item (n_full + split · ways), `part` holds every split chunk's slots
+    // and `tickets` one zeroed counter per split tile (both alive until after the launch is queued;
+    // their stream-ordered frees follow it). Contiguous bf16 [B, S, H, 128] buffers of the shapes
+    // `check` accepted; kv_len ≤ S_k; the dynamic shared memory is the variant's carve-up (Q and its
+    // K/V stages + 1 KiB of alignment slack), within the 227 KiB an sm_90 block may opt into (checked
+    // by a unit test); the block size is the ws kernels'; the architecture is sm_90a.
     unsafe {
         launch(
             op,
@@ -221,8 +300,8 @@ pub(super) fn attention(
             (q, k, v),
             [batch, seq_q, seq_k, heads, HEAD_DIM],
             (scale, kv_len, false),
-            (grid, threads, variant.shared_bytes()),
-            maps.as_ref(),
+            (grid, WS_THREADS, variant.shared_bytes()),
+            Some(&ws),
         )
     }
 }
@@ -232,6 +311,21 @@ mod tests {
     use super::*;
 
     const DIMS: [usize; 5] = [1, 300, 257, 2, 128];
+
+    #[test]
+    fn schedule_splits_only_a_sparse_last_wave() {
+        // Issue 4's shapes on 132 SMs (1 CTA each): 3,072 tiles leave 36 for a last wave, split in
+        // 3 (108 CTAs); 23,640 leave 12, split 8 ways (the cap); 5,136 leave 120 (over half full).
+        assert_eq!(schedule(3072, 132, 171), (3036, 3));
+        assert_eq!(schedule(23_640, 132, 394), (23_628, 8));
+        assert_eq!(schedule(5136, 132, 143), (5136, 1));
+        assert_eq!(schedule(2 * 132, 132, 100), (264, 1)); // whole waves
+        // Small calls: fewer tiles than SMs are all a sparse "last wave".
+        assert_eq!(schedule(12, 132, 4), (0, 2)); // at least 2 K/V blocks per CTA
+        assert_eq!(schedule(2, 132, 6), (0, 3));
+        assert_eq!(schedule(4, 132, 2), (4, 1)); // too few blocks to share
+        assert_eq!(schedule(0, 132, 10), (0, 1));
+    }
 
     #[test]
     fn applies_only_where_it_can_run() {

@@ -59,9 +59,10 @@ fn unsupported(
 
 /// The variant `Auto` runs wherever the Hopper kernel applies (bf16, head dim 128, sm_90a), measured
 /// on the H200 (bench/RESULTS.md, 2026-11-30, fourth session): the warp-specialised kernel with K/V
-/// blocks of 192 keys (two-stage TMA rings), 654–661 TFLOP/s at issue 4's shapes against 639–655
-/// for 176 keys (FlashAttention-3's tile) in the same calls, and ahead of it in 5 of the 6 pairs
-/// measured over three sessions; 128-key blocks 627–638, the cp.async kernel 415–470.
+/// blocks of 192 keys (two-stage TMA rings), 656.6–663.8 TFLOP/s at issue 4's two shapes against
+/// 648.6–652.6 for 176 keys (FlashAttention-3's tile) in the same process, and ahead of 176 in 9 of
+/// the 10 same-process pairs of that session (last session: 3 of 4 shapes, behind at
+/// (1,24,27280)); 128-key blocks 627–638, the cp.async kernel 415–470.
 const AUTO_VARIANT: &str = "hopper_ws_fwd_d128_br128_bc192_s2";
 
 /// The variant `Auto` runs for this call, if the Hopper kernel applies to it.

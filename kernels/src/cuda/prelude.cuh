@@ -50,3 +50,21 @@ __device__ __forceinline__ void offsets(const Layout& l, i64 i, i64* o0, i64* o1
 #define FOR_TYPES2(MACRO) \
     MACRO(f32, float, f32, float) MACRO(f32, float, bf16, bf16) \
     MACRO(bf16, bf16, f32, float) MACRO(bf16, bf16, bf16, bf16)
+
+#if __CUDA_ARCH__ >= 800
+// Shared by the tensor-core attention kernels (flash.cu, hopper.cu).
+// 2^x on the special-function unit (approximate; denormals flushed to zero).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// bf16x2 with lo in the low half (the lower column index), round to nearest even: cvt puts its first
+// source in the upper half.
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#endif

@@ -108,8 +108,9 @@ pub(super) unsafe fn launch(
             launch.arg(i);
         }
         launch.arg(&scale);
-        if let Some(ws) = ws {
-            launch.arg(&ws.part).arg(&ws.tickets);
+        let buffers = ws.map(|ws| ws.buffers(&backend.stream));
+        if let (Some(ws), Some([part, tickets])) = (ws, &buffers) {
+            launch.arg(part).arg(tickets);
             for i in &ws.schedule {
                 launch.arg(i);
             }

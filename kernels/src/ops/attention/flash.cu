@@ -67,19 +67,6 @@ __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, un
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// bf16x2 with lo in the low half (the lower column index), round to nearest even.
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // Byte offset of 16-byte chunk `c` of row `r` in a swizzled tile of ROWB-byte rows.
 template <int ROWB>
 __device__ __forceinline__ unsigned swz(int r, int c) {

@@ -135,20 +135,6 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, u64 db, in
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// bf16x2 with lo in the low half (the lower column index), round to nearest even: cvt puts its first
-// source in the upper half.
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // The helpers below take N, the keys per K/V block: S holds N/2 registers per thread.
 // Sets the scores of keys ≥ lim (columns of this K/V block) to −∞: register 4j + e holds column
 // 8j + 2·(lane % 4) + (e & 1).

@@ -10,7 +10,7 @@
 //! source is even compiled).
 
 use cudarc::driver::sys;
-use cudarc::driver::{DevicePtr, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 
 use super::cuda::{int, launch};
 use crate::cuda::{CudaBackend, HOPPER_VARIANTS, HopperVariant, KernelSource};
@@ -131,12 +131,23 @@ fn schedule(tiles: usize, sms: usize, blocks: usize) -> (usize, usize) {
 
 /// What the warp-specialised kernels take beyond the shared argument list: the tensor maps of q, k
 /// and v (in place of their addresses), then the schedule: the split tiles' partial rows and tickets
-/// (device addresses; 0 when nothing is split) and (tiles per head, n_full, ways).
+/// (owned here, so they live until the launch is queued; none when nothing is split) and (tiles per
+/// head, n_full, ways).
 pub(super) struct WsArgs {
     pub maps: [TensorMap; 3],
-    pub part: u64,
-    pub tickets: u64,
+    part: Option<CudaSlice<f32>>,
+    tickets: Option<CudaSlice<u32>>,
     pub schedule: [i32; 3],
+}
+
+impl WsArgs {
+    /// The device addresses of the partial rows and the tickets, 0 for none.
+    pub fn buffers(&self, stream: &CudaStream) -> [u64; 2] {
+        [
+            self.part.as_ref().map_or(0, |p| p.device_ptr(stream).0),
+            self.tickets.as_ref().map_or(0, |t| t.device_ptr(stream).0),
+        ]
+    }
 }
 
 /// A CUDA tensor map (`CUtensorMap`, 128 opaque bytes), passed by value as hopper.cu's `TmaMap`.
@@ -214,38 +225,64 @@ pub(super) fn attention(
 ) -> Result<(Tensor, Tensor)> {
     let f = backend.function(&SOURCE, variant.name)?;
     let tiles_x = seq_q.div_ceil(BLOCK_Q);
-    // The warp-specialised kernel reads K and V through maps that end at kv_len, so that TMA zero-fills
-    // the padded keys of the partial block (their P is 0 and V must be finite there).
     // An empty output launches nothing (`launch`), and a map may not have an empty batch or head
-    // dimension: maps only where there is work.
-    if !(variant.warp_specialised && batch * heads * seq_q > 0) {
-        let grid = (
-            int(op, "seq_q / 128", tiles_x)? as u32,
-            heads as u32,
-            batch as u32,
-        );
-        // SAFETY: hopper.cu's cp.async kernels take the shared argument list without head_dim, the
-        // addresses of contiguous bf16 [B, S, H, 128] buffers of the shapes `check` accepted
-        // (allocations 256-byte aligned, rows of 256 bytes, so every 16-byte cp.async is aligned),
-        // kv_len ≤ S_k, one CTA per (q-tile, head, batch) of 256 threads and the variant's dynamic
-        // shared memory (within the 227 KiB an sm_90 block may opt into: a unit test); or the output
-        // is empty and nothing is launched.
-        return unsafe {
-            launch(
-                op,
-                backend,
-                &f,
-                (q, k, v),
-                [batch, seq_q, seq_k, heads, HEAD_DIM],
-                (scale, kv_len, false),
-                (grid, THREADS, variant.shared_bytes()),
-                None,
-            )
-        };
+    // dimension: maps and schedule only where there is work.
+    let (grid, threads, ws) = if variant.warp_specialised && batch * heads * seq_q > 0 {
+        let (ws, items) = ws_args(
+            op,
+            backend,
+            (q, k, v),
+            [batch, seq_q, seq_k, heads],
+            kv_len,
+            variant,
+        )?;
+        ((items, 1, 1), WS_THREADS, Some(ws))
+    } else {
+        let tiles_x = int(op, "seq_q / 128", tiles_x)? as u32;
+        ((tiles_x, heads as u32, batch as u32), THREADS, None)
+    };
+    // SAFETY: hopper.cu's kernels take the shared argument list without head_dim: the cp.async ones
+    // the addresses, one CTA of 256 threads per (q-tile, head, batch); the ws ones the tensor maps
+    // (encoded by `ws_args` over these buffers) and the schedule after scale, one CTA of 384 threads
+    // per work item, `ws` owning the split chunks' slots and zeroed tickets until after the launch is
+    // queued (their stream-ordered frees follow it). Contiguous bf16 [B, S, H, 128] buffers of the
+    // shapes `check` accepted (allocations 256-byte aligned, rows of 256 bytes, so every 16-byte
+    // cp.async is aligned); kv_len ≤ S_k; the dynamic shared memory is the variant's carve-up (Q and
+    // its K/V stages + 1 KiB of alignment slack), within the 227 KiB an sm_90 block may opt into
+    // (checked by a unit test); the architecture is sm_90a.
+    unsafe {
+        launch(
+            op,
+            backend,
+            &f,
+            (q, k, v),
+            [batch, seq_q, seq_k, heads, HEAD_DIM],
+            (scale, kv_len, false),
+            (grid, threads, variant.shared_bytes()),
+            ws.as_ref(),
+        )
     }
-    let tiles = tiles_x * heads * batch;
-    let (n_full, ways) = schedule(tiles, backend.sm_count, kv_len.div_ceil(variant.block_k));
-    let split = tiles - n_full;
+}
+
+/// The warp-specialised kernel's extra arguments for this call, and its grid (work items): the
+/// tensor maps (K and V end at kv_len, so that TMA zero-fills the padded keys of the partial block:
+/// their P is 0 and V must be finite there) and the [`schedule`] with its buffers.
+fn ws_args(
+    op: &'static str,
+    backend: &CudaBackend,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    [batch, seq_q, seq_k, heads]: [usize; 4],
+    kv_len: usize,
+    variant: &HopperVariant,
+) -> Result<(WsArgs, u32)> {
+    let tiles_x = seq_q.div_ceil(BLOCK_Q);
+    let (n_full, ways) = schedule(
+        tiles_x * heads * batch,
+        backend.sm_count,
+        kv_len.div_ceil(variant.block_k),
+    );
+    let split = tiles_x * heads * batch - n_full;
+    let alloc_err = |e| backend.err(op, "cuMemAllocAsync", e);
     // Per split chunk and consumer thread: 64 O values and 2 LSEs (hopper.cu's `part_slot`).
     let part = (ways > 1)
         .then(|| {
@@ -253,11 +290,11 @@ pub(super) fn attention(
             unsafe { backend.stream.alloc::<f32>(split * ways * 66 * 256) }
         })
         .transpose()
-        .map_err(|e| backend.err(op, "cuMemAllocAsync", e))?;
+        .map_err(alloc_err)?;
     let tickets = (ways > 1)
         .then(|| backend.stream.alloc_zeros::<u32>(split))
         .transpose()
-        .map_err(|e| backend.err(op, "cuMemAllocAsync", e))?;
+        .map_err(alloc_err)?;
     let kv_map = |t| {
         tensor_map(
             op,
@@ -274,37 +311,15 @@ pub(super) fn attention(
             kv_map(k)?,
             kv_map(v)?,
         ],
-        part: part.as_ref().map_or(0, |p| p.device_ptr(&backend.stream).0),
-        tickets: tickets
-            .as_ref()
-            .map_or(0, |t| t.device_ptr(&backend.stream).0),
+        part,
+        tickets,
         schedule: [
             int(op, "seq_q / 128", tiles_x)?,
             int(op, "tiles", n_full)?,
             ways as i32,
         ],
     };
-    let grid = (int(op, "tiles", n_full + split * ways)? as u32, 1, 1);
-    // SAFETY: hopper.cu's ws kernels take the shared argument list without head_dim, with the tensor
-    // maps (encoded above over these buffers) for the addresses and the schedule after scale: its
-    // grid is one CTA per work item (n_full + split · ways), `part` holds every split chunk's slots
-    // and `tickets` one zeroed counter per split tile (both alive until after the launch is queued;
-    // their stream-ordered frees follow it). Contiguous bf16 [B, S, H, 128] buffers of the shapes
-    // `check` accepted; kv_len ≤ S_k; the dynamic shared memory is the variant's carve-up (Q and its
-    // K/V stages + 1 KiB of alignment slack), within the 227 KiB an sm_90 block may opt into (checked
-    // by a unit test); the block size is the ws kernels'; the architecture is sm_90a.
-    unsafe {
-        launch(
-            op,
-            backend,
-            &f,
-            (q, k, v),
-            [batch, seq_q, seq_k, heads, HEAD_DIM],
-            (scale, kv_len, false),
-            (grid, WS_THREADS, variant.shared_bytes()),
-            Some(&ws),
-        )
-    }
+    Ok((ws, int(op, "tiles", n_full + split * ways)? as u32))
 }
 
 #[cfg(test)]

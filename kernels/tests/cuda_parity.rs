@@ -286,21 +286,26 @@ fn norms_match_cpu() -> Result<()> {
                 );
             }
         }
-        // The VAE's channel-first norm: x [B, C, T, H, W], gamma [C, 1, 1, 1].
-        let x = randn(&[2, 96, 2, 5, 7], dtype, 23);
-        let gamma = randn(&[96, 1, 1, 1], dtype, 24);
-        let bias = randn(&[96], DType::F32, 25);
-        check(
-            "rms_norm_channels",
-            &k::rms_norm_channels(
-                &x.to_device(dev)?,
-                &gamma.to_device(dev)?,
-                Some(&bias.to_device(dev)?),
-            )?,
-            &k::rms_norm_channels(&x, &gamma, Some(&bias))?,
-            1e-4,
-            rtol(dtype),
-        );
+        // The VAE's channel-first norm: x [B, C, T, H, W], gamma [C, 1, 1, 1]. Positions not a
+        // multiple of 16 bytes (element-wise tiles), a multiple with a ragged last tile (16-byte
+        // words), and 640 channels (more shared memory than a block gets without opting in).
+        for xs in [[2, 96, 2, 5, 7], [2, 96, 2, 6, 12], [1, 640, 1, 4, 8]] {
+            let c = xs[1];
+            let x = randn(&xs, dtype, 23);
+            let gamma = randn(&[c, 1, 1, 1], dtype, 24);
+            let bias = randn(&[c], DType::F32, 25);
+            check(
+                "rms_norm_channels",
+                &k::rms_norm_channels(
+                    &x.to_device(dev)?,
+                    &gamma.to_device(dev)?,
+                    Some(&bias.to_device(dev)?),
+                )?,
+                &k::rms_norm_channels(&x, &gamma, Some(&bias))?,
+                1e-4 * (c as f32 / 96.0).sqrt().max(1.0),
+                rtol(dtype),
+            );
+        }
     }
     Ok(())
 }
@@ -757,9 +762,10 @@ fn convolutions_match_cpu() -> Result<()> {
         }
         // causal_conv3d: each of the VAE's kernels, without a cache and with 1 and 2 cached frames
         // (cuDNN: joined with 2, 1 and 0 zero frames), one with an odd frame size (the join's 2-byte
-        // words in bf16). The last two span several transpose tiles (64 elements per side when both
-        // contiguous extents are even, else 32) with ragged edges: even channels and planes (word
-        // pairs), then odd ones (single elements) in and out, in a batch of 2 (the cache is per item).
+        // words in bf16). The last four span several transpose tiles (128 bytes of elements per side)
+        // with ragged edges: channels and planes that are multiples of 8 (16-byte words), even ones
+        // (word pairs), then odd ones (single elements) in and out, in a batch of 2 (the cache is per
+        // item).
         for (ws, cached, hw, batch) in [
             ([6, 4, 3, 3, 3], 0, [6, 10], 1),
             ([6, 4, 3, 3, 3], 1, [6, 10], 1),
@@ -768,6 +774,8 @@ fn convolutions_match_cpu() -> Result<()> {
             ([5, 4, 1, 1, 1], 0, [6, 10], 1),
             ([16, 16, 3, 3, 3], 2, [6, 10], 1),
             ([6, 3, 3, 3, 3], 2, [5, 7], 1),
+            ([24, 16, 3, 3, 3], 2, [8, 20], 1),
+            ([40, 24, 3, 3, 3], 1, [4, 26], 2),
             ([72, 66, 3, 3, 3], 2, [9, 14], 1),
             ([67, 65, 3, 3, 3], 1, [5, 13], 2),
         ] {
@@ -1078,36 +1086,38 @@ fn rms_norm_channels_silu_matches_unfused_and_cpu() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     use ditstream_kernels as k;
     for dtype in [DType::F32, DType::BF16] {
-        // Odd sizes (a ragged grid tail) and a VAE-like width.
-        let x = randn(&[2, 96, 2, 5, 7], dtype, 51);
-        let gamma = randn(&[96, 1, 1, 1], dtype, 52);
-        let (gx, gg) = (x.to_device(dev)?, gamma.to_device(dev)?);
-        let fused = k::rms_norm_channels_silu(&gx, &gg, None)?;
-        let unfused = k::silu(&k::rms_norm_channels(&gx, &gg, None)?)?;
-        let differing = differing_bits(&fused, &unfused)?;
-        println!(
-            "PARITY\trms_norm_channels_silu vs unfused gpu\t{}\t{:?}\t{differing} differing\texact",
-            name(dtype),
-            x.shape()
-        );
-        assert_eq!(differing, 0, "{dtype:?}: fused differs from norm then silu");
+        // Odd sizes (element-wise tiles), then 16-byte words with a ragged last tile; a VAE-like width.
+        for xs in [[2, 96, 2, 5, 7], [2, 96, 2, 6, 12]] {
+            let x = randn(&xs, dtype, 51);
+            let gamma = randn(&[96, 1, 1, 1], dtype, 52);
+            let (gx, gg) = (x.to_device(dev)?, gamma.to_device(dev)?);
+            let fused = k::rms_norm_channels_silu(&gx, &gg, None)?;
+            let unfused = k::silu(&k::rms_norm_channels(&gx, &gg, None)?)?;
+            let differing = differing_bits(&fused, &unfused)?;
+            println!(
+                "PARITY\trms_norm_channels_silu vs unfused gpu\t{}\t{:?}\t{differing} differing\texact",
+                name(dtype),
+                x.shape()
+            );
+            assert_eq!(differing, 0, "{dtype:?}: fused differs from norm then silu");
 
-        let normed = k::rms_norm_channels(&x, &gamma, None)?;
-        let max_y = normed
-            .to_vec_f32()?
-            .iter()
-            .fold(0.0f32, |m, v| m.max(v.abs()));
-        let atol = match dtype {
-            DType::F32 => 1.1 * 1e-4,
-            DType::BF16 => 1.1 * (max_y / 256.0) + 1.1 * 1e-4,
-        };
-        check(
-            "rms_norm_channels_silu",
-            &fused,
-            &k::rms_norm_channels_silu(&x, &gamma, None)?,
-            atol,
-            rtol(dtype),
-        );
+            let normed = k::rms_norm_channels(&x, &gamma, None)?;
+            let max_y = normed
+                .to_vec_f32()?
+                .iter()
+                .fold(0.0f32, |m, v| m.max(v.abs()));
+            let atol = match dtype {
+                DType::F32 => 1.1 * 1e-4,
+                DType::BF16 => 1.1 * (max_y / 256.0) + 1.1 * 1e-4,
+            };
+            check(
+                "rms_norm_channels_silu",
+                &fused,
+                &k::rms_norm_channels_silu(&x, &gamma, None)?,
+                atol,
+                rtol(dtype),
+            );
+        }
     }
     Ok(())
 }

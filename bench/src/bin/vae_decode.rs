@@ -116,6 +116,10 @@ struct Args {
     /// Count the GPU work items of one 1-GPU chunk (a CUDA graph capture; runs last, then exits).
     #[arg(long)]
     launches: bool,
+    /// Decode once more on 1 GPU with chunk N alone between cuProfilerStart and cuProfilerStop, for
+    /// a kernel profiler started with its capture off (`ncu --profile-from-start off`).
+    #[arg(long)]
+    profiler_chunk: Option<usize>,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -405,6 +409,36 @@ fn decode_timed(
     let queued: Vec<_> = queued.into_iter().zip(&ends).collect();
     let breakdown = Breakdown::new(&clock::take(), (t0, &start), &queued, end, frames)?;
     Run::from_events(&start, &ends, wall_ms, breakdown)
+}
+
+/// One decode with latent frame `chunk` alone inside the CUDA profiler's capture range (the GPU drained
+/// at both edges, so the range holds exactly that chunk's work).
+fn profiler_chunk(decoder: &WanVaeDecoder, latent: &Tensor, chunk: usize) -> Result<()> {
+    let shape = latent.shape();
+    ensure!(
+        chunk < shape[2],
+        "--profiler-chunk {chunk}: the latent has {} frames",
+        shape[2]
+    );
+    let mut stream = decoder.new_stream(shape[3], shape[4])?;
+    for t in 0..=chunk {
+        let x = latent.narrow(2, t, 1)?;
+        if t == chunk {
+            synchronize(0)?;
+            cuda_stream(0)?
+                .context()
+                .bind_to_thread()
+                .context("cuCtxSetCurrent")?;
+            // SAFETY: no arguments; the context of cuda:0 is current on this thread.
+            check(unsafe { cu::cuProfilerStart() }, "cuProfilerStart")?;
+        }
+        drop(decoder.decode_chunk_with(&mut stream, &x, &Unsharded)?);
+    }
+    synchronize(0)?;
+    // SAFETY: as above.
+    check(unsafe { cu::cuProfilerStop() }, "cuProfilerStop")?;
+    println!("profiler range: chunk {chunk} of a fresh stream");
+    Ok(())
 }
 
 /// `SpatialOps` that times every call on the kernels' stream (CUDA events around it) and groups the
@@ -795,6 +829,9 @@ fn one_gpu(args: &Args, dtype: DType, latent_shape: &[usize]) -> Result<(Summary
     }
     if args.profile {
         profile(&decoder, &latent)?;
+    }
+    if let Some(chunk) = args.profiler_chunk {
+        profiler_chunk(&decoder, &latent, chunk)?;
     }
     Ok((summarise(&runs)?, peaks))
 }

@@ -1,5 +1,11 @@
 // Strided copy with dtype conversion: dst[offset1(i)] = src[offset0(i)] over the index space of `l`.
 // Backs permute, narrow, concat and casts on the GPU.
+//
+// copy_rows: the same copy where it is `rows` runs of `width` contiguous words (no cast): row r of dst
+// (pitch dst_pitch words) ← row r of src (pitch src_pitch). Words of W (16, 8, 4 or 2 bytes: the host
+// picks the widest that every pointer, pitch and width is a multiple of) and no index division per
+// element: narrow and concat along a middle axis (the VAE's frame caches) run at copy bandwidth.
+// Grid: x over words of a row, y over rows, both grid-stride.
 
 template <typename S, typename D>
 __device__ void copy_strided(const S* src, D* dst, i64 n, const Layout& l) {
@@ -15,3 +21,24 @@ __device__ void copy_strided(const S* src, D* dst, i64 n, const Layout& l) {
         copy_strided(src, dst, n, l); \
     }
 FOR_TYPES2(COPY)
+
+template <typename W>
+__device__ void copy_rows(const W* src, W* dst, i64 rows, i64 width, i64 src_pitch, i64 dst_pitch) {
+    for (i64 r = blockIdx.y; r < rows; r += gridDim.y) {
+        const W* s = src + r * src_pitch;
+        W* d = dst + r * dst_pitch;
+        for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < width; k += (i64)gridDim.x * blockDim.x) {
+            d[k] = s[k];
+        }
+    }
+}
+
+#define COPY_ROWS(WN, W) \
+    extern "C" __global__ void copy_rows_##WN(const W* src, W* dst, i64 rows, i64 width, i64 src_pitch, \
+                                              i64 dst_pitch) { \
+        copy_rows(src, dst, rows, width, src_pitch, dst_pitch); \
+    }
+COPY_ROWS(w16, uint4)
+COPY_ROWS(w8, uint2)
+COPY_ROWS(w4, unsigned int)
+COPY_ROWS(w2, unsigned short)

@@ -147,6 +147,8 @@ pub(crate) struct CudaBackend {
     pub arch: String,
     /// Streaming multiprocessors (132 on the H200): how many CTAs of a one-CTA-per-SM kernel run at once.
     pub sm_count: usize,
+    /// Most dynamic shared memory one block may opt in to, bytes (227 KiB on the H200).
+    pub smem_optin: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(&'static str, String), CudaFunction>>,
     /// Created on the first GEMM (probing libcublasLt then).
@@ -263,13 +265,19 @@ impl CudaBackend {
         let sm_count = ctx
             .attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("cuDeviceGetAttribute", e))? as usize;
-        tracing::debug!(ordinal, %arch, sm_count, "CUDA backend ready");
+        let smem_optin = ctx
+            .attribute(
+                cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(|e| err("cuDeviceGetAttribute", e))? as usize;
+        tracing::debug!(ordinal, %arch, sm_count, smem_optin, "CUDA backend ready");
         Ok(CudaBackend {
             ordinal,
             ctx,
             stream,
             arch,
             sm_count,
+            smem_optin,
             modules: Mutex::default(),
             functions: Mutex::default(),
             blas: Mutex::new(None),

@@ -441,21 +441,25 @@ fn ndhwc_filter(op: &'static str, w: &Tensor, dtype: DType) -> Result<Tensor> {
     Ok(filter)
 }
 
-/// Elements per word of the transposes' global accesses: 2 when both contiguous extents are even (every
-/// word then starts at an even element, so it is aligned), else 1.
-fn transpose_pack(contiguous_in: usize, contiguous_out: usize) -> usize {
-    if contiguous_in.is_multiple_of(2) && contiguous_out.is_multiple_of(2) {
-        2
+/// The word of the transposes' global accesses for elements of `elem_bytes` (conv.cu's PACK, named by
+/// its kernel suffix): a whole 16-byte chunk ("pw") when both contiguous extents are multiples of its
+/// elements, two elements ("p2") when both are even, else one ("p1"). Every word then starts at a
+/// multiple of its elements, so it is aligned (buffers start 256-byte aligned).
+fn transpose_pack(contiguous_in: usize, contiguous_out: usize, elem_bytes: usize) -> &'static str {
+    let both = |n: usize| contiguous_in.is_multiple_of(n) && contiguous_out.is_multiple_of(n);
+    if both(16 / elem_bytes) {
+        "pw"
+    } else if both(2) {
+        "p2"
     } else {
-        1
+        "p1"
     }
 }
 
-/// The launch of a `conv.cu` transpose: `tiles` = (x, y) tiles of 32·pack elements per side, z the
-/// slabs (at most 65,535 blocks: the kernels loop over the rest).
+/// The launch of a `conv.cu` transpose: `tiles` = (x, y) tiles of [`transpose_tile`] elements per
+/// side, z the slabs (at most 65,535 blocks: the kernels loop over the rest).
 fn transpose_grid(tiles: (usize, usize), slabs: usize) -> Result<LaunchConfig> {
-    const WORDS: u32 = 32; // TR_WORDS of conv.cu
-    const ROWS: u32 = 8; // TR_ROWS
+    const THREADS: u32 = 256; // TR_THREADS of conv.cu
     // CUDA's grid limits: 2³¹ − 1 blocks in x, 65,535 in y and z.
     let (x, y) = (tiles.0.max(1), tiles.1.max(1));
     if x > i32::MAX as usize || y > 65_535 {
@@ -469,9 +473,14 @@ fn transpose_grid(tiles: (usize, usize), slabs: usize) -> Result<LaunchConfig> {
     let (x, y) = (x as u32, y as u32);
     Ok(LaunchConfig {
         grid_dim: (x, y, slabs.clamp(1, 65_535) as u32),
-        block_dim: (WORDS, ROWS, 1),
+        block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     })
+}
+
+/// Elements per side of a transpose tile: 128 bytes of them (conv.cu's TE).
+fn transpose_tile(elem_bytes: usize) -> usize {
+    128 / elem_bytes
 }
 
 /// What `to_ndhwc` reads besides the cache and x frames of the plane it writes.
@@ -499,20 +508,20 @@ enum Tail {
 }
 
 /// The `conv_to_ndhwc` kernel reading `source` for `dtype` (a bit copy: named by element size) and
-/// `pack`.
-fn to_ndhwc_kernel(dtype: DType, pack: usize, source: Source) -> String {
+/// `pack` ([`transpose_pack`]).
+fn to_ndhwc_kernel(dtype: DType, pack: &str, source: Source) -> String {
     let kind = match source {
         Source::Plain => "",
         Source::Upsampled => "_up2",
         Source::Haloed { .. } => "_halo",
     };
-    format!("conv_to_ndhwc{kind}_e{}_p{pack}", dtype.size_in_bytes())
+    format!("conv_to_ndhwc{kind}_e{}_{pack}", dtype.size_in_bytes())
 }
 
-/// `conv_from_ndhwc`'s instance for data `dtype`, bias `bias_dtype` and `pack`.
-fn from_ndhwc_kernel(dtype: DType, bias_dtype: DType, pack: usize) -> String {
+/// `conv_from_ndhwc`'s instance for data `dtype`, bias `bias_dtype` and `pack` ([`transpose_pack`]).
+fn from_ndhwc_kernel(dtype: DType, bias_dtype: DType, pack: &str) -> String {
     format!(
-        "conv_from_ndhwc_{}_{}_p{pack}",
+        "conv_from_ndhwc_{}_{}_{pack}",
         suffix(dtype),
         suffix(bias_dtype)
     )
@@ -538,9 +547,9 @@ fn to_ndhwc(
     if batch * total * plane * channels == 0 {
         return Ok(out);
     }
-    let pack = transpose_pack(plane, channels);
+    let pack = transpose_pack(plane, channels, dtype.size_in_bytes());
     let f = backend.function(&SOURCE, &to_ndhwc_kernel(dtype, pack, source))?;
-    let tile = 32 * pack;
+    let tile = transpose_tile(dtype.size_in_bytes());
     let cfg = transpose_grid(
         (plane.div_ceil(tile), channels.div_ceil(tile)),
         batch * total,
@@ -595,9 +604,8 @@ fn to_ndhwc(
     // upsampled one) or the band [H − 2e, W] / [H, W − 2e] (haloed), and a halo's edges
     // B·C·(cached + x_frames)·e·W or ·H·e each (checked by `conv3d_cached`); out B·F·plane·C; all of
     // `dtype` (whose size the kernel's element type has), and the arguments in the kernel's order;
-    // with pack 2, plane and C are even, so every word store is aligned (buffers start 256-byte
-    // aligned; the halo kernel and the upsampling load element by element, the plain one by words of
-    // two pixels on even offsets).
+    // plane and C are multiples of the pack's elements, so every word access is aligned (buffers start
+    // 256-byte aligned; the halo kernel and the upsampling load element by element).
     unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     Ok(out)
 }
@@ -618,10 +626,10 @@ fn from_ndhwc(
     if batch * channels * pixels == 0 {
         return Ok(out);
     }
-    let pack = transpose_pack(channels, pixels);
+    let pack = transpose_pack(channels, pixels, dtype.size_in_bytes());
     let bias_dtype = bias.map_or(dtype, |b| b.dtype());
     let f = backend.function(&SOURCE, &from_ndhwc_kernel(dtype, bias_dtype, pack))?;
-    let tile = 32 * pack;
+    let tile = transpose_tile(dtype.size_in_bytes());
     let cfg = transpose_grid((pixels.div_ceil(tile), channels.div_ceil(tile)), batch)?;
     let (y_ptr, out_ptr) = (y.ptr(), out.ptr());
     let bias_ptr = match bias {
@@ -652,8 +660,8 @@ fn from_ndhwc(
         .arg(&has_residual);
     // SAFETY: y and out hold B·P·C elements of `dtype`, bias C elements (read only when has_bias), the
     // residual B·C·P elements of `dtype` (read only when has_residual; the caller checked its shape and
-    // dtype); with pack 2, C and P are even, so every word access is aligned (buffers start 256-byte
-    // aligned).
+    // dtype); C and P are multiples of the pack's elements, so every word access is aligned (buffers
+    // start 256-byte aligned).
     unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     Ok(out)
 }
@@ -962,13 +970,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn transposes_pack_pairs_only_when_aligned() {
-        assert_eq!(transpose_pack(480 * 832, 96), 2);
-        assert_eq!(transpose_pack(5 * 7, 96), 1); // odd plane
-        assert_eq!(transpose_pack(4 * 480 * 832, 3), 1); // conv_out's 3 channels
+    fn transposes_pack_words_only_when_aligned() {
+        assert_eq!(transpose_pack(480 * 832, 96, 2), "pw"); // 8 bf16
+        assert_eq!(transpose_pack(480 * 832, 96, 4), "pw"); // 4 f32
+        assert_eq!(transpose_pack(480 * 832, 4 * 3, 2), "p2");
+        assert_eq!(transpose_pack(5 * 7, 96, 2), "p1"); // odd plane
+        assert_eq!(transpose_pack(4 * 480 * 832, 3, 4), "p1"); // conv_out's 3 channels
+        assert_eq!((transpose_tile(2), transpose_tile(4)), (64, 32));
         let grid = transpose_grid((3, 2), 70_000).expect("grid");
         assert_eq!(grid.grid_dim, (3, 2, 65_535));
-        assert_eq!(grid.block_dim, (32, 8, 1));
+        assert_eq!(grid.block_dim, (256, 1, 1));
         assert!(transpose_grid((1, 70_000), 1).is_err());
     }
 
@@ -984,7 +995,7 @@ mod tests {
         let cubin = crate::cuda::nvrtc::cubin(&SOURCE, "sm_90a")?;
         let has = |name: &str| cubin.windows(name.len()).any(|w| w == name.as_bytes());
         for dtype in [DType::F32, DType::BF16] {
-            for pack in [1, 2] {
+            for pack in ["p1", "p2", "pw"] {
                 let haloed = Source::Haloed {
                     before: 0,
                     after: 0,

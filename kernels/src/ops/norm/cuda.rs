@@ -1,9 +1,10 @@
 //! CUDA twins of the norms (`norm.cu`). Per-channel parameters (weight, bias, gamma) are read in their
 //! own dtype; when a weight and its bias differ in dtype both are read as f32 (a cast of a few KiB).
 
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use crate::cuda::{CudaBackend, KernelSource, grid_1d, suffix};
+use crate::cuda::{CudaBackend, KernelSource, suffix};
 use crate::{DType, KernelError, Result, Tensor};
 
 pub(crate) const SOURCE: KernelSource = KernelSource {
@@ -176,22 +177,46 @@ pub(super) fn rms_norm_channels(
     let sx = x.cuda_storage(op)?;
     let backend = CudaBackend::get(sx.ordinal)?;
     let out = backend.alloc(x.dtype(), x.numel())?;
-    let threads = batch * positions;
-    if threads > 0 && channels > 0 {
+    if batch * positions > 0 && channels > 0 {
         let (wdtype, params) = params_in_common_dtype(&[Some(gamma), bias])?;
-        let name = format!(
-            "rms_norm_channels{}_{}_{}",
-            if silu { "_silu" } else { "" },
-            suffix(x.dtype()),
-            suffix(wdtype)
-        );
-        let f = backend.function(&SOURCE, &name)?;
         let (xp, gp, bp, outp) = (
             sx.ptr(),
             ptr_or_null(op, params[0].as_ref())?,
             ptr_or_null(op, params[1].as_ref())?,
             out.ptr(),
         );
+        // norm.cu's tiling: 8 words of 16 bytes of positions per channel, then a float per position.
+        let es = x.dtype().size_in_bytes();
+        let tile_positions = 128 / es;
+        let smem = channels * 128 + tile_positions * 4;
+        if smem > backend.smem_optin {
+            return Err(KernelError::arg(
+                op,
+                "channels",
+                channels,
+                format!(
+                    "at most {} on this GPU (a tile of every channel must fit in its {} bytes of shared memory per block)",
+                    (backend.smem_optin - tile_positions * 4) / 128,
+                    backend.smem_optin
+                ),
+            ));
+        }
+        let words = positions.is_multiple_of(16 / es) && xp % 16 == 0 && outp % 16 == 0;
+        let name = format!(
+            "rms_norm_channels{}_{}_{}_{}",
+            if silu { "_silu" } else { "" },
+            suffix(x.dtype()),
+            suffix(wdtype),
+            if words { "v" } else { "e" }
+        );
+        let f = backend.function(&SOURCE, &name)?;
+        if smem > 48 * 1024 {
+            f.set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| backend.err(op, "cuFuncSetAttribute", e))?;
+        }
         let (batch_i, channels_i, positions_i) = (
             batch as i64,
             int(op, "channels", channels)?,
@@ -205,9 +230,16 @@ pub(super) fn rms_norm_channels(
             .arg(&channels_i)
             .arg(&positions_i)
             .arg(&has_bias);
-        // SAFETY: x/out hold batch·channels·positions elements, gamma/bias channels (checked by caller).
-        unsafe { launch.launch(grid_1d(threads)) }
-            .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+        let tiles = batch * positions.div_ceil(tile_positions);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles.clamp(1, 1 << 20) as u32, 1, 1),
+            block_dim: (256, 1, 1), // RMS_THREADS of norm.cu
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: x/out hold batch·channels·positions elements, gamma/bias channels (checked by caller);
+        // with words, positions is a multiple of 16 bytes of elements and x/out are 16-byte aligned;
+        // `smem` is the kernel's carve-up and within the device's opt-in limit.
+        unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok(Tensor::from_cuda(out, x.shape()))
 }

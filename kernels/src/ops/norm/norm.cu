@@ -1,7 +1,7 @@
 // Normalisations. layer_norm / rms_norm: one block per row (grid-stride over rows), block reductions
-// in f32, two passes for LayerNorm's variance as in the CPU reference. rms_norm_channels: one thread
-// per (batch, position), walking the channels (adjacent threads read adjacent positions), optionally
-// followed by SiLU in the same pass (rms_norm_channels_silu).
+// in f32, two passes for LayerNorm's variance as in the CPU reference. rms_norm_channels: a block
+// stages a tile of positions × every channel in shared memory, so x is read from memory once (see
+// below), optionally followed by SiLU in the same pass (rms_norm_channels_silu).
 
 // Sum of v over the block, returned to every thread. Blocks are a multiple of 32 threads, ≤ 1024.
 __device__ float block_sum(float v) {
@@ -87,33 +87,88 @@ __device__ void rms_norm(const T* x, const W* w, T* out, i64 rows, int d, float 
 // to rms_norm_channels followed by silu, with y never written to memory. The product is __fmul_rn: the
 // same IEEE multiply as `*`, but never contracted into an FMA with what follows (the bias add or, for
 // f32 storage where the rounding to T is a no-op, the SiLU), so each step rounds as the unfused kernels do.
-template <bool SILU, typename T, typename W>
+//
+// A block of RMS_THREADS threads takes tiles of TP = 128 bytes of positions (64 bf16, 32 f32) of one
+// batch item: it copies the tile's [channels, TP] elements into shared memory (dynamic, channels × 128
+// bytes, then TP floats), one thread per position sums its squares over the channels in order
+// (c = 0, 1, …, as the CPU twin does), and the block writes the result back row by row. Both global
+// sides move 16-byte words of one channel's V = 16 / sizeof(T) consecutive positions (VEC: positions
+// is a multiple of V and the buffers are 16-byte aligned; the host checks) or single elements.
+constexpr int RMS_THREADS = 256;
+
+template <bool SILU, bool VEC, typename T, typename W>
 __device__ void rms_norm_channels(const T* x, const W* gamma, const W* bias, T* out, i64 batch,
                                   int channels, i64 positions, int has_bias) {
-    float sqrt_c = sqrtf((float)channels);
-    FOR_EACH(i, batch * positions) {
-        i64 bi = i / positions, p = i % positions;
-        const T* xp = x + bi * channels * positions + p;
-        T* yp = out + bi * channels * positions + p;
-        float q = 0.0f;
-        for (int c = 0; c < channels; ++c) {
-            float v = ld(xp + c * positions);
-            q += v * v;
-        }
-        float norm = fmaxf(sqrtf(q), 1e-12f);
-        for (int c = 0; c < channels; ++c) {
-            float y = __fmul_rn(ld(xp + c * positions) / norm, sqrt_c * ld(gamma + c));
-            if (has_bias) y += ld(bias + c);
-            if (SILU) {
-                T rounded;
-                st(&rounded, y);
-                float v = ld(&rounded);
-                y = v / (1.0f + expf(-v));  // elementwise.cu's UNARY_SILU, character for character
+    constexpr int V = 16 / sizeof(T), TP = 8 * V;
+    extern __shared__ uint4 rms_smem[];  // [channels][8] words of V positions, then TP norms
+    T* tile = reinterpret_cast<T*>(rms_smem);
+    float* norms = reinterpret_cast<float*>(rms_smem + (i64)channels * 8);
+    const float sqrt_c = sqrtf((float)channels);
+    const i64 tiles = (positions + TP - 1) / TP;
+    for (i64 t = blockIdx.x; t < batch * tiles; t += gridDim.x) {
+        const i64 b = t / tiles, p0 = (t % tiles) * TP;
+        const int np = (int)min((i64)TP, positions - p0);
+        const i64 base = b * channels * positions + p0;
+        for (int i = threadIdx.x; i < channels * 8; i += RMS_THREADS) {
+            const int c = i / 8, j = i % 8;
+            if (j * V >= np) continue;
+            const T* src = x + base + (i64)c * positions + j * V;
+            if (VEC) {
+                rms_smem[i] = *reinterpret_cast<const uint4*>(src);
+            } else {
+                for (int e = 0; e < V && j * V + e < np; ++e) tile[i * V + e] = src[e];
             }
-            st(yp + c * positions, y);
         }
+        __syncthreads();
+        for (int p = threadIdx.x; p < np; p += RMS_THREADS) {
+            float q = 0.0f;
+            for (int c = 0; c < channels; ++c) {
+                float v = ld(tile + c * TP + p);
+                q += v * v;
+            }
+            norms[p] = fmaxf(sqrtf(q), 1e-12f);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < channels * 8; i += RMS_THREADS) {
+            const int c = i / 8, j = i % 8;
+            if (j * V >= np) continue;
+            const float g = sqrt_c * ld(gamma + c);
+            const float bc = has_bias ? ld(bias + c) : 0.0f;
+            uint4 word = rms_smem[i];
+            T* vals = reinterpret_cast<T*>(&word);
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+                float y = __fmul_rn(ld(vals + e) / norms[min(j * V + e, np - 1)], g);
+                if (has_bias) y += bc;
+                if (SILU) {
+                    T rounded;
+                    st(&rounded, y);
+                    float v = ld(&rounded);
+                    y = v / (1.0f + expf(-v));  // elementwise.cu's UNARY_SILU, character for character
+                }
+                st(vals + e, y);
+            }
+            T* dst = out + base + (i64)c * positions + j * V;
+            if (VEC) {
+                *reinterpret_cast<uint4*>(dst) = word;
+            } else {
+                for (int e = 0; e < V && j * V + e < np; ++e) dst[e] = vals[e];
+            }
+        }
+        __syncthreads();  // the tile is reused by the block's next tile
     }
 }
+
+// The word (_v) and element (_e) instances of one rms_norm_channels variant.
+#define RMS_CHANNELS(NAME, SILU, T, W) \
+    extern "C" __global__ void __launch_bounds__(RMS_THREADS) NAME##_v(const T* x, const W* gamma, \
+            const W* bias, T* out, i64 batch, int channels, i64 positions, int has_bias) { \
+        rms_norm_channels<SILU, true>(x, gamma, bias, out, batch, channels, positions, has_bias); \
+    } \
+    extern "C" __global__ void __launch_bounds__(RMS_THREADS) NAME##_e(const T* x, const W* gamma, \
+            const W* bias, T* out, i64 batch, int channels, i64 positions, int has_bias) { \
+        rms_norm_channels<SILU, false>(x, gamma, bias, out, batch, channels, positions, has_bias); \
+    }
 
 #define NORMS(TN, T, WN, W) \
     extern "C" __global__ void layer_norm_##TN##_##WN(const T* x, const W* w, const W* b, T* out, i64 rows, \
@@ -124,17 +179,8 @@ __device__ void rms_norm_channels(const T* x, const W* gamma, const W* bias, T* 
                                                     float eps) { \
         rms_norm(x, w, out, rows, d, eps); \
     } \
-    extern "C" __global__ void rms_norm_channels_##TN##_##WN(const T* x, const W* gamma, const W* bias, \
-                                                             T* out, i64 batch, int channels, \
-                                                             i64 positions, int has_bias) { \
-        rms_norm_channels<false>(x, gamma, bias, out, batch, channels, positions, has_bias); \
-    } \
-    extern "C" __global__ void rms_norm_channels_silu_##TN##_##WN(const T* x, const W* gamma, \
-                                                                  const W* bias, T* out, i64 batch, \
-                                                                  int channels, i64 positions, \
-                                                                  int has_bias) { \
-        rms_norm_channels<true>(x, gamma, bias, out, batch, channels, positions, has_bias); \
-    }
+    RMS_CHANNELS(rms_norm_channels_##TN##_##WN, false, T, W) \
+    RMS_CHANNELS(rms_norm_channels_silu_##TN##_##WN, true, T, W)
 FOR_TYPES2(NORMS)
 
 #define NORM_MODULATE(TN, T, ON, O) \

@@ -133,6 +133,40 @@ fn layout_ops_and_casts_are_exact() -> Result<()> {
         );
         let chunks = g.chunk(1, 3)?;
         check("chunk", &chunks[2], &x.chunk(1, 3)?[2], 0.0, 0.0);
+        // Copies of runs ≥ 64 elements take the row kernel (copy_rows): narrow along a middle axis
+        // (16-byte words), along the last one from an odd offset (element-sized words), concat, and
+        // channels_to_frames' permute (runs over three axes).
+        let y = randn(&[2, 3, 4, 66], dtype, 3);
+        let gy = y.to_device(dev)?;
+        check(
+            "narrow rows",
+            &gy.narrow(2, 1, 2)?,
+            &y.narrow(2, 1, 2)?,
+            0.0,
+            0.0,
+        );
+        check(
+            "narrow odd",
+            &gy.narrow(3, 1, 65)?,
+            &y.narrow(3, 1, 65)?,
+            0.0,
+            0.0,
+        );
+        check(
+            "concat rows",
+            &Tensor::concat(&[&gy, &gy.narrow(2, 0, 1)?], 2)?,
+            &Tensor::concat(&[&y, &y.narrow(2, 0, 1)?], 2)?,
+            0.0,
+            0.0,
+        );
+        let f = randn(&[1, 2, 3, 2, 8, 8], dtype, 4);
+        check(
+            "permute rows",
+            &f.to_device(dev)?.permute(&[0, 2, 3, 1, 4, 5])?,
+            &f.permute(&[0, 2, 3, 1, 4, 5])?,
+            0.0,
+            0.0,
+        );
         // Ulysses packing is reshape + permute: covered, but check the composite once.
         let q = randn(&[1, 4, 6, 8], dtype, 2);
         check(

@@ -1,11 +1,11 @@
 // Strided copy with dtype conversion: dst[offset1(i)] = src[offset0(i)] over the index space of `l`.
 // Backs permute, narrow, concat and casts on the GPU.
 //
-// copy_rows: the same copy where it is `rows` runs of `width` contiguous words (no cast): row r of dst
-// (pitch dst_pitch words) ← row r of src (pitch src_pitch). Words of W (16, 8, 4 or 2 bytes: the host
-// picks the widest that every pointer, pitch and width is a multiple of) and no index division per
-// element: narrow and concat along a middle axis (the VAE's frame caches) run at copy bandwidth.
-// Grid: x over words of a row, y over rows, both grid-stride.
+// copy_rows: the same copy where it is runs of `width` contiguous words (no cast), one per index r of
+// `outer` (the other axes; its strides 0 and 1 are src's and dst's, in words): dst's run r ← src's.
+// Words of W (16, 8, 4 or 2 bytes: the host picks the widest that every pointer, stride and width is a
+// multiple of) and index maths once per run, not per element: narrow, concat and the frame permutes
+// of the VAE run at copy bandwidth. Grid: x over words of a run, y over runs, both grid-stride.
 
 template <typename S, typename D>
 __device__ void copy_strided(const S* src, D* dst, i64 n, const Layout& l) {
@@ -23,20 +23,21 @@ __device__ void copy_strided(const S* src, D* dst, i64 n, const Layout& l) {
 FOR_TYPES2(COPY)
 
 template <typename W>
-__device__ void copy_rows(const W* src, W* dst, i64 rows, i64 width, i64 src_pitch, i64 dst_pitch) {
+__device__ void copy_rows(const W* src, W* dst, i64 rows, i64 width, const Layout& outer) {
     for (i64 r = blockIdx.y; r < rows; r += gridDim.y) {
-        const W* s = src + r * src_pitch;
-        W* d = dst + r * dst_pitch;
+        i64 so, d, unused;
+        offsets(outer, r, &so, &d, &unused);
+        const W* s = src + so;
+        W* t = dst + d;
         for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < width; k += (i64)gridDim.x * blockDim.x) {
-            d[k] = s[k];
+            t[k] = s[k];
         }
     }
 }
 
 #define COPY_ROWS(WN, W) \
-    extern "C" __global__ void copy_rows_##WN(const W* src, W* dst, i64 rows, i64 width, i64 src_pitch, \
-                                              i64 dst_pitch) { \
-        copy_rows(src, dst, rows, width, src_pitch, dst_pitch); \
+    extern "C" __global__ void copy_rows_##WN(const W* src, W* dst, i64 rows, i64 width, Layout outer) { \
+        copy_rows(src, dst, rows, width, outer); \
     }
 COPY_ROWS(w16, uint4)
 COPY_ROWS(w8, uint2)

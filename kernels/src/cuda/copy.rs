@@ -75,42 +75,39 @@ impl Layout {
     }
 }
 
-/// A copy as contiguous runs: `rows` runs of `width` elements, the rows `src_pitch` and `dst_pitch`
-/// elements apart.
+/// A copy as contiguous runs of `width` elements, one per index of `outer` (the other axes, with both
+/// operands' strides in elements).
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Rows {
-    rows: usize,
+    outer: Layout,
     width: usize,
-    src_pitch: usize,
-    dst_pitch: usize,
 }
 
+/// The shortest run worth a row of its own (in elements; shorter ones take the per-element kernel).
+const MIN_ROW: usize = 64;
+
 impl Layout {
-    /// This two-operand index space as contiguous runs, where it is one (at most two axes left after
-    /// merging, the inner one contiguous in both operands): what narrow and concat along any axis give.
+    /// This two-operand index space as contiguous runs, where its innermost axis (after merging) is
+    /// contiguous in both operands and at least [`MIN_ROW`] long: what narrow, concat and most
+    /// permutes of the VAE give (a frame's pixels stay together).
     fn rows(&self) -> Option<Rows> {
-        let (rank, inner) = (self.rank as usize, self.rank as usize - 1);
-        if rank > 2 || self.stride[0][inner] != 1 || self.stride[1][inner] != 1 {
+        let inner = self.rank as usize - 1;
+        let width = self.shape[inner] as usize;
+        if self.stride[0][inner] != 1 || self.stride[1][inner] != 1 || width < MIN_ROW {
             return None;
         }
-        let outer = |k: usize| {
-            if rank == 2 {
-                self.stride[k][0] as usize
-            } else {
-                0
-            }
-        };
-        Some(Rows {
-            rows: if rank == 2 { self.shape[0] as usize } else { 1 },
-            width: self.shape[inner] as usize,
-            src_pitch: outer(0),
-            dst_pitch: outer(1),
-        })
+        let mut outer = *self;
+        outer.rank = inner.max(1) as i32;
+        if inner == 0 {
+            outer.shape[0] = 1;
+            outer.stride = [[0; MAX_RANK]; 3];
+        }
+        Some(Rows { outer, width })
     }
 }
 
-/// `copy_rows` of copy.cu in the widest word that every address, pitch and width allows; `es` is the
-/// element size in bytes.
+/// `copy_rows` of copy.cu in the widest word that every address, stride and width allows; `es` is
+/// the element size in bytes.
 fn copy_rows(
     op: &'static str,
     backend: &CudaBackend,
@@ -119,9 +116,13 @@ fn copy_rows(
     r: Rows,
     es: usize,
 ) -> Result<()> {
-    let bytes = [r.width * es, r.src_pitch * es, r.dst_pitch * es];
+    let outer_rank = r.outer.rank as usize;
+    let strides = r.outer.stride[..2].iter().flat_map(|s| &s[..outer_rank]);
     let aligned = |w: usize| {
-        bytes.iter().all(|b| b.is_multiple_of(w))
+        (r.width * es).is_multiple_of(w)
+            && strides
+                .clone()
+                .all(|&s| (s as usize * es).is_multiple_of(w))
             && src_ptr.is_multiple_of(w as u64)
             && dst_ptr.is_multiple_of(w as u64)
     };
@@ -134,26 +135,34 @@ fn copy_rows(
     .find(|&(_, w)| aligned(w))
     .unwrap_or(("copy_rows_w2", 2));
     let f = backend.function(&SOURCE, name)?;
-    let [width, src_pitch, dst_pitch] = bytes.map(|b| (b / word) as i64);
-    let rows = r.rows as i64;
+    let per_word = (word / es) as i64; // elements per word
+    let mut outer = r.outer;
+    for k in 0..2 {
+        for s in &mut outer.stride[k][..outer_rank] {
+            *s /= per_word;
+        }
+    }
+    let rows: usize = outer.shape[..outer_rank].iter().product::<i64>() as usize;
+    let width = (r.width * es / word) as i64;
     let block = super::BLOCK;
     let x = (width as usize).div_ceil(block as usize).clamp(1, 1 << 16) as u32;
-    let y = r.rows.clamp(1, 65_535) as u32;
+    let y = rows.clamp(1, 65_535) as u32;
+    let rows = rows as i64;
     let mut launch = backend.stream.launch_builder(&f);
     launch
         .arg(&src_ptr)
         .arg(&dst_ptr)
         .arg(&rows)
         .arg(&width)
-        .arg(&src_pitch)
-        .arg(&dst_pitch);
+        .arg(&outer);
     let cfg = LaunchConfig {
         grid_dim: (x, y, 1),
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: rows · pitch + width stays inside each buffer (the caller's layout does, and the word
-    // divides every byte count and address); the parameters are (const W*, W*, i64 ×4) as pushed.
+    // SAFETY: every row's offsets plus `width` words stay inside each buffer (the caller's layout
+    // does, and the word divides every byte count, stride and address); the parameters are
+    // (const W*, W*, i64, i64, Layout) as pushed.
     unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     Ok(())
 }
@@ -214,24 +223,33 @@ mod tests {
     }
 
     #[test]
-    fn narrow_and_concat_copies_are_rows() -> Result<()> {
-        // narrow(2, 1, 2) of [1, 4, 5, 6]: 4 rows of 2·6, pitch 5·6 in the source.
-        let l = Layout::new("t", &[1, 4, 2, 6], &[&[120, 30, 6, 1], &[48, 12, 6, 1]])?;
-        let rows = Rows {
-            rows: 4,
-            width: 12,
-            src_pitch: 30,
-            dst_pitch: 12,
-        };
-        assert_eq!(l.rows(), Some(rows));
-        // A whole contiguous tensor is one row.
-        let l = Layout::new("t", &[2, 3], &[&[3, 1], &[3, 1]])?;
-        assert_eq!(l.rows().map(|r| (r.rows, r.width)), Some((1, 6)));
-        // A transpose is not.
-        let l = Layout::new("t", &[2, 3], &[&[1, 2], &[3, 1]])?;
+    fn narrow_concat_and_frame_permutes_are_rows() -> Result<()> {
+        // narrow(2, 1, 2) of [1, 4, 5, 64]: 4 runs of 2·64, 5·64 apart in the source.
+        let l = Layout::new(
+            "t",
+            &[1, 4, 2, 64],
+            &[&[1280, 320, 64, 1], &[512, 128, 64, 1]],
+        )?;
+        let r = l.rows().expect("rows");
+        assert_eq!((r.width, r.outer.rank, r.outer.shape[0]), (128, 1, 4));
+        assert_eq!((r.outer.stride[0][0], r.outer.stride[1][0]), (320, 128));
+        // A whole contiguous tensor is one run.
+        let l = Layout::new("t", &[2, 64], &[&[64, 1], &[64, 1]])?;
+        let r = l.rows().expect("rows");
+        assert_eq!((r.width, r.outer.rank, r.outer.shape[0]), (128, 1, 1));
+        // channels_to_frames' permute out[c, t, j, hw] = in[j, c, t, hw] (C 3, T 2, HW 64): runs of
+        // HW over (c, t) merged and j.
+        let l = Layout::new(
+            "t",
+            &[3, 2, 2, 64],
+            &[&[128, 64, 384, 1], &[256, 128, 64, 1]],
+        )?;
+        let r = l.rows().expect("rows");
+        assert_eq!((r.width, r.outer.rank), (64, 2));
+        // A transpose is not rows; nor are runs shorter than MIN_ROW.
+        let l = Layout::new("t", &[64, 64], &[&[1, 64], &[64, 1]])?;
         assert_eq!(l.rows(), None);
-        // Nor is a copy with three unmergeable axes.
-        let l = Layout::new("t", &[2, 3, 4], &[&[24, 4, 1], &[12, 8, 1]])?;
+        let l = Layout::new("t", &[4, 3], &[&[3, 1], &[6, 1]])?;
         assert_eq!(l.rows(), None);
         Ok(())
     }

@@ -237,9 +237,11 @@ __device__ __forceinline__ void store_chunk(U* at, const Chunk<U>& c) {
 // elements (r, k..k+V) (zeros out of range); the destination is [cols, rows] with rows contiguous,
 // written by put(k, r, chunk) for destination row k, elements r..r+V (all in range: checked here), or
 // put_tail(k, r, elem) element by element at the ragged end. Tile origin: source row r0, column k0.
-// Every thread of the block must call it (it synchronises). One tile per block and slab measured
-// faster than blocks that walk many tiles, even with the next tile's loads in flight during the
-// stores (2026-11-30, H200: 0.43 against 0.49 ms at the VAE's full-size 96-channel join).
+// Every thread of the block must call it (it synchronises). The grids put the channel tiles first,
+// so the tiles of one pixel range (which write, or read, the same lines of the channels-last side)
+// run together. A block takes one tile per slab where the grid allows: that measured faster than
+// blocks that walk many tiles, even with the next tile's loads in flight during the stores
+// (2026-11-30, H200: 0.43 against 0.49 ms at the VAE's full-size 96-channel join).
 template <typename U, typename Load, typename Put, typename PutTail>
 __device__ void transpose_tile(uint4 (*tile)[8], i64 rows, i64 cols, i64 r0, i64 k0, Load load, Put put,
                                PutTail put_tail) {
@@ -273,8 +275,8 @@ __device__ void transpose_tile(uint4 (*tile)[8], i64 rows, i64 cols, i64 r0, i64
 // conv_to_ndhwc: out [B, F, plane, C] (F = zeros_front + cached + x_frames + zeros_back) ← the frame
 // join of conv_join_frames (zero frames, cache [B, C, cached, plane], x [B, C, x_frames, plane], zero
 // frames), transposed to channels last. Per slab s = (b, f): source [C, plane] (a channel's frame is
-// contiguous), destination [plane, C]. Grid: x over plane tiles, y over channel tiles, z over slabs
-// (grid-stride).
+// contiguous), destination [plane, C]. Grid: x over channel tiles, y over plane tiles, z over slabs
+// (y and z grid-stride).
 //
 // UP (conv_to_ndhwc_up2): x and cache hold frames of [plane / 4] = [H, W] pixels with src_w = W, and the
 // join is of their nearest ×2 upsampling ([2H, 2W] = plane): destination pixel (i, j) reads source pixel
@@ -289,7 +291,7 @@ __device__ void conv_to_ndhwc(const U* x, const U* cache, U* out, i64 batch, i64
     TR_TILE(U);
     const i64 frames = zeros_front + cached + x_frames + zeros_back;
     const i64 src_plane = UP ? plane / 4 : plane;
-    const i64 k0 = (i64)blockIdx.x * TE, r0 = (i64)blockIdx.y * TE;
+    const i64 r0 = (i64)blockIdx.x * TE;  // channel tile
     for (i64 s = blockIdx.z; s < batch * frames; s += gridDim.z) {
         const i64 b = s / frames, fc = s % frames - zeros_front, fx = fc - cached;
         auto src_frame = [&](i64 c) -> const U* {
@@ -316,7 +318,9 @@ __device__ void conv_to_ndhwc(const U* x, const U* cache, U* out, i64 batch, i64
         U* slab = out + s * plane * channels;
         auto put = [&](i64 p, i64 c, const Chunk<U>& w) { store_chunk<U, PACK>(slab + p * channels + c, w); };
         auto put_tail = [&](i64 p, i64 c, U v) { slab[p * channels + c] = v; };
-        transpose_tile<U>(tile, channels, plane, r0, k0, load, put, put_tail);
+        for (i64 k0 = (i64)blockIdx.y * TE; k0 < plane; k0 += (i64)gridDim.y * TE) {
+            transpose_tile<U>(tile, channels, plane, r0, k0, load, put, put_tail);
+        }
     }
 }
 
@@ -341,7 +345,7 @@ __device__ void conv_to_ndhwc_halo(const U* x, const U* cache, const U* before, 
     const i64 band_plane = rows ? (i64)band * width : (i64)height * band;
     const i64 edge_plane = rows ? (i64)halo * width : (i64)height * halo;
     const int edge_w = rows ? width : halo;
-    const i64 k0 = (i64)blockIdx.x * TE, r0 = (i64)blockIdx.y * TE;
+    const i64 r0 = (i64)blockIdx.x * TE;  // channel tile
     for (i64 s = blockIdx.z; s < batch * frames; s += gridDim.z) {
         const i64 b = s / frames, fc = s % frames - zeros_front, fx = fc - cached;
         const bool data = fc >= 0 && fc < joined;
@@ -373,7 +377,9 @@ __device__ void conv_to_ndhwc_halo(const U* x, const U* cache, const U* before, 
         U* slab = out + s * plane * channels;
         auto put = [&](i64 p, i64 c, const Chunk<U>& w) { store_chunk<U, PACK>(slab + p * channels + c, w); };
         auto put_tail = [&](i64 p, i64 c, U v) { slab[p * channels + c] = v; };
-        transpose_tile<U>(tile, channels, plane, r0, k0, load, put, put_tail);
+        for (i64 k0 = (i64)blockIdx.y * TE; k0 < plane; k0 += (i64)gridDim.y * TE) {
+            transpose_tile<U>(tile, channels, plane, r0, k0, load, put, put_tail);
+        }
     }
 }
 
@@ -427,7 +433,7 @@ template <> struct Elem<bf16> {
 
 // conv_from_ndhwc: out [B, C, P] = y [B, P, C] transposed (+ bias[c] when has_bias, added in f32 and
 // rounded once). Per slab b: source [P, C] (a pixel's channels are contiguous), destination [C, P].
-// Grid: x over pixel tiles, y over channel tiles, z over batch items (grid-stride).
+// Grid: x over channel tiles, y over pixel tiles, z over batch items (y and z grid-stride).
 //
 // has_residual: then + residual [B, C, P] (T, same layout as out), added in f32 to the value rounded
 // as above and rounded again: exactly what storing the biased result and running the elementwise add
@@ -442,7 +448,7 @@ __device__ void conv_from_ndhwc(const T* y, const B* bias, const T* residual, T*
     const U* yb = reinterpret_cast<const U*>(y);
     const U* rb = reinterpret_cast<const U*>(residual);
     U* ob = reinterpret_cast<U*>(out);
-    const i64 r0 = (i64)blockIdx.x * TE, k0 = (i64)blockIdx.y * TE;
+    const i64 k0 = (i64)blockIdx.x * TE;  // channel tile
     for (i64 b = blockIdx.z; b < batch; b += gridDim.z) {
         auto load = [&](i64 p, i64 c) -> Chunk<U> {
             return load_chunk<U, PACK>(p < pixels ? yb + (b * pixels + p) * channels : nullptr, c, channels);
@@ -465,7 +471,9 @@ __device__ void conv_from_ndhwc(const T* y, const B* bias, const T* residual, T*
             const i64 at = (b * channels + c) * pixels + p;
             ob[at] = epilogue(c, v, has_residual ? rb[at] : v);
         };
-        transpose_tile<U>(tile, pixels, channels, r0, k0, load, put, put_tail);
+        for (i64 r0 = (i64)blockIdx.y * TE; r0 < pixels; r0 += (i64)gridDim.y * TE) {
+            transpose_tile<U>(tile, pixels, channels, r0, k0, load, put, put_tail);
+        }
     }
 }
 

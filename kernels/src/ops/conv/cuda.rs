@@ -456,26 +456,22 @@ fn transpose_pack(contiguous_in: usize, contiguous_out: usize, elem_bytes: usize
     }
 }
 
-/// The launch of a `conv.cu` transpose: `tiles` = (x, y) tiles of [`transpose_tile`] elements per
-/// side, z the slabs (at most 65,535 blocks: the kernels loop over the rest).
-fn transpose_grid(tiles: (usize, usize), slabs: usize) -> Result<LaunchConfig> {
+/// The launch of a `conv.cu` transpose: x over the `channel_tiles`, y over the `pixel_tiles`, z over
+/// the slabs, tiles of [`transpose_tile`] elements per side (at most 65,535 blocks in y and z: the
+/// kernels loop over the rest).
+fn transpose_grid(channel_tiles: usize, pixel_tiles: usize, slabs: usize) -> LaunchConfig {
     const THREADS: u32 = 256; // TR_THREADS of conv.cu
-    // CUDA's grid limits: 2³¹ − 1 blocks in x, 65,535 in y and z.
-    let (x, y) = (tiles.0.max(1), tiles.1.max(1));
-    if x > i32::MAX as usize || y > 65_535 {
-        return Err(KernelError::arg(
-            "conv",
-            "transpose tiles",
-            format!("{tiles:?}"),
-            "at most 2³¹ − 1 pixel tiles and 65,535 channel tiles",
-        ));
-    }
-    let (x, y) = (x as u32, y as u32);
-    Ok(LaunchConfig {
-        grid_dim: (x, y, slabs.clamp(1, 65_535) as u32),
+    let limit = |n: usize| n.clamp(1, 65_535) as u32;
+    LaunchConfig {
+        // Channel tiles: ≤ C / 32 (f32), far below x's 2³¹ − 1.
+        grid_dim: (
+            channel_tiles.max(1) as u32,
+            limit(pixel_tiles),
+            limit(slabs),
+        ),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
-    })
+    }
 }
 
 /// Elements per side of a transpose tile: 128 bytes of them (conv.cu's TE).
@@ -550,10 +546,7 @@ fn to_ndhwc(
     let pack = transpose_pack(plane, channels, dtype.size_in_bytes());
     let f = backend.function(&SOURCE, &to_ndhwc_kernel(dtype, pack, source))?;
     let tile = transpose_tile(dtype.size_in_bytes());
-    let cfg = transpose_grid(
-        (plane.div_ceil(tile), channels.div_ceil(tile)),
-        batch * total,
-    )?;
+    let cfg = transpose_grid(channels.div_ceil(tile), plane.div_ceil(tile), batch * total);
     let out_ptr = out.ptr();
     let [zf, cached, x_frames, zb] = frames.map(|v| v as i64);
     let (b, c, p) = (batch as i64, channels as i64, plane as i64);
@@ -630,7 +623,7 @@ fn from_ndhwc(
     let bias_dtype = bias.map_or(dtype, |b| b.dtype());
     let f = backend.function(&SOURCE, &from_ndhwc_kernel(dtype, bias_dtype, pack))?;
     let tile = transpose_tile(dtype.size_in_bytes());
-    let cfg = transpose_grid((pixels.div_ceil(tile), channels.div_ceil(tile)), batch)?;
+    let cfg = transpose_grid(channels.div_ceil(tile), pixels.div_ceil(tile), batch);
     let (y_ptr, out_ptr) = (y.ptr(), out.ptr());
     let bias_ptr = match bias {
         Some(b) => b.cuda_storage(op)?.ptr(),
@@ -977,10 +970,9 @@ mod tests {
         assert_eq!(transpose_pack(5 * 7, 96, 2), "p1"); // odd plane
         assert_eq!(transpose_pack(4 * 480 * 832, 3, 4), "p1"); // conv_out's 3 channels
         assert_eq!((transpose_tile(2), transpose_tile(4)), (64, 32));
-        let grid = transpose_grid((3, 2), 70_000).expect("grid");
-        assert_eq!(grid.grid_dim, (3, 2, 65_535));
+        let grid = transpose_grid(2, 70_000, 70_000);
+        assert_eq!(grid.grid_dim, (2, 65_535, 65_535));
         assert_eq!(grid.block_dim, (256, 1, 1));
-        assert!(transpose_grid((1, 70_000), 1).is_err());
     }
 
     /// Every transpose instance the host can ask for exists in conv.cu's CUBIN (NVRTC only, no GPU;

@@ -88,6 +88,9 @@ __device__ void rms_norm(const T* x, const W* w, T* out, i64 rows, int d, float 
 // same IEEE multiply as `*`, but never contracted into an FMA with what follows (the bias add or, for
 // f32 storage where the rounding to T is a no-op, the SiLU), so each step rounds as the unfused kernels do.
 //
+// x / norm is computed as x · (1 / norm) (two roundings where the CPU twin's division has one):
+// a division per element made the kernel instruction-bound.
+//
 // A block of RMS_THREADS threads takes tiles of TP = 128 bytes of positions (64 bf16, 32 f32) of one
 // batch item: it copies the tile's [channels, TP] elements into shared memory (dynamic, channels × 128
 // bytes, then TP floats), one thread per position sums its squares over the channels in order
@@ -100,7 +103,7 @@ template <bool SILU, bool VEC, typename T, typename W>
 __device__ void rms_norm_channels(const T* x, const W* gamma, const W* bias, T* out, i64 batch,
                                   int channels, i64 positions, int has_bias) {
     constexpr int V = 16 / sizeof(T), TP = 8 * V;
-    extern __shared__ uint4 rms_smem[];  // [channels][8] words of V positions, then TP norms
+    extern __shared__ uint4 rms_smem[];  // [channels][8] words of V positions, then TP 1 / norm
     T* tile = reinterpret_cast<T*>(rms_smem);
     float* norms = reinterpret_cast<float*>(rms_smem + (i64)channels * 8);
     const float sqrt_c = sqrtf((float)channels);
@@ -126,7 +129,7 @@ __device__ void rms_norm_channels(const T* x, const W* gamma, const W* bias, T* 
                 float v = ld(tile + c * TP + p);
                 q += v * v;
             }
-            norms[p] = fmaxf(sqrtf(q), 1e-12f);
+            norms[p] = 1.0f / fmaxf(sqrtf(q), 1e-12f);  // the reciprocal: one division per position
         }
         __syncthreads();
         for (int i = threadIdx.x; i < channels * 8; i += RMS_THREADS) {
@@ -138,7 +141,7 @@ __device__ void rms_norm_channels(const T* x, const W* gamma, const W* bias, T* 
             T* vals = reinterpret_cast<T*>(&word);
 #pragma unroll
             for (int e = 0; e < V; ++e) {
-                float y = __fmul_rn(ld(vals + e) / norms[min(j * V + e, np - 1)], g);
+                float y = __fmul_rn(__fmul_rn(ld(vals + e), norms[min(j * V + e, np - 1)]), g);
                 if (has_bias) y += bc;
                 if (SILU) {
                     T rounded;

@@ -14,6 +14,13 @@ __device__ __forceinline__ float ld(const bf16* p) { return __bfloat162float(*p)
 __device__ __forceinline__ void st(float* p, float v) { *p = v; }
 __device__ __forceinline__ void st(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
 
+// SiLU, v · sigmoid(v), for every kernel that applies it (elementwise.cu's silu, norm.cu's fused
+// norm + SiLU), so they agree bit for bit. The fast intrinsics (exp2-based __expf, reciprocal-based
+// __fdividef) are within a few f32 ulps of the exact function over the range that matters (the CPU
+// twin's tolerance covers them): the accurate expf and IEEE division made the VAE's norm + SiLU
+// kernel instruction-bound. Where 1 + e^-v overflows (v < -88) the quotient is -0 or 0, as the limit.
+__device__ __forceinline__ float silu_f32(float v) { return __fdividef(v, 1.0f + __expf(-v)); }
+
 // Grid-stride loop over [0, n).
 #define FOR_EACH(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)

@@ -17,7 +17,7 @@ __device__ __forceinline__ float unary_f(int op, float v, float p0, float p1) {
     switch (op) {
     case UNARY_AFFINE: return v * p0 + p1;
     case UNARY_CLAMP: return fminf(fmaxf(v, p0), p1);
-    case UNARY_SILU: return v / (1.0f + expf(-v));
+    case UNARY_SILU: return silu_f32(v);
     default: {
         const float k = 0.7978845608028654f;  // sqrt(2/pi)
         return 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v)));

@@ -83,7 +83,7 @@ __device__ void rms_norm(const T* x, const W* w, T* out, i64 rows, int d, float 
 
 // x [batch, channels, positions]: y = x / max(||x[b, :, p]||, 1e-12) * sqrt(C) * gamma[c] + bias[c].
 // SILU: the VAE's norm-then-SiLU in one pass: y is rounded to T (as the unfused norm stores it), then
-// out = y / (1 + exp(-y)) rounded to T (as the unfused silu stores it), so the result is bit-identical
+// out = silu_f32(y) rounded to T (as the unfused silu stores it), so the result is bit-identical
 // to rms_norm_channels followed by silu, with y never written to memory. The product is __fmul_rn: the
 // same IEEE multiply as `*`, but never contracted into an FMA with what follows (the bias add or, for
 // f32 storage where the rounding to T is a no-op, the SiLU), so each step rounds as the unfused kernels do.
@@ -147,7 +147,7 @@ __device__ void rms_norm_channels(const T* x, const W* gamma, const W* bias, T* 
                     T rounded;
                     st(&rounded, y);
                     float v = ld(&rounded);
-                    y = v / (1.0f + expf(-v));  // elementwise.cu's UNARY_SILU, character for character
+                    y = silu_f32(v);  // as elementwise.cu's UNARY_SILU
                 }
                 st(vals + e, y);
             }

@@ -233,45 +233,32 @@ __device__ __forceinline__ void store_chunk(U* at, const Chunk<U>& c) {
     }
 }
 
-// Pixel tiles per block: a block moves TR_SPAN neighbouring tiles at once, so it has more loads in
-// flight before it synchronises (the transposes are bound by how many bytes the SMs keep in flight).
-constexpr int TR_SPAN = 2;
-
-// TR_SPAN tiles of a batched transpose. The source is [rows, cols], read by load(r, k) → the chunk of
+// One tile of a batched transpose. The source is [rows, cols], read by load(r, k) → the chunk of
 // elements (r, k..k+V) (zeros out of range); the destination is [cols, rows] with rows contiguous,
 // written by put(k, r, chunk) for destination row k, elements r..r+V (all in range: checked here), or
-// put_tail(k, r, elem) element by element at the ragged end. Tile n's origin is source row r0 and
-// column k0 + n·TE, or with PIX_ROWS (the pixels are the source's rows) row r0 + n·TE and column k0.
+// put_tail(k, r, elem) element by element at the ragged end. Tile origin: source row r0, column k0.
 // Every thread of the block must call it (it synchronises). The grids put the channel tiles first,
 // so the tiles of one pixel range (which write, or read, the same lines of the channels-last side)
-// run together. A block takes one span of tiles per slab where the grid allows: that measured faster
-// than blocks that walk many tiles, even with the next tile's loads in flight during the stores
+// run together. A block takes one tile per slab where the grid allows: that measured faster than
+// blocks that walk many tiles, even with the next tile's loads in flight during the stores
 // (2026-11-30, H200: 0.43 against 0.49 ms at the VAE's full-size 96-channel join).
-template <typename U, bool PIX_ROWS, typename Load, typename Put, typename PutTail>
-__device__ void transpose_tile(uint4 (*tile)[8 * chunk_elems<U>()][8], i64 rows, i64 cols, i64 r0, i64 k0,
-                               Load load, Put put, PutTail put_tail) {
-    constexpr int V = chunk_elems<U>(), TE = 8 * V, ITEMS = TE * 8;
-    auto origin = [&](int n, i64& r, i64& k) {
-        r = PIX_ROWS ? r0 + (i64)n * TE : r0;
-        k = PIX_ROWS ? k0 : k0 + (i64)n * TE;
-    };
-    for (int i = threadIdx.x; i < TR_SPAN * ITEMS; i += TR_THREADS) {
-        const int n = i / ITEMS, r = i % ITEMS / 8, j = i % 8;
-        i64 tr, tk;
-        origin(n, tr, tk);
-        tile[n][r][j ^ (r / V % 8)] = load(tr + r, tk + (i64)j * V).word;
+template <typename U, typename Load, typename Put, typename PutTail>
+__device__ void transpose_tile(uint4 (*tile)[8], i64 rows, i64 cols, i64 r0, i64 k0, Load load, Put put,
+                               PutTail put_tail) {
+    constexpr int V = chunk_elems<U>(), TE = 8 * V;
+    for (int i = threadIdx.x; i < TE * 8; i += TR_THREADS) {
+        const int r = i / 8, j = i % 8;
+        tile[r][j ^ (r / V % 8)] = load(r0 + r, k0 + (i64)j * V).word;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < TR_SPAN * ITEMS; i += TR_THREADS) {
-        const int n = i / ITEMS, k = i % ITEMS / 8, rc = i % 8;  // tile n, destination row k, chunk rc
-        i64 tr, tk;
-        origin(n, tr, tk);
-        const i64 kk = tk + k, r = tr + (i64)rc * V;
+    for (int i = threadIdx.x; i < TE * 8; i += TR_THREADS) {
+        const int k = i / 8, rc = i % 8;  // destination row k, its chunk rc
+        const i64 kk = k0 + k, r = r0 + (i64)rc * V;
         if (kk >= cols || r >= rows) continue;
         Chunk<U> c;
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-            c.elem[e] = reinterpret_cast<const U*>(&tile[n][rc * V + e][(k / V) ^ rc])[k % V];
+            c.elem[e] = reinterpret_cast<const U*>(&tile[rc * V + e][(k / V) ^ rc])[k % V];
         }
         if (r + V <= rows) {
             put(kk, r, c);
@@ -279,11 +266,11 @@ __device__ void transpose_tile(uint4 (*tile)[8 * chunk_elems<U>()][8], i64 rows,
             for (int e = 0; r + e < rows; ++e) put_tail(kk, r + e, c.elem[e]);
         }
     }
-    __syncthreads();  // the tiles are reused by the block's next span
+    __syncthreads();  // the tile is reused by the block's next slab
 }
 
-// TR_SPAN tiles of elements U in shared memory: TE rows of 8 chunks each.
-#define TR_TILE(U) __shared__ uint4 tile[TR_SPAN][8 * chunk_elems<U>()][8]
+// A tile of elements U in shared memory: TE rows of 8 chunks.
+#define TR_TILE(U) __shared__ uint4 tile[8 * chunk_elems<U>()][8]
 
 // conv_to_ndhwc: out [B, F, plane, C] (F = zeros_front + cached + x_frames + zeros_back) ← the frame
 // join of conv_join_frames (zero frames, cache [B, C, cached, plane], x [B, C, x_frames, plane], zero
@@ -331,8 +318,8 @@ __device__ void conv_to_ndhwc(const U* x, const U* cache, U* out, i64 batch, i64
         U* slab = out + s * plane * channels;
         auto put = [&](i64 p, i64 c, const Chunk<U>& w) { store_chunk<U, PACK>(slab + p * channels + c, w); };
         auto put_tail = [&](i64 p, i64 c, U v) { slab[p * channels + c] = v; };
-        for (i64 k0 = (i64)blockIdx.y * TE * TR_SPAN; k0 < plane; k0 += (i64)gridDim.y * TE * TR_SPAN) {
-            transpose_tile<U, false>(tile, channels, plane, r0, k0, load, put, put_tail);
+        for (i64 k0 = (i64)blockIdx.y * TE; k0 < plane; k0 += (i64)gridDim.y * TE) {
+            transpose_tile<U>(tile, channels, plane, r0, k0, load, put, put_tail);
         }
     }
 }
@@ -390,8 +377,8 @@ __device__ void conv_to_ndhwc_halo(const U* x, const U* cache, const U* before, 
         U* slab = out + s * plane * channels;
         auto put = [&](i64 p, i64 c, const Chunk<U>& w) { store_chunk<U, PACK>(slab + p * channels + c, w); };
         auto put_tail = [&](i64 p, i64 c, U v) { slab[p * channels + c] = v; };
-        for (i64 k0 = (i64)blockIdx.y * TE * TR_SPAN; k0 < plane; k0 += (i64)gridDim.y * TE * TR_SPAN) {
-            transpose_tile<U, false>(tile, channels, plane, r0, k0, load, put, put_tail);
+        for (i64 k0 = (i64)blockIdx.y * TE; k0 < plane; k0 += (i64)gridDim.y * TE) {
+            transpose_tile<U>(tile, channels, plane, r0, k0, load, put, put_tail);
         }
     }
 }
@@ -484,8 +471,8 @@ __device__ void conv_from_ndhwc(const T* y, const B* bias, const T* residual, T*
             const i64 at = (b * channels + c) * pixels + p;
             ob[at] = epilogue(c, v, has_residual ? rb[at] : v);
         };
-        for (i64 r0 = (i64)blockIdx.y * TE * TR_SPAN; r0 < pixels; r0 += (i64)gridDim.y * TE * TR_SPAN) {
-            transpose_tile<U, true>(tile, pixels, channels, r0, k0, load, put, put_tail);
+        for (i64 r0 = (i64)blockIdx.y * TE; r0 < pixels; r0 += (i64)gridDim.y * TE) {
+            transpose_tile<U>(tile, pixels, channels, r0, k0, load, put, put_tail);
         }
     }
 }

@@ -456,26 +456,23 @@ fn transpose_pack(contiguous_in: usize, contiguous_out: usize, elem_bytes: usize
     }
 }
 
-/// The launch of a `conv.cu` transpose: x over the `channel_tiles`, y over the `pixel_spans`
-/// ([`TRANSPOSE_SPAN`] tiles each), z over the slabs, tiles of [`transpose_tile`] elements per side
-/// (at most 65,535 blocks in y and z: the kernels loop over the rest).
-fn transpose_grid(channel_tiles: usize, pixel_spans: usize, slabs: usize) -> LaunchConfig {
+/// The launch of a `conv.cu` transpose: x over the `channel_tiles`, y over the `pixel_tiles`, z over
+/// the slabs, tiles of [`transpose_tile`] elements per side (at most 65,535 blocks in y and z: the
+/// kernels loop over the rest).
+fn transpose_grid(channel_tiles: usize, pixel_tiles: usize, slabs: usize) -> LaunchConfig {
     const THREADS: u32 = 256; // TR_THREADS of conv.cu
     let limit = |n: usize| n.clamp(1, 65_535) as u32;
     LaunchConfig {
         // Channel tiles: ≤ C / 32 (f32), far below x's 2³¹ − 1.
         grid_dim: (
             channel_tiles.max(1) as u32,
-            limit(pixel_spans),
+            limit(pixel_tiles),
             limit(slabs),
         ),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
 }
-
-/// Pixel tiles per transpose block (conv.cu's TR_SPAN).
-const TRANSPOSE_SPAN: usize = 2;
 
 /// Elements per side of a transpose tile: 128 bytes of them (conv.cu's TE).
 fn transpose_tile(elem_bytes: usize) -> usize {
@@ -549,8 +546,7 @@ fn to_ndhwc(
     let pack = transpose_pack(plane, channels, dtype.size_in_bytes());
     let f = backend.function(&SOURCE, &to_ndhwc_kernel(dtype, pack, source))?;
     let tile = transpose_tile(dtype.size_in_bytes());
-    let spans = plane.div_ceil(tile * TRANSPOSE_SPAN);
-    let cfg = transpose_grid(channels.div_ceil(tile), spans, batch * total);
+    let cfg = transpose_grid(channels.div_ceil(tile), plane.div_ceil(tile), batch * total);
     let out_ptr = out.ptr();
     let [zf, cached, x_frames, zb] = frames.map(|v| v as i64);
     let (b, c, p) = (batch as i64, channels as i64, plane as i64);
@@ -627,8 +623,7 @@ fn from_ndhwc(
     let bias_dtype = bias.map_or(dtype, |b| b.dtype());
     let f = backend.function(&SOURCE, &from_ndhwc_kernel(dtype, bias_dtype, pack))?;
     let tile = transpose_tile(dtype.size_in_bytes());
-    let spans = pixels.div_ceil(tile * TRANSPOSE_SPAN);
-    let cfg = transpose_grid(channels.div_ceil(tile), spans, batch);
+    let cfg = transpose_grid(channels.div_ceil(tile), pixels.div_ceil(tile), batch);
     let (y_ptr, out_ptr) = (y.ptr(), out.ptr());
     let bias_ptr = match bias {
         Some(b) => b.cuda_storage(op)?.ptr(),

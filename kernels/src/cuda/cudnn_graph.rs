@@ -188,7 +188,8 @@ impl Desc {
         Ok(values)
     }
 
-    /// How many descriptors attribute `name` holds (asked with an empty request, as the API allows).
+    /// How many descriptors array attribute `name` holds, asked with an empty request (as cuDNN's
+    /// frontend asks the heuristics' results; refused for one-element attributes).
     fn count_descs(&self, name: Attr) -> GraphResult<usize> {
         let mut available: i64 = 0;
         // SAFETY: a zero-element request writes no element, only the count.
@@ -204,6 +205,14 @@ impl Desc {
         };
         check(status, "cudnnBackendGetAttribute", Some(name))?;
         Ok(available.max(0) as usize)
+    }
+
+    /// Every descriptor of array attribute `name` (at most `cap`), of `kind`. Should the count query be
+    /// refused, `cap` are asked for (for array attributes cuDNN writes those it has; one-element
+    /// attributes refuse both ways, so those are read with [`Desc::get_descs`] and an exact count).
+    fn get_all_descs(&self, name: Attr, kind: Kind, cap: usize) -> GraphResult<Vec<Desc>> {
+        let wanted = self.count_descs(name).map_or(cap, |n| n.min(cap));
+        self.get_descs(name, kind, wanted)
     }
 
     /// Up to `max` descriptors of attribute `name`: cuDNN fills descriptors the caller created, of
@@ -546,11 +555,10 @@ fn heuristics(graph: &ConvGraph, mode: sys::cudnnBackendHeurMode_t) -> GraphResu
         )
     }?;
     heur.finalize()?;
-    let available = heur.count_descs(Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS)?;
-    heur.get_descs(
+    heur.get_all_descs(
         Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS,
         Kind::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR,
-        available.min(MAX_PER_MODE),
+        MAX_PER_MODE,
     )
 }
 
@@ -575,11 +583,11 @@ fn describe(config: &Desc) -> GraphResult<(String, Vec<u32>)> {
         Ty::CUDNN_TYPE_NUMERICAL_NOTE,
         16,
     )?;
-    let knob_count = config.count_descs(Attr::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES)?;
-    let knobs = config.get_descs(
+    // Fewer than 64 knob types exist (CUDNN_KNOB_TYPE_COUNTS is 43 in cuDNN 9.1).
+    let knobs = config.get_all_descs(
         Attr::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES,
         Kind::CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR,
-        knob_count,
+        64,
     )?;
     let mut label = format!("eng{index}");
     for knob in &knobs {
@@ -672,6 +680,51 @@ mod tests {
         })
         .expect("symbols load");
         assert!(pack.is_ok(), "{}", pack.unwrap_err());
+
+        let key = DnnConvKey {
+            dtype: DType::BF16,
+            layout: DnnLayout::Ndhwc,
+            batch: 1,
+            c_in: 8,
+            c_out: 16,
+            input: [3, 8, 8],
+            kernel: [3, 3, 3],
+            stride: [1, 1, 1],
+            pad: [0, 1, 1],
+        };
+        // Reading back, as `describe` does: cuDNN fills a descriptor created here (the operation's y,
+        // a one-element attribute, asked for exactly; what it writes is the operation's internal form
+        // of y, so only the call is checked), and an array attribute asked for more elements than it
+        // has writes those it has (the x tensor's dims; `describe` reads the numerical notes and knob
+        // choices so, as cuDNN's frontend does). cuDNN 9.26 refuses both the count query and an
+        // over-sized request for one-element attributes, so `describe` asks those exactly.
+        let read_back = super::super::catch("libcudnn", || -> GraphResult<(usize, Vec<i64>)> {
+            let conv = ConvOp::new(&key)?;
+            let y = conv.op.get_descs(
+                Attr::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y,
+                Kind::CUDNN_BACKEND_TENSOR_DESCRIPTOR,
+                1,
+            )?;
+            let mut dims = vec![0i64; 8];
+            // SAFETY: INT64 is int64_t.
+            let n = unsafe {
+                conv._x.get(
+                    Attr::CUDNN_ATTR_TENSOR_DIMENSIONS,
+                    Ty::CUDNN_TYPE_INT64,
+                    &mut dims,
+                )
+            }?;
+            dims.truncate(n);
+            Ok((y.len(), dims))
+        })
+        .expect("symbols load");
+        match read_back {
+            Ok((filled, dims)) => {
+                assert_eq!(filled, 1);
+                assert_eq!(dims, key.graph_tensors()[0].0);
+            }
+            Err(e) => panic!("reading the operation back: {e}"),
+        }
     }
 
     /// A failure names the call, the attribute and the status: that text is what the plan line shows

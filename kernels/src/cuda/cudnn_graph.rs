@@ -420,7 +420,8 @@ pub(crate) fn aligned(ptrs: [u64; 3]) -> bool {
 /// within `max_workspace` bytes; and counts of the others, for the plan line.
 pub(crate) struct Offer {
     pub candidates: Vec<Candidate>,
-    /// Distinct configurations the heuristics returned (over all modes asked).
+    /// Distinct configurations examined, in the heuristics' order, until `cap` were planned (the modes
+    /// asked may have offered more).
     pub offered: usize,
     /// Ruled out by their numerical notes ([`REJECTED_NOTES`]).
     pub rejected_notes: usize,
@@ -439,8 +440,8 @@ impl std::fmt::Display for Offer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} of {} configs planned ({} ruled out by numerical notes, {} unplannable, {} over the \
-             workspace cap)",
+            "{} configs planned of {} examined ({} ruled out by numerical notes, {} unplannable, {} \
+             over the workspace cap)",
             self.candidates.len(),
             self.offered,
             self.rejected_notes,

@@ -1,6 +1,7 @@
-//! Convolutions through cuDNN (cudarc feature `cudnn`, the legacy N-d API): one handle per device on the
-//! backend's stream, a `Plan` per convolution shape (descriptors, the algorithm cuDNN measured fastest,
-//! its math type and workspace size), and one workspace grown to the largest plan's need.
+//! Convolutions through cuDNN (cudarc feature `cudnn`): one handle per device on the backend's stream, a
+//! `Plan` per convolution shape (the legacy N-d API's descriptors, the algorithm cuDNN measured fastest
+//! and its math type; for bf16 possibly a graph-API execution plan that measured faster still, see
+//! `cudnn_graph.rs`), and one workspace grown to the largest plan's need.
 //!
 //! - Why the `result`/`sys` layers and not cudarc's safe `Cudnn`/`ConvForward`: those hold an
 //!   `Arc<Cudnn>`, which is neither `Send` nor `Sync`, so they cannot live in the shared
@@ -17,6 +18,11 @@
 //!   the caller is about to overwrite anyway. Find costs time once per shape (the `PLAN` lines of
 //!   `bench/src/bin/conv.rs` show it), which a first decode pays; `DITSTREAM_CUDNN_SEARCH=heuristic`
 //!   ranks without running instead (µs), `find` (the default) measures.
+//! - Graph API (bf16, `find` only): after Find, the graph API's heuristics offer engine configurations
+//!   (up to `GRAPH_CONFIGS`), each planned and timed on the same buffers with CUDA events, the legacy
+//!   winner timed the same way beside them; a graph plan replaces the legacy algorithm only when it is
+//!   faster by more than `GRAPH_MARGIN`. Any graph failure (building, planning, running) leaves the
+//!   legacy algorithm in place and is written in the plan line (`cudnn_conv_plans`), never returned.
 //! - Numerics: bf16 data with an f32 compute type (f32 accumulation) and tensor-op maths; f32 data with
 //!   FMA maths only (no TF32), so the f32 path stays as exact as the f32 GEMMs (`gemm.rs`) for parity.
 //! - Sizes: the legacy descriptors take 32-bit dims and strides: `DnnConvKey::fits` says whether a
@@ -30,11 +36,27 @@ use cudarc::cudnn::result::{self as dnn, CudnnError};
 use cudarc::cudnn::sys;
 use cudarc::driver::{CudaSlice, DevicePtr};
 
+use super::cudnn_graph::{self, Candidate, ConvGraph, GraphPlan};
 use super::{CudaBackend, catch};
 use crate::{DType, KernelError, Result};
 
-/// Most workspace the algorithm search may hand cuDNN (and so the most a chosen algorithm may need).
+/// Most workspace the algorithm search may hand cuDNN (and so the most a chosen algorithm, or graph
+/// plan, may need).
 const FIND_WORKSPACE_BYTES: usize = 512 << 20;
+
+/// Most graph-API engine configurations planned and timed per shape. PyTorch's `cudnn.benchmark`
+/// times 10 by default (`benchmark_limit`); a few more cost ~3 ms each for the VAE's largest shapes,
+/// paid once per shape.
+const GRAPH_CONFIGS: usize = 16;
+
+/// Timed runs per candidate (after one untimed warm-up run, which also loads the kernel); the median
+/// is kept.
+const TIMED_RUNS: usize = 3;
+
+/// How much faster (as a fraction) a graph plan must measure than the legacy algorithm to replace it:
+/// the spread of event-timed medians of one ms-scale kernel is below 1%, and within noise the legacy
+/// algorithm, which the parity tests have always covered, stays.
+const GRAPH_MARGIN: f32 = 0.01;
 
 /// The memory order of a convolution's activations (filters follow it: [C_out, C_in, kt, kh, kw] or
 /// [C_out, kt, kh, kw, C_in]).
@@ -90,23 +112,43 @@ impl DnnConvKey {
     }
 
     /// [B, C, T, H, W] dims and their element strides in `layout`.
-    fn tensor(&self, channels: usize, [t, h, w]: [usize; 3]) -> ([c_int; 5], [c_int; 5]) {
-        let dims = [self.batch, channels, t, h, w].map(|d| d as c_int);
-        let strides = match self.layout {
-            DnnLayout::Ncdhw => [channels * t * h * w, t * h * w, h * w, w, 1],
-            DnnLayout::Ndhwc => [
-                t * h * w * channels,
-                1,
-                h * w * channels,
-                w * channels,
-                channels,
-            ],
+    fn tensor(&self, channels: usize, spatial: [usize; 3]) -> ([c_int; 5], [c_int; 5]) {
+        let (dims, strides) = dims_and_strides(self.layout, self.batch, channels, spatial);
+        (dims.map(|d| d as c_int), strides.map(|s| s as c_int))
+    }
+
+    /// The graph API's x, w and y: [N, C, D, H, W] dims and element strides in the key's layout; the
+    /// filter is [C_out, C_in, kt, kh, kw] stored as the legacy filter descriptor says (channels last,
+    /// [C_out, kt, kh, kw, C_in] in memory, for NDHWC).
+    pub(crate) fn graph_tensors(&self) -> [([i64; 5], [i64; 5]); 3] {
+        let to_i64 = |(dims, strides): ([usize; 5], [usize; 5])| {
+            (dims.map(|d| d as i64), strides.map(|s| s as i64))
         };
-        (dims, strides.map(|s| s as c_int))
+        [
+            dims_and_strides(self.layout, self.batch, self.c_in, self.input),
+            dims_and_strides(self.layout, self.c_out, self.c_in, self.kernel),
+            dims_and_strides(self.layout, self.batch, self.c_out, self.output()),
+        ]
+        .map(to_i64)
     }
 }
 
-fn data_type(dtype: DType) -> sys::cudnnDataType_t {
+/// The dims [N, C, D, H, W] of a dense tensor and their element strides in `layout` (a filter is
+/// N = C_out, C = C_in).
+fn dims_and_strides(
+    layout: DnnLayout,
+    n: usize,
+    c: usize,
+    [t, h, w]: [usize; 3],
+) -> ([usize; 5], [usize; 5]) {
+    let strides = match layout {
+        DnnLayout::Ncdhw => [c * t * h * w, t * h * w, h * w, w, 1],
+        DnnLayout::Ndhwc => [t * h * w * c, 1, h * w * c, w * c, c],
+    };
+    ([n, c, t, h, w], strides)
+}
+
+pub(crate) fn data_type(dtype: DType) -> sys::cudnnDataType_t {
     match dtype {
         DType::F32 => sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
         DType::BF16 => sys::cudnnDataType_t::CUDNN_DATA_BFLOAT16,
@@ -229,18 +271,27 @@ impl Descriptors {
     }
 }
 
-/// A convolution ready to run: descriptors, algorithm (with the math type it was measured with) and the
-/// workspace it needs.
+/// A convolution ready to run: the legacy descriptors and algorithm (with the math type it was measured
+/// with), the graph plan that runs instead when one measured faster, and the workspace they need.
 struct Plan {
     desc: Descriptors,
     algo: sys::cudnnConvolutionFwdAlgo_t,
     math: sys::cudnnMathType_t,
+    /// Bytes of workspace: the most either path needs (a graph plan can fall back to the algorithm).
     workspace: usize,
     /// How the algorithm was chosen ("find": measured; "heuristic": ranked), its measured time, and how
-    /// long the choice took.
+    /// long the whole choice (graph search included) took.
     how: &'static str,
     measured_ms: f32,
     search_ms: f64,
+    /// The graph-API plan that runs instead of `algo` (it measured faster), if any.
+    graph: Option<GraphPlan>,
+    /// What the graph search found, for the plan line: the best configuration's time against the
+    /// legacy algorithm's, or why the graph API is not used for this shape.
+    graph_note: String,
+    /// Calls that ran `algo` although `graph` is set, because their buffers were not aligned as the
+    /// graph's tensors declare (none expected: buffers come whole from the allocator).
+    unaligned_calls: usize,
 }
 
 /// How a plan's algorithm is chosen (`DITSTREAM_CUDNN_SEARCH`).
@@ -369,6 +420,8 @@ impl Dnn {
                 math = ?plan.math,
                 workspace = plan.workspace,
                 how = plan.how,
+                graph = plan.graph.as_ref().map(|g| g.candidate.label.as_str()),
+                graph_note = %plan.graph_note,
                 "cuDNN convolution plan"
             );
             self.plans.insert(*key, plan);
@@ -484,15 +537,222 @@ fn build_plan(
         )
     }
     .map_err(call("cudnnGetConvolutionForwardWorkspaceSize"))?;
-    Ok(Plan {
+    let mut plan = Plan {
         algo: best.algo,
         math,
         workspace: needed.max(best.memory),
         how,
         measured_ms: best.time,
-        search_ms: started.elapsed().as_secs_f64() * 1e3,
+        search_ms: 0.0,
         desc,
-    })
+        graph: None,
+        graph_note: String::new(),
+        unaligned_calls: 0,
+    };
+    plan.graph_note = match (search, key.dtype) {
+        (Search::Heuristic, _) => "not searched (heuristic search times nothing)".into(),
+        // Engines for f32 data may compute in TF32 (their notes say so); rather than trust a filter,
+        // f32 keeps the legacy FMA algorithms, whose math type is forced above.
+        (Search::Find, DType::F32) => "not used for f32 (legacy FMA keeps TF32 out)".into(),
+        (Search::Find, DType::BF16) => {
+            // A symbol missing from an old libcudnn panics inside cudarc: caught here, so that it
+            // leaves the legacy plan in place rather than failing the convolution.
+            let searched = catch("libcudnn", || {
+                graph_search(handle, backend, key, &plan, (x, w, y))
+            });
+            let (graph, note) =
+                searched.unwrap_or_else(|e| (None, format!("graph API unavailable: {e}")));
+            if let Some(g) = &graph {
+                plan.workspace = plan.workspace.max(g.candidate.workspace);
+            }
+            plan.graph = graph;
+            note
+        }
+    };
+    plan.search_ms = started.elapsed().as_secs_f64() * 1e3;
+    Ok(plan)
+}
+
+/// y = conv(x, w) by the legacy algorithm `algo` on `desc` (alpha 1, beta 0).
+///
+/// # Safety
+/// `desc` describes the device buffers `x`, `w`, `y`; the workspace holds `ws_len` bytes, at least what
+/// `algo` needs with `desc`'s math type.
+unsafe fn legacy_forward(
+    handle: sys::cudnnHandle_t,
+    desc: &Descriptors,
+    algo: sys::cudnnConvolutionFwdAlgo_t,
+    (x, w, y): (u64, u64, u64),
+    (ws_ptr, ws_len): (u64, usize),
+) -> std::result::Result<(), CudnnError> {
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    // SAFETY: per the caller; alpha/beta are f32 host scalars (the scaling type of f32 and bf16 data).
+    unsafe {
+        dnn::convolution_forward(
+            handle,
+            (&alpha as *const f32).cast(),
+            desc.x,
+            x as *const c_void,
+            desc.w,
+            w as *const c_void,
+            desc.conv,
+            algo,
+            ws_ptr as *mut c_void,
+            ws_len,
+            (&beta as *const f32).cast(),
+            desc.y,
+            y as *mut c_void,
+        )
+    }
+}
+
+/// The graph API's best plan for `key` if it beats the legacy algorithm of `legacy` (both timed the same
+/// way on the caller's buffers), and a note of what was found. Never an error: any failure leaves the
+/// legacy algorithm in place and is described in the note.
+fn graph_search(
+    handle: sys::cudnnHandle_t,
+    backend: &CudaBackend,
+    key: &DnnConvKey,
+    legacy: &Plan,
+    (x, w, y): (u64, u64, u64),
+) -> (Option<GraphPlan>, String) {
+    if !cudnn_graph::aligned([x, w, y]) {
+        return (None, "not searched (buffers not 16-byte aligned)".into());
+    }
+    let graph = match ConvGraph::new(handle, key) {
+        Ok(graph) => graph,
+        Err(e) => return (None, format!("graph not built: {e}")),
+    };
+    let mut offer = cudnn_graph::candidates(handle, &graph, GRAPH_CONFIGS, FIND_WORKSPACE_BYTES);
+    if offer.candidates.is_empty() {
+        return (None, format!("nothing to time: {offer}"));
+    }
+    let scratch_len = offer
+        .candidates
+        .iter()
+        .map(|c| c.workspace)
+        .fold(legacy.workspace, usize::max)
+        .max(1);
+    // The timing workspace, freed (stream-ordered) when this function returns.
+    // SAFETY: handed to cuDNN only, which needs no initial contents.
+    let scratch = match unsafe { backend.stream.alloc::<u8>(scratch_len) } {
+        Ok(scratch) => scratch,
+        Err(e) => {
+            return (
+                None,
+                format!("no {scratch_len}-byte workspace to time in: {e:?}"),
+            );
+        }
+    };
+    let ws = scratch.device_ptr(&backend.stream).0;
+    let legacy_timed = time_ms(backend, || {
+        // SAFETY: `legacy.desc` describes x, w, y (the buffers its plan is being built for); the
+        // scratch holds at least the algorithm's workspace.
+        unsafe {
+            legacy_forward(
+                handle,
+                &legacy.desc,
+                legacy.algo,
+                (x, w, y),
+                (ws, scratch_len),
+            )
+        }
+        .map_err(|e| format!("cudnnConvolutionForward: {e:?}"))
+    });
+    let (mut timed, mut failures) = (Vec::new(), Vec::new());
+    for (i, candidate) in offer.candidates.iter().enumerate() {
+        match time_ms(backend, || run_candidate(handle, candidate, (x, w, y), ws)) {
+            Ok(ms) => timed.push((i, ms)),
+            Err(e) => failures.push(format!("{}: {e}", candidate.label)),
+        }
+    }
+    // The legacy time to beat: timed here like the candidates; Find's own measurement if that failed.
+    let (legacy_ms, legacy_source) = match (&legacy_timed, legacy.how) {
+        (Ok(ms), _) => (*ms, "timed"),
+        (Err(_), "find") => (legacy.measured_ms, "find"),
+        (Err(_), _) => (f32::INFINITY, "not timed"),
+    };
+    let best = timed.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1));
+    let mut note = match best {
+        Some((i, ms)) => format!(
+            "best {} {ms:.3} ms vs legacy {legacy_ms:.3} ms ({legacy_source}), {} timed",
+            offer.candidates[i].label,
+            timed.len()
+        ),
+        None => "no config ran".to_string(),
+    };
+    if let Err(e) = &legacy_timed {
+        note.push_str(&format!(", legacy not timed ({e})"));
+    }
+    if let Some(first) = failures.first() {
+        note.push_str(&format!(
+            ", {} failed to run (first: {first})",
+            failures.len()
+        ));
+    }
+    note.push_str(&format!("; {offer}"));
+    drop(scratch);
+    match best {
+        Some((i, ms)) if graph_wins(ms, legacy_ms) => {
+            let candidate = offer.candidates.swap_remove(i);
+            (Some(GraphPlan::new(candidate, graph)), note)
+        }
+        _ => (None, note),
+    }
+}
+
+/// One run of a graph candidate, its error as text (for the note).
+fn run_candidate(
+    handle: sys::cudnnHandle_t,
+    candidate: &Candidate,
+    ptrs: (u64, u64, u64),
+    ws: u64,
+) -> std::result::Result<(), String> {
+    candidate
+        .execute(handle, ptrs, ws)
+        .map_err(|e| e.to_string())
+}
+
+/// Whether a graph plan measured at `graph_ms` replaces the legacy algorithm measured at `legacy_ms`:
+/// only when faster by more than [`GRAPH_MARGIN`] (a NaN never wins; an untimed legacy always loses).
+fn graph_wins(graph_ms: f32, legacy_ms: f32) -> bool {
+    graph_ms < legacy_ms * (1.0 - GRAPH_MARGIN)
+}
+
+/// The median of `TIMED_RUNS` runs of `run` in milliseconds, after one untimed warm-up run: CUDA events
+/// recorded on the backend's stream around each run (each read synchronises the stream).
+fn time_ms(
+    backend: &CudaBackend,
+    mut run: impl FnMut() -> std::result::Result<(), String>,
+) -> std::result::Result<f32, String> {
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    run()?;
+    let mut times = Vec::with_capacity(TIMED_RUNS);
+    for _ in 0..TIMED_RUNS {
+        let start = backend
+            .stream
+            .record_event(flags)
+            .map_err(|e| format!("cuEventRecord: {e:?}"))?;
+        run()?;
+        let end = backend
+            .stream
+            .record_event(flags)
+            .map_err(|e| format!("cuEventRecord: {e:?}"))?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(|e| format!("cuEventElapsedTime: {e:?}"))?;
+        times.push(ms);
+    }
+    Ok(median(&mut times))
+}
+
+/// The middle value (the upper one of an even count); infinite for none.
+fn median(values: &mut [f32]) -> f32 {
+    values.sort_by(f32::total_cmp);
+    values
+        .get(values.len() / 2)
+        .copied()
+        .unwrap_or(f32::INFINITY)
 }
 
 /// Runs `f` on the device's cuDNN, creating it on first use; `CudaUnavailable` when libcudnn cannot be
@@ -551,11 +811,10 @@ pub(crate) fn conv_forward(
             .map_err(|e| backend.err(op, "cuCtxSetCurrent", e))?;
         let handle = d.handle;
         catch("libcudnn", || {
-            let plan = d
+            let needed = d
                 .plan(backend, key, (x, w, y))
-                .map_err(|(name, e)| backend.err(op, "cuDNN plan", (name, key, e)))?;
-            let (algo, needed) = (plan.algo, plan.workspace);
-            let (xd, wd, cd, yd) = (plan.desc.x, plan.desc.w, plan.desc.conv, plan.desc.y);
+                .map_err(|(name, e)| backend.err(op, "cuDNN plan", (name, key, e)))?
+                .workspace;
             if d.workspace.as_ref().is_none_or(|ws| ws.len() < needed) {
                 d.workspace = None; // freed (stream-ordered) before the larger one is taken
                 // SAFETY: handed to cuDNN only, which needs no initial contents.
@@ -567,27 +826,41 @@ pub(crate) fn conv_forward(
                 Some(ws) => (ws.device_ptr(&backend.stream).0, ws.len()),
                 None => (0, 0),
             };
-            let (alpha, beta) = (1.0f32, 0.0f32);
-            // SAFETY: the plan's descriptors describe the caller's buffers; alpha/beta are f32 host
-            // scalars (the scaling type of f32 and bf16 data); the workspace holds ws_len ≥ needed bytes.
-            unsafe {
-                dnn::convolution_forward(
-                    handle,
-                    (&alpha as *const f32).cast(),
-                    xd,
-                    x as *const c_void,
-                    wd,
-                    w as *const c_void,
-                    cd,
-                    algo,
-                    ws_ptr as *mut c_void,
-                    ws_len,
-                    (&beta as *const f32).cast(),
-                    yd,
-                    y as *mut c_void,
-                )
+            // Built just above when absent.
+            let plan = d.plans.get_mut(key).ok_or_else(|| {
+                backend.err(op, "cuDNN plan", (key, "missing from the plan cache"))
+            })?;
+            if let Some(graph) = &plan.graph {
+                if !cudnn_graph::aligned([x, w, y]) {
+                    plan.unaligned_calls += 1;
+                } else {
+                    // The workspace holds ws_len ≥ plan.workspace ≥ the graph plan's need.
+                    match graph.candidate.execute(handle, (x, w, y), ws_ptr) {
+                        Ok(()) => return Ok(()),
+                        Err(e) => {
+                            // It ran while being timed, so this is unexpected; the algorithm it beat
+                            // is still there and known to work.
+                            tracing::warn!(
+                                ?key,
+                                config = %graph.candidate.label,
+                                error = %e,
+                                "cuDNN graph plan failed; this shape uses the legacy algorithm from now on"
+                            );
+                            let failed = format!(
+                                "; {} failed at run ({e}), legacy algorithm used since",
+                                graph.candidate.label
+                            );
+                            plan.graph_note.push_str(&failed);
+                            plan.graph = None;
+                        }
+                    }
+                }
             }
-            .map_err(|e| backend.err(op, "cudnnConvolutionForward", (key, algo, e)))
+            let algo = plan.algo;
+            // SAFETY: the plan's descriptors describe the caller's buffers; the workspace holds
+            // ws_len ≥ plan.workspace bytes, at least what the algorithm needs.
+            unsafe { legacy_forward(handle, &plan.desc, algo, (x, w, y), (ws_ptr, ws_len)) }
+                .map_err(|e| backend.err(op, "cudnnConvolutionForward", (key, algo, e)))
         })?
     })
 }
@@ -599,8 +872,11 @@ pub fn cudnn_version(ordinal: usize) -> Result<usize> {
     with_dnn(&backend, |d| Ok(d.version))
 }
 
-/// One line per convolution plan cuDNN holds on GPU `ordinal`: the shape, the algorithm and math type
-/// chosen, how (measured or ranked), its measured time, the workspace, and the search's own time.
+/// One line per convolution plan cuDNN holds on GPU `ordinal`: the shape; which path runs (`runs graph
+/// eng<global index>_k<knob>=<value>…` or `runs legacy`); the legacy algorithm and math type, how it
+/// was chosen (measured or ranked) and Find's time for it; what the graph search found (the best
+/// configuration's time against the legacy algorithm timed the same way, how many configurations were
+/// offered and planned, or why the graph API is not used); the workspace, and the search's own time.
 /// For benchmarks and logs.
 pub fn cudnn_conv_plans(ordinal: usize) -> Result<Vec<String>> {
     let backend = CudaBackend::get(ordinal)?;
@@ -609,9 +885,17 @@ pub fn cudnn_conv_plans(ordinal: usize) -> Result<Vec<String>> {
             .plans
             .iter()
             .map(|(k, p)| {
+                let runs = match &p.graph {
+                    Some(g) => format!("graph {}", g.candidate.label),
+                    None => "legacy".to_string(),
+                };
+                let unaligned = match p.unaligned_calls {
+                    0 => String::new(),
+                    n => format!(" ({n} calls ran legacy: buffers not 16-byte aligned)"),
+                };
                 format!(
-                    "{:?} {:?} B{} {}→{} in {:?} k {:?} s {:?} p {:?}: {:?} {:?} ({} {:.3} ms), \
-                     workspace {} MiB, search {:.0} ms",
+                    "{:?} {:?} B{} {}→{} in {:?} k {:?} s {:?} p {:?}: runs {runs}; legacy {:?} {:?} \
+                     ({} {:.3} ms); graph: {}{unaligned}; workspace {} MiB, search {:.0} ms",
                     k.dtype,
                     k.layout,
                     k.batch,
@@ -625,6 +909,7 @@ pub fn cudnn_conv_plans(ordinal: usize) -> Result<Vec<String>> {
                     p.math,
                     p.how,
                     p.measured_ms,
+                    p.graph_note,
                     p.workspace.div_ceil(1 << 20),
                     p.search_ms,
                 )
@@ -672,6 +957,46 @@ mod tests {
             ..k
         };
         assert!(!big.fits());
+    }
+
+    /// The graph API's tensors: x and y as the legacy descriptors say, and the filter's strides in the
+    /// key's layout ([C_out, kt, kh, kw, C_in] in memory for NDHWC, as `ndhwc_filter` writes it).
+    #[test]
+    fn graph_tensors_in_both_layouts() {
+        let (c_in, k) = (4, 3 * 3 * 3);
+        let [x, w, y] = key(DnnLayout::Ncdhw).graph_tensors();
+        assert_eq!(x.0, [1, 4, 5, 7, 9]);
+        assert_eq!(x.1, [4 * 5 * 7 * 9, 5 * 7 * 9, 7 * 9, 9, 1]);
+        assert_eq!(w.0, [6, 4, 3, 3, 3]);
+        assert_eq!(w.1, [c_in * k, k, 9, 3, 1]);
+        assert_eq!(y.0, [1, 6, 3, 4, 5]);
+        assert_eq!(y.1, [6 * 3 * 4 * 5, 3 * 4 * 5, 4 * 5, 5, 1]);
+        let [x, w, y] = key(DnnLayout::Ndhwc).graph_tensors();
+        assert_eq!(x.0, [1, 4, 5, 7, 9]);
+        assert_eq!(x.1, [5 * 7 * 9 * 4, 1, 7 * 9 * 4, 9 * 4, 4]);
+        assert_eq!(w.0, [6, 4, 3, 3, 3]);
+        assert_eq!(w.1, [k * c_in, 1, 9 * c_in, 3 * c_in, c_in]);
+        assert_eq!(y.0, [1, 6, 3, 4, 5]);
+        assert_eq!(y.1, [3 * 4 * 5 * 6, 1, 4 * 5 * 6, 5 * 6, 6]);
+        // The legacy descriptors' strides are the same numbers.
+        let k = key(DnnLayout::Ndhwc);
+        assert_eq!(k.tensor(4, k.input).1.map(i64::from), x.1);
+    }
+
+    #[test]
+    fn graph_replaces_legacy_only_when_clearly_faster() {
+        assert!(graph_wins(2.30, 2.65));
+        assert!(!graph_wins(2.64, 2.65)); // within the margin: the legacy algorithm stays
+        assert!(!graph_wins(2.70, 2.65));
+        assert!(graph_wins(2.70, f32::INFINITY)); // the legacy algorithm could not be timed
+        assert!(!graph_wins(f32::NAN, 2.65));
+    }
+
+    #[test]
+    fn median_of_runs() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0]), 4.0);
+        assert_eq!(median(&mut []), f32::INFINITY);
     }
 
     /// Descriptors build, and cuDNN's output size agrees with ours, in both layouts and dtypes. Needs

@@ -17,6 +17,7 @@ pub mod attention_kernel;
 pub mod conv_algo;
 mod copy;
 pub mod cudnn;
+mod cudnn_graph;
 pub(crate) mod gemm;
 pub mod nvrtc;
 mod storage;

@@ -623,7 +623,9 @@ fn graph_search(
         Ok(graph) => graph,
         Err(e) => return (None, format!("graph not built: {e}")),
     };
+    let planning = Instant::now();
     let mut offer = cudnn_graph::candidates(handle, &graph, GRAPH_CONFIGS, FIND_WORKSPACE_BYTES);
+    let planned_ms = planning.elapsed().as_secs_f64() * 1e3;
     if offer.candidates.is_empty() {
         return (None, format!("nothing to time: {offer}"));
     }
@@ -645,7 +647,7 @@ fn graph_search(
         }
     };
     let ws = scratch.device_ptr(&backend.stream).0;
-    let legacy_timed = time_ms(backend, || {
+    let legacy_timed = time_ms(backend, f32::INFINITY, || {
         // SAFETY: `legacy.desc` describes x, w, y (the buffers its plan is being built for); the
         // scratch holds at least the algorithm's workspace.
         unsafe {
@@ -659,19 +661,26 @@ fn graph_search(
         }
         .map_err(|e| format!("cudnnConvolutionForward: {e:?}"))
     });
-    let (mut timed, mut failures) = (Vec::new(), Vec::new());
-    for (i, candidate) in offer.candidates.iter().enumerate() {
-        match time_ms(backend, || run_candidate(handle, candidate, (x, w, y), ws)) {
-            Ok(ms) => timed.push((i, ms)),
-            Err(e) => failures.push(format!("{}: {e}", candidate.label)),
-        }
-    }
     // The legacy time to beat: timed here like the candidates; Find's own measurement if that failed.
     let (legacy_ms, legacy_source) = match (&legacy_timed, legacy.how) {
         (Ok(ms), _) => (*ms, "timed"),
         (Err(_), "find") => (legacy.measured_ms, "find"),
         (Err(_), _) => (f32::INFINITY, "not timed"),
     };
+    let (mut timed, mut failures) = (Vec::new(), Vec::new());
+    let mut fastest = legacy_ms;
+    for (i, candidate) in offer.candidates.iter().enumerate() {
+        // A warm-up twice as slow as the fastest so far is not timed further.
+        match time_ms(backend, 2.0 * fastest, || {
+            run_candidate(handle, candidate, (x, w, y), ws)
+        }) {
+            Ok(ms) => {
+                fastest = fastest.min(ms);
+                timed.push((i, ms));
+            }
+            Err(e) => failures.push(format!("{}: {e}", candidate.label)),
+        }
+    }
     let best = timed.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1));
     let mut note = match best {
         Some((i, ms)) => format!(
@@ -690,7 +699,7 @@ fn graph_search(
             failures.len()
         ));
     }
-    note.push_str(&format!("; {offer}"));
+    note.push_str(&format!("; {offer}, planned in {planned_ms:.0} ms"));
     drop(scratch);
     match best {
         Some((i, ms)) if graph_wins(ms, legacy_ms) => {
@@ -719,16 +728,18 @@ fn graph_wins(graph_ms: f32, legacy_ms: f32) -> bool {
     graph_ms < legacy_ms * (1.0 - GRAPH_MARGIN)
 }
 
-/// The median of `TIMED_RUNS` runs of `run` in milliseconds, after one untimed warm-up run: CUDA events
-/// recorded on the backend's stream around each run (each read synchronises the stream).
+/// The median of `TIMED_RUNS` runs of `run` in milliseconds, after one warm-up run: CUDA events
+/// recorded on the backend's stream around each run (each read synchronises the stream). A warm-up
+/// slower than `give_up_ms` is returned as the time without further runs: that candidate cannot win,
+/// and some configurations run tens of times slower than the best at the VAE's full-size shapes, so
+/// timing them in full made the first decode's search take ~40 s (2026-11-30, H200, 480p).
 fn time_ms(
     backend: &CudaBackend,
+    give_up_ms: f32,
     mut run: impl FnMut() -> std::result::Result<(), String>,
 ) -> std::result::Result<f32, String> {
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    run()?;
-    let mut times = Vec::with_capacity(TIMED_RUNS);
-    for _ in 0..TIMED_RUNS {
+    let mut timed = || -> std::result::Result<f32, String> {
         let start = backend
             .stream
             .record_event(flags)
@@ -738,10 +749,17 @@ fn time_ms(
             .stream
             .record_event(flags)
             .map_err(|e| format!("cuEventRecord: {e:?}"))?;
-        let ms = start
+        start
             .elapsed_ms(&end)
-            .map_err(|e| format!("cuEventElapsedTime: {e:?}"))?;
-        times.push(ms);
+            .map_err(|e| format!("cuEventElapsedTime: {e:?}"))
+    };
+    let warm_up = timed()?;
+    if warm_up > give_up_ms {
+        return Ok(warm_up);
+    }
+    let mut times = Vec::with_capacity(TIMED_RUNS);
+    for _ in 0..TIMED_RUNS {
+        times.push(timed()?);
     }
     Ok(median(&mut times))
 }

@@ -28,7 +28,8 @@ while [ $# -ge 2 ]; do
   shift 2
   log="$LOGS/ncu_${kernel}_${shape//,/x}.txt"
   # --hopper-only runs Auto then every Hopper variant; the filter keeps the first launch of $kernel.
-  timeout 300 "$NCU" --kernel-name "$kernel" --launch-count 1 \
+  # --clock-control none: ncu would otherwise lock the clocks to base (GPU.md: never change clocks).
+  timeout 300 "$NCU" --clock-control none --kernel-name "$kernel" --launch-count 1 \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
     --print-details all \

@@ -45,6 +45,10 @@
 //! one steady-state 1-GPU chunk by type (kernels, memsets, allocations…; a stream capture into a CUDA
 //! graph that never runs, so it runs last and the process exits after it).
 //!
+//! `--profiler-chunk N` decodes once more on 1 GPU with latent frame N alone between
+//! `cuProfilerStart` and `cuProfilerStop`: `scripts/gpu-vae-ncu.sh` runs it under Nsight Compute
+//! (capture off until then) for the time of every kernel of one chunk, cuDNN's included.
+//!
 //! Warm-up (`--warmup N`): N decodes of the first min(3, T) latent frames of a fresh stream: chunks 0,
 //! 1 and 2 hit every distinct shape (cache of 0, 1, 2 frames; time_conv skipped, zero-padded, cached),
 //! so they compile every kernel, plan every GEMM and grow the memory pool to the per-chunk peak; later

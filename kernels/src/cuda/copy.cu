@@ -29,9 +29,8 @@ __device__ void copy_rows(const W* src, W* dst, i64 rows, i64 width, const Layou
         offsets(outer, r, &so, &d, &unused);
         const W* s = src + so;
         W* t = dst + d;
-        for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < width; k += (i64)gridDim.x * blockDim.x) {
-            t[k] = s[k];
-        }
+        const i64 step = (i64)gridDim.x * blockDim.x;
+        for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < width; k += step) t[k] = s[k];
     }
 }
 

@@ -172,8 +172,8 @@ FOR_TYPES2(SCATTER)
 // time on both sides. Shared memory holds a tile as TE rows of 8 chunks, chunk j of row r at
 // j ^ (r / V % 8) (an XOR swizzle), so the chunk stores of the load phase (8 chunks of one row) and the
 // element gathers of the store phase (one element from each of 8 rows r = q·V + e, q = 0..7, for 4
-// columns) are both free of bank conflicts. Tiles are raw bits (an unsigned type of the element's size): the join is a bit copy,
-// and the way back converts to f32 only to add the bias.
+// columns) are both free of bank conflicts. Tiles are raw bits (an unsigned type of the element's
+// size): the join is a bit copy, and the way back converts to f32 only to add the bias.
 
 constexpr int TR_THREADS = 256;
 
@@ -309,7 +309,8 @@ __device__ void conv_to_ndhwc(const U* x, const U* cache, U* out, i64 batch, i64
                 i64 row = k / (2 * src_w), col = k % (2 * src_w);  // of pixel k, then stepped
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
-                    w.elem[j] = (frame != nullptr && k + j < plane) ? frame[(row / 2) * src_w + col / 2] : U(0);
+                    const bool in = frame != nullptr && k + j < plane;
+                    w.elem[j] = in ? frame[(row / 2) * src_w + col / 2] : U(0);
                     if (++col == 2 * src_w) col = 0, ++row;
                 }
                 return w;

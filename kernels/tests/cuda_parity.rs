@@ -322,7 +322,9 @@ fn norms_match_cpu() -> Result<()> {
         }
         // The VAE's channel-first norm: x [B, C, T, H, W], gamma [C, 1, 1, 1]. Positions not a
         // multiple of 16 bytes (element-wise tiles), a multiple with a ragged last tile (16-byte
-        // words), and 640 channels (more shared memory than a block gets without opting in).
+        // words), and 640 channels (more shared memory than a block gets without opting in). The
+        // bound is 1e-4 at 96 channels, as before, and grows as √C: the f32 sum of C squares takes
+        // C roundings, whose error grows as √C.
         for xs in [[2, 96, 2, 5, 7], [2, 96, 2, 6, 12], [1, 640, 1, 4, 8]] {
             let c = xs[1];
             let x = randn(&xs, dtype, 23);

@@ -8,7 +8,9 @@
 #      f32 and bf16, both split dims, even and uneven bands), DITSTREAM_REQUIRE_GPUS=2;
 #   3. ours: the Wan 2.1 VAE (random weights, bf16) decoding 480p 81 frames (latent 16×21×60×104)
 #      one latent frame per chunk, on 1 GPU (with the per-op profile and the attention kernels alone)
-#      and on 2 GPUs (height split), then 720p 81 frames (latent 16×21×90×160) on 1 GPU;
+#      and on 2 GPUs (height split; latent frame 0 alone, then 1 and then 20 latent frames per
+#      decode_chunk call: a wait for the communicator per call), then 720p 81 frames (latent
+#      16×21×90×160) on 1 GPU;
 #   4. diffusers' AutoencoderKLWan.decode at the same shapes (bench/vae_decode_torch.py; the carried
 #      wheel is unpacked to /tmp and put on PYTHONPATH);
 #   5. with --extra: 480p in f32 (ours and diffusers) and ours with the memory pool's default release
@@ -98,7 +100,7 @@ theirs() { # $1: log name, then vae_decode_torch.py's arguments
 
 if [ "$pvae" -eq 1 ]; then
   ours 480p_bf16 --height 480 --width 832 --frames 81 --dtype bf16 --gpus 2 --split height \
-    --warmup 1 --iters 2 --profile --launches
+    --warmup 1 --iters 2 --profile --launches --chunk-frames 1,20
   step "summary (--pvae)"
   echo "parallel VAE, 2 GPUs vs 1 (max |diff|, RMS(diff)/RMS(want), bound):"
   grep -ho 'VAE_NCCL.*' "$LOGS/parallel_vae_nccl.log" | awk -F'\t' \
@@ -128,15 +130,15 @@ if [ "$pvae" -eq 1 ]; then
         $2, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16 }'
   echo
   grep -hE '^(RESULT|SPEEDUP)' "$log" | awk -F'\t' '
-    $1 == "RESULT" { printf "  ours %s, %s GPU(s): %s ms (first frame %s ms, later chunks median %s ms)\n", $3, $4, $5, $6, $7 }
-    $1 == "SPEEDUP" { printf "  2-GPU speedup %sx (target >= 1.8x)\n", $5 }'
+    $1 == "RESULT" { printf "  ours %s, %s GPU(s)%s: %s ms (first frame %s ms, later calls median %s ms)\n", $3, $4, ($10 != "" ? ", then " $10 " latent frames per call" : ""), $5, $6, $7 }
+    $1 == "SPEEDUP" { printf "  2-GPU speedup %sx, latent frame 0 alone, then %s per call (target >= 1.8x)\n", $5, $6 }'
   echo
   [ "$status" -eq 0 ] && echo "gpu-vae-bench --pvae: all steps passed" || echo "gpu-vae-bench --pvae: SOME STEPS FAILED"
   exit "$status"
 fi
 
 ours 480p_bf16 --height 480 --width 832 --frames 81 --dtype bf16 --gpus 2 --split height \
-  --warmup 1 --iters 2 --profile --attention
+  --warmup 1 --iters 2 --profile --attention --chunk-frames 1,20
 theirs 480p_bf16 --height 480 --width 832 --frames 81 --dtype bf16 --warmup 1 --iters 2
 ours 720p_bf16 --height 720 --width 1280 --frames 81 --dtype bf16 --gpus 1 --warmup 1 --iters 1
 theirs 720p_bf16 --height 720 --width 1280 --frames 81 --dtype bf16 --warmup 1 --iters 1

@@ -957,16 +957,19 @@ fn convolutions_match_cpu() -> Result<()> {
                 rtol(dtype),
             );
         }
-        // Resampling moves stored values: exact.
-        let x = randn(&[2, 3, 2, 5, 7], dtype, 140);
-        let g = x.to_device(dev)?;
-        check(
-            "upsample_nearest2x",
-            &k::upsample_nearest2x(&g)?,
-            &k::upsample_nearest2x(&x)?,
-            0.0,
-            0.0,
-        );
+        // Resampling moves stored values: exact. A width of 7 upsamples element by element, 8
+        // (whole 8-byte words in both dtypes) word by word.
+        for (seed, w) in [(140, 7), (142, 8)] {
+            let x = randn(&[2, 3, 2, 5, w], dtype, seed);
+            let g = x.to_device(dev)?;
+            check(
+                "upsample_nearest2x",
+                &k::upsample_nearest2x(&g)?,
+                &k::upsample_nearest2x(&x)?,
+                0.0,
+                0.0,
+            );
+        }
         let x = randn(&[2, 6, 3, 4, 5], dtype, 141);
         check(
             "channels_to_frames",
@@ -1226,7 +1229,8 @@ fn causal_conv3d_upsampled_matches_unfused_and_cpu() -> Result<()> {
 /// `conv3d_cached` with a halo (the parallel VAE's band between its neighbours' rows, read in place by
 /// the channels-last transpose, `conv_to_ndhwc_halo`, and joined by concatenation on the other paths)
 /// is bit-identical on the GPU to `conv3d_cached` on the explicitly joined input, on every path: rows
-/// and columns, with and without cached frames, with and without a residual, odd and even channel
+/// (with and without whole chunks per row) and columns, with and without cached frames, with and
+/// without a residual, with a missing edge (zeros: the odd channel counts), odd and even channel
 /// counts (both transpose word sizes), f32 and bf16. The joined conv's agreement with the CPU is
 /// `convolutions_match_cpu`'s.
 #[test]
@@ -1234,13 +1238,17 @@ fn conv3d_cached_halo_matches_joined() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     use ditstream_kernels as k;
     for dtype in [DType::F32, DType::BF16] {
-        for (axis, c_in, cached, residual) in [
-            (3, 16, 2, true),
-            (3, 5, 0, false),
-            (4, 16, 1, false),
-            (4, 7, 2, true),
+        // Widths of 16 and 24 hold whole 16-byte chunks of a row (8 bf16, 4 f32): the height
+        // split's word loads; a width of 10 loads element by element.
+        for (axis, c_in, cached, residual, hw) in [
+            (3, 16, 2, true, [6, 10]),
+            (3, 5, 0, false, [6, 10]),
+            (3, 16, 2, true, [6, 16]),
+            (3, 5, 1, false, [5, 24]),
+            (4, 16, 1, false, [6, 10]),
+            (4, 7, 2, true, [6, 10]),
         ] {
-            let (frames, hw) = (2, [6, 10]);
+            let frames = 2;
             let x = randn(&[1, c_in, frames, hw[0], hw[1]], dtype, 140).to_device(dev)?;
             let w = randn(&[8, c_in, 3, 3, 3], dtype, 141).to_device(dev)?;
             let b = randn(&[8], dtype, 142).to_device(dev)?;
@@ -1251,10 +1259,16 @@ fn conv3d_cached_halo_matches_joined() -> Result<()> {
             edge[axis] = 1;
             let before = randn(&edge, dtype, 144).to_device(dev)?;
             let after = randn(&edge, dtype, 145).to_device(dev)?;
+            // Odd channel counts stand for a border rank: no edge before (zeros).
             let halo = k::Halo {
                 axis,
-                before: &before,
-                after: &after,
+                extent: 1,
+                before: (c_in % 2 == 0).then_some(&before),
+                after: Some(&after),
+            };
+            let before = match halo.before {
+                Some(_) => before.clone(),
+                None => k::Tensor::zeros(&edge, dtype, dev)?,
             };
             // Causal in T, kw/2 on the other spatial axis, none along the halo's.
             let mut pads = ([2 - cached, 1, 1], [0, 1, 1]);
@@ -1299,13 +1313,48 @@ fn conv3d_cached_halo_matches_joined() -> Result<()> {
                 assert_eq!(haloed.shape(), out_shape.as_slice(), "{label}");
                 let differing = differing_bits(&haloed, &joined)?;
                 println!(
-                    "PARITY\tconv3d_cached halo {label} vs joined gpu\t{}\taxis {axis} c_in {c_in} cached {cached}\t{differing} differing\texact",
+                    "PARITY\tconv3d_cached halo {label} vs joined gpu\t{}\taxis {axis} c_in {c_in} cached {cached} {hw:?}\t{differing} differing\texact",
                     name(dtype),
                 );
                 assert_eq!(
                     differing, 0,
                     "{label} {dtype:?} axis {axis} c_in {c_in}: haloed differs"
                 );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `halo_edges` (both edges of cache ++ x from one kernel) is bit-identical on the GPU to the CPU's
+/// narrows and join: rows and columns, extents 1 and 2, with and without cached frames, widths that
+/// take 16-byte words (16) and ones that take elements (10, 7 columns), f32 and bf16.
+#[test]
+fn halo_edges_match_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    for dtype in [DType::F32, DType::BF16] {
+        for (axis, extent, cached, hw) in [
+            (3, 1, 2, [6, 16]),
+            (3, 2, 0, [5, 10]),
+            (3, 1, 1, [4, 7]),
+            (4, 1, 2, [6, 16]),
+            (4, 2, 1, [5, 10]),
+        ] {
+            let x = randn(&[2, 3, 2, hw[0], hw[1]], dtype, 150);
+            let cache = (cached > 0).then(|| randn(&[2, 3, cached, hw[0], hw[1]], dtype, 151));
+            let (want_first, want_last) = k::halo_edges(cache.as_ref(), &x, axis, extent)?;
+            let gpu_cache = cache.map(|c| c.to_device(dev)).transpose()?;
+            let (first, last) =
+                k::halo_edges(gpu_cache.as_ref(), &x.to_device(dev)?, axis, extent)?;
+            for (got, want, side) in [(&first, &want_first, "first"), (&last, &want_last, "last")] {
+                assert_eq!(got.shape(), want.shape(), "{side}");
+                let differing = differing_bits(&got.to_device(Device::Cpu)?, want)?;
+                println!(
+                    "PARITY\thalo_edges {side} gpu vs cpu\t{}\taxis {axis} e {extent} cached {cached} {hw:?}\t{differing} differing\texact",
+                    name(dtype),
+                );
+                assert_eq!(differing, 0, "{dtype:?} axis {axis} {side}: edges differ");
             }
         }
     }

@@ -21,6 +21,11 @@
 //! `--gpus 2` also decodes on two GPUs over NCCL (one thread per GPU, one process; the latent split
 //! along `--split`, halos and keys/values device to device, every chunk's frames gathered to rank 0,
 //! which is what the timing ends on) and reports the speedup over the 1-GPU run of the same process.
+//! The 2-GPU decode hands latent frame 0 to `decode_chunk` alone (the first frame out early), then
+//! `--chunk-frames` latent frames per call (a list: one timed decode per entry, the last is the
+//! headline): each call waits for the communicator once at its end, so 1 drains both GPUs after every
+//! latent frame and 20 queues the remaining passes back to back, as the 1-GPU decode always does (it
+//! never waits).
 //! `--profile` decodes once more with CUDA events around every convolution and the frame attention
 //! (through the decoder's `SpatialOps` seam, no model change): time per conv shape with its
 //! TFLOP/s (labels "+up2" / "+res": the upsamplers' conv reading the ×2 upsampling in place, the
@@ -117,6 +122,11 @@ struct Args {
     /// Seed of the random weights (the latent uses seed + 1).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Latent frames per `decode_chunk` call of the 2-GPU decode after the first (latent frame 0
+    /// alone, for the first frame), comma-separated for several timed decodes: 1 waits for the
+    /// communicator after every latent frame; more queue that many passes back to back.
+    #[arg(long, default_value = "1", value_delimiter = ',')]
+    chunk_frames: Vec<usize>,
     /// Count the GPU work items of one 1-GPU chunk (a CUDA graph capture; runs last, then exits).
     #[arg(long)]
     launches: bool,
@@ -413,6 +423,19 @@ fn decode_timed(
     let queued: Vec<_> = queued.into_iter().zip(&ends).collect();
     let breakdown = Breakdown::new(&clock::take(), (t0, &start), &queued, end, frames)?;
     Run::from_events(&start, &ends, wall_ms, breakdown)
+}
+
+/// The `decode_chunk` calls of a decode of `frames` latent frames, as (first frame, frames): latent
+/// frame 0 alone (the first video frame out as early as possible), then `per_call` at a time.
+fn chunk_starts(frames: usize, per_call: usize) -> Vec<(usize, usize)> {
+    let mut calls = vec![(0, frames.min(1))];
+    let mut t = 1;
+    while t < frames {
+        let len = per_call.max(1).min(frames - t);
+        calls.push((t, len));
+        t += len;
+    }
+    calls
 }
 
 /// One decode with latent frame `chunk` alone inside the CUDA profiler's capture range (the GPU drained
@@ -921,7 +944,8 @@ fn attention_alone(tokens: usize, dtype: DType) -> Result<()> {
 
 /// One rank's 2-GPU result.
 struct RankRun {
-    summary: Summary,
+    /// Per `--chunk-frames` entry, in order.
+    summaries: Vec<Summary>,
     peaks: (f64, f64),
     /// `--profile`: the evented decode's total (ms) and its per-label rows (label, calls, ms, FLOPs).
     profile: Option<(f64, OpRows)>,
@@ -977,53 +1001,62 @@ fn two_gpus(
         // One decode of the first `n` latent frames. The ranks start together (the kernels' stream
         // drained, then a barrier); rank 0's events and wall clock end with its last gather.
         // `evented`: CUDA events at the edges of the sharded ops (the per-rank profile).
-        let decode =
-            |comm: NcclComm, n: usize, evented: bool| -> Result<(NcclComm, Run, clock::Thread)> {
-                synchronize(rank)?;
-                comm.barrier()?;
-                let mut vae = ParallelVaeDecoder::new(decoder.clone(), comm, split);
-                let mut stream = vae.new_stream(h, w)?;
-                clock::start(rank, evented);
-                let t0 = Instant::now();
-                let start = event(rank)?;
-                let mut ends = Vec::with_capacity(n);
-                for t in 0..n {
-                    let band = stream.band_of(&latent.narrow(2, t, 1)?)?;
-                    let frames = vae.decode_chunk(&mut stream, &band)?;
-                    drop(vae.gather_frames(&stream, &frames)?);
-                    ends.push(event(rank)?);
-                }
-                let end = Instant::now();
-                synchronize(rank)?;
-                let wall_ms = t0.elapsed().as_secs_f64() * 1e3;
-                let records = clock::take();
-                // Where the host finished queueing each chunk: the `parallel_vae_sync` span's entry.
-                let queued: Vec<_> = records.marks.iter().map(|(at, e)| (*at, e)).collect();
-                let breakdown = Breakdown::new(&records, (t0, &start), &queued, end, n)?;
-                let comm = vae
-                    .into_communicator()
-                    .context("the decoder failed earlier")?;
-                comm.barrier()?; // no rank leaves while the other still gathers
-                Ok((
-                    comm,
-                    Run::from_events(&start, &ends, wall_ms, breakdown)?,
-                    records,
-                ))
-            };
+        let decode = |comm: NcclComm,
+                      n: usize,
+                      per_call: usize,
+                      evented: bool|
+         -> Result<(NcclComm, Run, clock::Thread)> {
+            synchronize(rank)?;
+            comm.barrier()?;
+            let mut vae = ParallelVaeDecoder::new(decoder.clone(), comm, split);
+            let mut stream = vae.new_stream(h, w)?;
+            clock::start(rank, evented);
+            let t0 = Instant::now();
+            let start = event(rank)?;
+            let calls = chunk_starts(n, per_call);
+            let mut ends = Vec::with_capacity(calls.len());
+            for &(t, len) in &calls {
+                let band = stream.band_of(&latent.narrow(2, t, len)?)?;
+                let frames = vae.decode_chunk(&mut stream, &band)?;
+                drop(vae.gather_frames(&stream, &frames)?);
+                ends.push(event(rank)?);
+            }
+            let end = Instant::now();
+            synchronize(rank)?;
+            let wall_ms = t0.elapsed().as_secs_f64() * 1e3;
+            let records = clock::take();
+            // Where the host finished queueing each chunk: the `parallel_vae_sync` span's entry.
+            let queued: Vec<_> = records.marks.iter().map(|(at, e)| (*at, e)).collect();
+            let breakdown = Breakdown::new(&records, (t0, &start), &queued, end, calls.len())?;
+            let comm = vae
+                .into_communicator()
+                .context("the decoder failed earlier")?;
+            comm.barrier()?; // no rank leaves while the other still gathers
+            Ok((
+                comm,
+                Run::from_events(&start, &ends, wall_ms, breakdown)?,
+                records,
+            ))
+        };
         let mut comm = comm;
         for _ in 0..args.warmup {
-            comm = decode(comm, frames.min(3), false)?.0;
+            comm = decode(comm, frames.min(3), 1, false)?.0;
         }
         pool.reset_peaks()?;
-        let mut runs = Vec::new();
-        for _ in 0..args.iters.max(1) {
-            let (back, run, _) = decode(comm, frames, false)?;
-            comm = back;
-            runs.push(run);
+        let mut summaries = Vec::new();
+        for &per_call in &args.chunk_frames {
+            let mut runs = Vec::new();
+            for _ in 0..args.iters.max(1) {
+                let (back, run, _) = decode(comm, frames, per_call, false)?;
+                comm = back;
+                runs.push(run);
+            }
+            summaries.push(summarise(&runs)?);
         }
         let peaks = pool.peaks_gib()?;
         let profile = if args.profile {
-            let (back, run, records) = decode(comm, frames, true)?;
+            let per_call = args.chunk_frames.last().copied().unwrap_or(1);
+            let (back, run, records) = decode(comm, frames, per_call, true)?;
             comm = back;
             Some((run.total_ms, evented_table(&records)?))
         } else {
@@ -1031,7 +1064,7 @@ fn two_gpus(
         };
         drop(comm);
         Ok(RankRun {
-            summary: summarise(&runs)?,
+            summaries,
             peaks,
             profile,
         })
@@ -1106,36 +1139,40 @@ fn main() -> Result<()> {
 
     if args.gpus == 2 {
         let ranks = two_gpus(&args, dtype, split, &latent_shape)?;
-        let r0 = &ranks[0];
-        let speedup = one.total_ms / r0.summary.total_ms;
-        for (r, rank) in ranks.iter().enumerate() {
+        // One block per --chunk-frames entry; the last is the headline (the script's summary keeps
+        // the last RESULT and SPEEDUP line of a configuration).
+        for (i, per_call) in args.chunk_frames.iter().enumerate() {
+            let r0 = &ranks[0].summaries[i];
+            for (r, rank) in ranks.iter().enumerate() {
+                let run = &rank.summaries[i];
+                println!(
+                    "2 GPUs ({split:?} split, latent frame 0 alone, then {per_call} per call), rank {r}: \
+                     total {:.1} ms (wall {:.1} ms), first frame {:.1} ms, later calls median {:.1} ms \
+                     (max {:.1}), peak {:.2} GiB used / {:.2} GiB reserved",
+                    run.total_ms,
+                    run.wall_ms,
+                    run.first_ms,
+                    run.later_median_ms,
+                    run.later_max_ms,
+                    rank.peaks.0,
+                    rank.peaks.1
+                );
+            }
             println!(
-                "2 GPUs ({:?} split), rank {r}: total {:.1} ms (wall {:.1} ms), first frame {:.1} ms, \
-                 later chunks median {:.1} ms (max {:.1}), peak {:.2} GiB used / {:.2} GiB reserved",
-                split,
-                rank.summary.total_ms,
-                rank.summary.wall_ms,
-                rank.summary.first_ms,
-                rank.summary.later_median_ms,
-                rank.summary.later_max_ms,
-                rank.peaks.0,
-                rank.peaks.1
+                "RESULT\tours\t{label}\t2\t{:.1}\t{:.1}\t{:.1}\t{:.2}\t{:.2}\t{per_call}",
+                r0.total_ms, r0.first_ms, r0.later_median_ms, ranks[0].peaks.0, ranks[0].peaks.1
             );
-        }
-        println!(
-            "RESULT\tours\t{label}\t2\t{:.1}\t{:.1}\t{:.1}\t{:.2}\t{:.2}",
-            r0.summary.total_ms,
-            r0.summary.first_ms,
-            r0.summary.later_median_ms,
-            r0.peaks.0,
-            r0.peaks.1
-        );
-        println!(
-            "SPEEDUP\t{label}\t{:.1}\t{:.1}\t{speedup:.2}",
-            one.total_ms, r0.summary.total_ms
-        );
-        for (r, rank) in ranks.iter().enumerate() {
-            rank.summary.breakdown.print(&format!("2gpu-rank{r}"));
+            println!(
+                "SPEEDUP\t{label}\t{:.1}\t{:.1}\t{:.2}\t{per_call}",
+                one.total_ms,
+                r0.total_ms,
+                one.total_ms / r0.total_ms
+            );
+            for (r, rank) in ranks.iter().enumerate() {
+                rank.summaries[i]
+                    .breakdown
+                    .print(&format!("2gpu-rank{r}-x{per_call}"));
+            }
         }
         for (r, rank) in ranks.iter().enumerate() {
             let Some((total, rows)) = &rank.profile else {

@@ -605,8 +605,8 @@ impl NcclComm {
     }
 
     /// Posts grouped point-to-point transfers, every `(send, to)` and every `(recv, from)` in one NCCL
-    /// group, on [`Self::stream`] and returns **without waiting**: the stream-ordered exchange of
-    /// [`TensorWire::exchange`](super::wire::TensorWire::exchange). It is the one operation that
+    /// group, on [`Self::stream`] and returns **without waiting**: the stream-ordered transfers of
+    /// [`TensorWire::transfer`](super::wire::TensorWire::transfer). It is the one operation that
     /// breaks the "returns when complete" contract, on purpose, so the caller takes over what the
     /// other operations do: it orders [`Self::stream`] after the buffers' producers, orders their
     /// consumers after an event recorded on [`Self::stream`] after this call, keeps every buffer alive

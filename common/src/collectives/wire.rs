@@ -1,6 +1,7 @@
 //! Tensors through a communicator: the one place that turns a kernels [`Tensor`] into a backend's
-//! buffers and back ([`TensorWire`]), and the tensor-level operations built on it ([`all_gather`],
-//! [`all_gather_v`], [`all_to_all`], [`send_recv`], [`send`], [`recv`]). The denoiser's parallel
+//! buffers and back ([`TensorWire`], with its point-to-point [`TensorWire::transfer`]), and the
+//! tensor-level operations built on it ([`all_gather`], [`all_gather_v`], [`all_to_all`],
+//! [`send_recv`], [`send`], [`recv`]). The denoiser's parallel
 //! attention and CFG loop, the parallel VAE's halos and gathers, and the NCCL latent link all move
 //! tensors through here. A tensor travels in its own dtype: bf16 halves the traffic and adds no
 //! rounding a bf16 model would not do anyway (the denoiser moves its LSE as f32 tensors).
@@ -32,19 +33,20 @@
 //!   stream when its last clone goes, which is after the collective has completed on the host's
 //!   clock, so the pool never hands the memory to a kernel while NCCL still uses it.
 //!
-//! Stream-ordered exchange ([`TensorWire::exchange`] with `ordered`, NCCL only). The one transfer
-//! that does not wait on the host: the parallel VAE swaps a halo before every 3×3 convolution (~30
-//! per chunk), and a host wait there drains the GPU each time and stops the host from queueing the
-//! kernels after it. Instead the communicator's stream waits on an event of the kernels' stream
-//! (as above), the grouped send/recv is queued (`NcclComm::post_p2p`), and the kernels' stream
-//! waits on an event recorded on the communicator's stream after it: every kernel queued afterwards
-//! reads complete halos, and the frees of the staged and received tensors (on the kernels' stream,
-//! queued after that wait) come after the transfers too. What the host gives up: it learns of a
-//! failure or a vanished peer only at the communicator's next waiting operation
-//! (`synchronize`, any collective), whose timeout aborts the communicator and so ends the
-//! stuck transfer (and the kernels' stream's wait). A caller must therefore reach such an operation
-//! before it waits on the kernels' stream itself (a host read, a cuDNN algorithm search): a host
-//! wait on the kernels' stream behind a transfer whose peer is gone has no timeout.
+//! Stream-ordered transfers ([`TensorWire::transfer`] with `ordered`, NCCL only). The transfers
+//! that do not wait on the host: the parallel VAE swaps a halo before every 3×3 convolution (~30
+//! per latent frame) and gathers the frame attention's keys and values once, and a host wait there
+//! drains the GPU each time and stops the host from queueing the kernels after it. Instead the
+//! communicator's stream waits on an event of the kernels' stream (as above), the grouped
+//! send/recv is queued (`NcclComm::post_p2p`), and the kernels' stream waits on an event recorded
+//! on the communicator's stream after it: every kernel queued afterwards reads complete data, and
+//! the frees of the sent and received tensors (on the kernels' stream, queued after that wait)
+//! come after the transfers too. What the host gives up: it learns of a failure or a vanished peer
+//! only at the communicator's next waiting operation (`synchronize`, any collective), whose
+//! timeout aborts the communicator and so ends the stuck transfer (and the kernels' stream's
+//! wait). A caller must therefore reach such an operation before it waits on the kernels' stream
+//! itself (a host read, a cuDNN algorithm search): a host wait on the kernels' stream behind a
+//! transfer whose peer is gone has no timeout.
 //!
 //! Failures are [`WireError`]s; the model crates fold them into their own errors (a collective
 //! failure stays a collective failure there), so their call sites use `?`.
@@ -79,6 +81,15 @@ pub enum WireError {
         expected: TensorDType,
         /// Its dtype.
         got: TensorDType,
+    },
+    /// A transfer step named a peer twice on one side (a bug in the caller).
+    #[error(
+        "group rank {peer} appears twice among one step's sends or receives: a transfer step has \
+         at most one send to and one receive from each peer"
+    )]
+    RepeatedPeer {
+        /// The repeated peer.
+        peer: usize,
     },
     /// A tensor (or a result's destination) lives on a GPU other than the communicator's.
     #[error(
@@ -145,31 +156,101 @@ pub trait TensorWire: Communicator + Sized {
         device: Device,
     ) -> Result<Tensor>;
 
-    /// Swaps tensors with several peers in one step: `swaps[i] = (peer, t)` sends `t` to group rank
-    /// `peer` and receives a tensor of t's shape and dtype, on t's device, from it; the received
-    /// tensors come back in the order of `swaps`. Each peer makes the matching call (its entry for
-    /// this rank has the same shape). The parallel VAE's halo exchange.
+    /// Point-to-point transfers with several peers in one step: `sends[i] = (peer, t)` sends `t` to
+    /// group rank `peer`, `recvs[j] = (peer, shape)` receives a tensor of `shape` from `peer`, in
+    /// `dtype` on `device`; the received tensors come back in the order of `recvs`. At most one send
+    /// to and one receive from each peer; each peer makes the matching call (its send to this rank
+    /// has the shape this rank receives). The parallel VAE's halo swaps, its key/value gather for
+    /// the frame attention (uneven bands: the shapes differ per peer), and its frames' gather.
     ///
-    /// The default, and every call with `ordered` false: one waited [`send_recv`] per entry, in the
-    /// given order (a backend whose `send_recv` blocks on its peer needs a deadlock-free order from
-    /// the caller), complete on return. The NCCL backend with `ordered` true and device tensors
-    /// instead *queues* the exchange (module docs, "stream-ordered exchange") and returns at once:
-    /// the received tensors are complete for every op queued afterwards on the kernels' stream,
-    /// and the host learns about a failure or a timeout only at the communicator's next waiting
-    /// operation ([`Communicator::synchronize`], a collective),
-    /// which the caller must reach before reading results on the host.
-    fn exchange(&self, swaps: &[(usize, &Tensor)], ordered: bool) -> Result<Vec<Tensor>> {
+    /// The default, and every call with `ordered` false: one waited [`send_recv`] per peer (the
+    /// send to it, or nothing, and the receive from it, or nothing), peers in the order they first
+    /// appear in `sends`, then `recvs` (a backend whose `send_recv` blocks on its peer needs a
+    /// deadlock-free order from the caller), complete on return. The NCCL backend with `ordered`
+    /// true and non-empty device tensors instead *queues* the transfers (module docs,
+    /// "stream-ordered transfers") and returns at once: the received tensors are complete for
+    /// every op queued afterwards on the kernels' stream, and the host learns about a failure or a
+    /// timeout only at the communicator's next waiting operation ([`Communicator::synchronize`], a
+    /// collective), which the caller must reach before reading results on the host.
+    fn transfer(
+        &self,
+        sends: &[(usize, &Tensor)],
+        recvs: &[(usize, &[usize])],
+        dtype: TensorDType,
+        device: Device,
+        ordered: bool,
+    ) -> Result<Vec<Tensor>> {
         let _ = ordered; // no stream ordering here: every transfer completes before the next
-        exchange_waited(self, swaps)
+        transfer_waited(self, sends, recvs, dtype, device)
     }
 }
 
-/// [`TensorWire::exchange`], each entry a waited [`send_recv`] in the given order.
-fn exchange_waited<C: TensorWire>(comm: &C, swaps: &[(usize, &Tensor)]) -> Result<Vec<Tensor>> {
-    swaps
-        .iter()
-        .map(|&(peer, t)| send_recv(comm, t, peer, t.shape(), peer))
-        .collect()
+/// [`TensorWire::transfer`], one waited [`send_recv`] per peer, in the order of first appearance.
+fn transfer_waited<C: TensorWire>(
+    comm: &C,
+    sends: &[(usize, &Tensor)],
+    recvs: &[(usize, &[usize])],
+    dtype: TensorDType,
+    device: Device,
+) -> Result<Vec<Tensor>> {
+    check_peers(sends.iter().map(|s| s.0), recvs.iter().map(|r| r.0))?;
+    let mut peers: Vec<usize> = Vec::new();
+    for peer in sends.iter().map(|s| s.0).chain(recvs.iter().map(|r| r.0)) {
+        if !peers.contains(&peer) {
+            peers.push(peer);
+        }
+    }
+    let mut received: Vec<Option<Tensor>> = vec![None; recvs.len()];
+    for peer in peers {
+        let send = sends.iter().find(|s| s.0 == peer).map(|s| s.1);
+        let recv = recvs.iter().position(|r| r.0 == peer);
+        let shape = recv.map(|j| recvs[j].1);
+        let got = crate::by_dtype!(dtype, swap_as::<C>(comm, send, peer, shape, device))?;
+        if let (Some(j), Some(t)) = (recv, got) {
+            received[j] = Some(t);
+        }
+    }
+    Ok(received.into_iter().flatten().collect())
+}
+
+/// At most one send to and one receive from each peer (a repeated peer is the caller's bug).
+fn check_peers(
+    sends: impl Iterator<Item = usize>,
+    recvs: impl Iterator<Item = usize>,
+) -> Result<()> {
+    for peers in [sends.collect::<Vec<_>>(), recvs.collect()] {
+        for (i, p) in peers.iter().enumerate() {
+            if peers[..i].contains(p) {
+                return Err(WireError::RepeatedPeer { peer: *p });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One waited `send_recv` with `peer`: `send` (or nothing) to it, a tensor of `shape` (or nothing)
+/// from it, in T on `device`.
+fn swap_as<C: TensorWire, T: WireElement>(
+    comm: &C,
+    send: Option<&Tensor>,
+    peer: usize,
+    shape: Option<&[usize]>,
+    device: Device,
+) -> Result<Option<Tensor>> {
+    let staged = send.map(|t| comm.stage::<T>(t)).transpose()?;
+    let nothing = comm.alloc::<T>(0)?;
+    let mut recv = match shape {
+        Some(shape) => Some(comm.receive::<T>(shape.iter().product(), device)?),
+        None => None,
+    };
+    let mut empty = comm.alloc::<T>(0)?;
+    let send_buf = staged.as_ref().map_or(nothing.borrow(), |s| s.borrow());
+    let recv_buf = recv.as_mut().map_or(empty.borrow_mut(), |r| r.borrow_mut());
+    comm.send_recv(send_buf, peer, recv_buf, peer)?.wait()?;
+    match (shape, recv) {
+        (Some(shape), Some(recv)) => Ok(Some(comm.tensor::<T>(&recv, shape, device)?)),
+        _ => Ok(None),
+    }
 }
 
 /// `t` travels as `T` only if that is its dtype: a bf16 tensor staged as f32 would silently
@@ -235,8 +316,8 @@ mod device {
     use super::super::nccl::NcclComm;
     use super::super::{CollectiveError, Communicator, Element};
     use super::{
-        Result, TensorWire, WireElement, WireError, check_dtype, exchange_waited, host_receive,
-        host_stage, host_tensor,
+        Result, TensorWire, WireElement, WireError, check_dtype, check_peers, host_receive,
+        host_stage, host_tensor, transfer_waited,
     };
     use ditstream_kernels::DType as TensorDType;
     use half::bf16;
@@ -362,31 +443,36 @@ mod device {
         })
     }
 
-    /// The stream-ordered [`TensorWire::exchange`] (module docs) of non-empty tensors of dtype T on
+    /// The stream-ordered [`TensorWire::transfer`] (module docs) of non-empty tensors of dtype T on
     /// GPU `ordinal`.
-    fn exchange_ordered<T: WireElement>(
+    fn transfer_ordered<T: WireElement>(
         comm: &NcclComm,
-        swaps: &[(usize, &Tensor)],
+        sends: &[(usize, &Tensor)],
+        recvs: &[(usize, &[usize])],
         ordinal: usize,
     ) -> Result<Vec<Tensor>> {
-        let mut sends = Vec::with_capacity(swaps.len());
-        let mut recvs = Vec::with_capacity(swaps.len());
-        for &(_, t) in swaps {
-            sends.push(raw_view::<T>(comm, t)?);
-            // Allocated (stream-ordered) on the kernels' stream, before the event below.
-            let into = uninit_tensor(t.shape(), T::TENSOR_DTYPE, ordinal)?;
-            recvs.push(raw_view::<T>(comm, &into)?);
-        }
-        // One event: the transfers wait for the edges' producers and the receive allocations.
-        after_compute(comm, ordinal)?;
-        let send_bufs: Vec<_> = sends
+        let sent = sends
             .iter()
-            .zip(swaps)
+            .map(|&(_, t)| raw_view::<T>(comm, t))
+            .collect::<Result<Vec<_>>>()?;
+        let mut received = recvs
+            .iter()
+            .map(|&(_, shape)| {
+                // Allocated (stream-ordered) on the kernels' stream, before the event below.
+                let into = uninit_tensor(shape, T::TENSOR_DTYPE, ordinal)?;
+                raw_view::<T>(comm, &into)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // One event: the transfers wait for the sent tensors' producers and the receive allocations.
+        after_compute(comm, ordinal)?;
+        let send_bufs: Vec<_> = sent
+            .iter()
+            .zip(sends)
             .map(|(v, &(peer, _))| (&*v.slice, peer))
             .collect();
-        let mut recv_bufs: Vec<_> = recvs
+        let mut recv_bufs: Vec<_> = received
             .iter_mut()
-            .zip(swaps)
+            .zip(recvs)
             .map(|(v, &(peer, _))| (&mut *v.slice, peer))
             .collect();
         let posted = comm.post_p2p(&send_bufs, &mut recv_bufs);
@@ -395,14 +481,14 @@ mod device {
         let back = before_compute(comm, ordinal);
         posted?;
         back?;
-        let out = recvs
+        let out = received
             .iter()
-            .zip(swaps)
-            .map(|(v, (_, t))| Ok(v.tensor.reshape(t.shape())?))
+            .zip(recvs)
+            .map(|(v, &(_, shape))| Ok(v.tensor.reshape(shape)?))
             .collect();
         // Dropping the views now frees (stream-ordered, on the kernels' stream) only behind the wait
         // just queued there: after the transfers, whatever the host does next.
-        drop(sends);
+        drop(sent);
         out
     }
 
@@ -438,22 +524,32 @@ mod device {
             }
         }
 
-        /// Stream-ordered when `ordered` and every tensor is a non-empty device tensor of one dtype
-        /// on this communicator's GPU; otherwise the waited default.
-        fn exchange(&self, swaps: &[(usize, &Tensor)], ordered: bool) -> Result<Vec<Tensor>> {
-            let Some(&(_, first)) = swaps.first() else {
-                return Ok(Vec::new());
-            };
-            let ordinal = gpu_of(self, first.device())?;
-            let alike = swaps.iter().all(|(_, t)| {
-                t.device() == first.device() && t.dtype() == first.dtype() && t.numel() > 0
-            });
+        /// Stream-ordered when `ordered`, `device` is this communicator's GPU and every tensor
+        /// sent and received is a non-empty tensor of `dtype` there; otherwise the waited default.
+        fn transfer(
+            &self,
+            sends: &[(usize, &Tensor)],
+            recvs: &[(usize, &[usize])],
+            dtype: TensorDType,
+            device: Device,
+            ordered: bool,
+        ) -> Result<Vec<Tensor>> {
+            let ordinal = gpu_of(self, device)?;
+            let alike = sends
+                .iter()
+                .all(|(_, t)| t.device() == device && t.dtype() == dtype && t.numel() > 0)
+                && recvs
+                    .iter()
+                    .all(|(_, shape)| shape.iter().product::<usize>() > 0);
             match ordinal {
-                Some(ordinal) if ordered && alike => match first.dtype() {
-                    TensorDType::F32 => exchange_ordered::<f32>(self, swaps, ordinal),
-                    TensorDType::BF16 => exchange_ordered::<bf16>(self, swaps, ordinal),
-                },
-                _ => exchange_waited(self, swaps),
+                Some(ordinal) if ordered && alike => {
+                    check_peers(sends.iter().map(|s| s.0), recvs.iter().map(|r| r.0))?;
+                    match dtype {
+                        TensorDType::F32 => transfer_ordered::<f32>(self, sends, recvs, ordinal),
+                        TensorDType::BF16 => transfer_ordered::<bf16>(self, sends, recvs, ordinal),
+                    }
+                }
+                _ => transfer_waited(self, sends, recvs, dtype, device),
             }
         }
     }
@@ -673,6 +769,71 @@ mod tests {
         // One-way: rank 0 received rank 1's tensor.
         assert_eq!(rank0.len(), 6);
         assert_eq!(values(&rank0[5])?, m1);
+        Ok(())
+    }
+
+    /// `transfer` over three thread ranks, as the parallel VAE's key/value gather uses it: every
+    /// rank sends its own tensor (a different size per rank) to both peers in ascending order and
+    /// receives theirs, in the order of its receives; a rank that only receives (rank 0 of a gather
+    /// to it) and one that only sends pair too. A peer named twice is refused, naming it.
+    #[test]
+    fn transfer_moves_uneven_tensors_between_three_ranks() -> TestResult<()> {
+        let world = CpuWorld::new(3).with_timeout(Duration::from_secs(30));
+        let size = |r: usize| [r + 1, 2];
+        let out = world.run(|rank| -> TestResult<Vec<Vec<f32>>> {
+            let comm = rank.group(&[0, 1, 2])?;
+            let me = comm.rank();
+            let mine = Tensor::randn(&size(me), TensorDType::BF16, me as u64, Device::Cpu)?;
+            let peers: Vec<usize> = (0..3).filter(|&p| p != me).collect();
+            let shapes: Vec<[usize; 2]> = (0..3).map(size).collect();
+            let sends: Vec<(usize, &Tensor)> = peers.iter().map(|&p| (p, &mine)).collect();
+            // Receives in descending order: the results follow `recvs`, not the peers' order.
+            let recvs: Vec<(usize, &[usize])> =
+                peers.iter().rev().map(|&p| (p, &shapes[p][..])).collect();
+            let got = comm.transfer(&sends, &recvs, TensorDType::BF16, Device::Cpu, true)?;
+            // Then a gather to rank 0: ranks 1 and 2 only send, rank 0 only receives.
+            let gathered = if me == 0 {
+                let from: Vec<(usize, &[usize])> = vec![(1, &shapes[1][..]), (2, &shapes[2][..])];
+                comm.transfer(&[], &from, TensorDType::BF16, Device::Cpu, true)?
+            } else {
+                comm.transfer(&[(0, &mine)], &[], TensorDType::BF16, Device::Cpu, true)?
+            };
+            let twice = comm.transfer(
+                &[(peers[0], &mine), (peers[0], &mine)],
+                &[],
+                TensorDType::BF16,
+                Device::Cpu,
+                true,
+            );
+            match twice {
+                Err(WireError::RepeatedPeer { peer }) if peer == peers[0] => {}
+                other => return Err(format!("expected RepeatedPeer, got {other:?}").into()),
+            }
+            comm.barrier()?;
+            [mine]
+                .iter()
+                .chain(&got)
+                .chain(&gathered)
+                .map(|t| Ok(t.to_vec_f32()?))
+                .collect()
+        });
+        let out: Vec<Vec<Vec<f32>>> = out
+            .into_iter()
+            .map(|r| match r {
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(e)) => Err(e),
+                Err(panic) => Err(panic.into()),
+            })
+            .collect::<TestResult<_>>()?;
+        let own = |r: usize| &out[r][0];
+        for (me, values) in out.iter().enumerate() {
+            let peers: Vec<usize> = (0..3).rev().filter(|&p| p != me).collect();
+            for (i, &p) in peers.iter().enumerate() {
+                assert_eq!(&values[1 + i], own(p), "rank {me}: from rank {p}");
+            }
+        }
+        assert_eq!(out[0].len(), 5);
+        assert_eq!((&out[0][3], &out[0][4]), (own(1), own(2)));
         Ok(())
     }
 

@@ -148,6 +148,12 @@ impl<C: TensorWire + Send> ParallelVaeDecoder<C> {
     /// F as in [`WanVaeDecoder::decode_chunk`]. Equals the unsharded decode's rows of the band.
     /// Collective: every rank of the instance calls it with its band of the same chunk. A rejected
     /// chunk (here or on a peer) leaves the stream as it was.
+    ///
+    /// One agreement before the chunk and one wait for the communicator after it; between them the
+    /// decoder's passes (one per latent frame) and their transfers queue back to back on the GPU.
+    /// So a caller holding several latent frames gets the most out of the GPUs by handing them over
+    /// in one call: a call per latent frame drains every rank's GPU at each frame's end (the host
+    /// waits, then queues the next frame's first kernels while its GPU idles).
     pub fn decode_chunk(
         &mut self,
         stream: &mut ParallelDecodeStream,

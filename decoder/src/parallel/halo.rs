@@ -8,7 +8,8 @@
 //! those of cache ++ x: one message per neighbour carries the cached frames' rows and the chunk's
 //! rows together. Exchanging the cache's rows again each chunk is redundant (the neighbour sent them
 //! with the previous chunk) but keeps the ops stateless; it adds ≤ 2 frames of one row per message.
-//! At a true image border the "halo" is zero rows, which is exactly the unsharded conv's zero padding.
+//! At a true image border the "halo" is zero rows, which is exactly the unsharded conv's zero padding
+//! (a missing edge: the convolution reads zeros there, none are written).
 //! The conv then runs with padding 0 on the split axis (the halo is the padding), kw/2 on the other
 //! spatial axis, and the causal front padding, through the kernels crate's `conv3d_cached` with the
 //! received rows as its [`Halo`]: the output is the rank's band, with no rows computed and thrown
@@ -28,7 +29,7 @@
 //! step, the wait at the chunk's end and the gather: the VAE benchmark's per-rank breakdown reads
 //! them (host time per step, and CUDA events at their edges); without a subscriber they cost nothing.
 //!
-//! **Exchange order.** One [`TensorWire::exchange`] per conv swaps the edge rows with both
+//! **Exchange order.** One [`TensorWire::transfer`] per conv swaps the edge rows with both
 //! neighbours (send my edge, receive theirs). Where it runs as one waited `send_recv` per neighbour
 //! (the thread backend, and NCCL for a conv shape's first run, below), even ranks swap with their
 //! next neighbour first, odd ranks with their previous one first, so the pairs (0, 1), (2, 3), … run
@@ -37,7 +38,7 @@
 //!
 //! **No host wait per conv (NCCL).** A waited exchange blocks the host until the transfer is done,
 //! i.e. until the GPU has run every kernel before it: the GPU drains before each of the ~30 3×3
-//! convs of a chunk, and every kernel after it is queued only then (at the low-resolution stages
+//! convs of a pass (one latent frame), and every kernel after it is queued only then (at the low-resolution stages
 //! those kernels are shorter than their launches, so the GPU idles behind the host). The exchange is
 //! therefore stream-ordered (common's `wire` docs): queued on the communicator's stream between two
 //! events, the host going on at once. The host's deadline moves to the end of the chunk
@@ -47,15 +48,18 @@
 //! may wait on the GPU during it (cuDNN's algorithm search, once per shape and GPU), and a host wait
 //! on the kernels' stream behind a transfer whose peer is gone would have no timeout. A waited
 //! exchange also waits for every transfer queued before it (one communicator stream, in order), so
-//! such a search never waits behind a pending one either. So the first chunks of the first request
-//! of a size (new shapes: no cache, then growing caches) wait per conv, and the rest do not. The
+//! such a search never waits behind a pending one either. So the first three passes of the first
+//! request of a size (new shapes: no cache, then growing caches) wait per conv, and the rest do not. The
 //! values are the same either way (the same tensors reach the same kernels).
 //!
-//! **Attention.** The mid block attends each frame's tokens over the whole frame. Each rank
-//! all-gathers (uneven `all_gather_v`) the keys and values of its band, puts them back into the
-//! frame's row-major token order (a width split interleaves the ranks' columns within each row), and
-//! attends its local queries over all keys. Every rank needs every key, so this is an all-gather,
-//! not a halo; at 720p it moves 2 · 14,400 tokens × C per frame, small next to the convolutions.
+//! **Attention.** The mid block attends each frame's tokens over the whole frame. Each rank sends
+//! the keys and values of its band to every peer and receives theirs (one transfer step; uneven
+//! bands), puts them back into the frame's row-major token order (a width split interleaves the
+//! ranks' columns within each row), and attends its local queries over all keys. Every rank needs
+//! every key, so this is an all-gather, not a halo; at 720p it moves 2 · 14,400 tokens × C per
+//! frame, small next to the convolutions. It is stream-ordered like the halos, and waited on the
+//! first run of its shape on a GPU (the same set of warm shapes): the 1×1 output projection runs
+//! right after it, and that conv's first run may search cuDNN's algorithms.
 //!
 //! **Transfers** go through common's [`TensorWire`] in the tensors' own dtype: with
 //! NCCL and the decoder on the rank's GPU, halo rows and keys/values move device to device (NCCL reads
@@ -66,10 +70,11 @@ use std::collections::HashSet;
 use std::sync::{LazyLock, Mutex, MutexGuard};
 
 use ditstream_common::collectives::CollectiveError;
-use ditstream_common::collectives::wire::{self, TensorWire};
+use ditstream_common::collectives::wire::TensorWire;
 use ditstream_common::config::VaeSplitDim;
 use ditstream_kernels::{
-    AttentionOptions, DType, Device, Halo, Tensor, attention, conv3d_cached, upsample_nearest2x,
+    AttentionOptions, DType, Device, Halo, Tensor, attention, conv3d_cached, halo_edges,
+    upsample_nearest2x,
 };
 
 use super::shard::Shard;
@@ -86,8 +91,8 @@ pub struct HaloOps<'a, C> {
 }
 
 /// The conv shapes run once already, per GPU, in this process, with a waited halo exchange (module
-/// docs, "No host wait per conv"): (device, input shape, cached frames, dtype, weight shape),
-/// flattened. A shape's first run may wait on the GPU (cuDNN's algorithm search, kept per GPU for
+/// docs, "No host wait per conv"): (device, input shape, dtype, cached frames, weight shape),
+/// flattened, and likewise the attention's query shapes ([`shape_key`]). A shape's first run may wait on the GPU (cuDNN's algorithm search, kept per GPU for
 /// the process, like this set); its later runs do not.
 static WARM_SHAPES: LazyLock<Mutex<HashSet<Vec<usize>>>> = LazyLock::new(Default::default);
 
@@ -171,16 +176,7 @@ impl<C: TensorWire + Send> HaloOps<'_, C> {
                 None => Unsharded.causal_conv3d(x, weight, bias, cache),
             };
         }
-        let device = match x.device() {
-            Device::Cpu => 0,
-            Device::Cuda(ordinal) => ordinal + 1,
-        };
-        let shape_key: Vec<usize> = [device]
-            .into_iter()
-            .chain(xs.iter().copied())
-            .chain([cached, usize::from(x.dtype() == DType::BF16)])
-            .chain(ws.iter().copied())
-            .collect();
+        let shape_key = shape_key(x, &[[cached].as_slice(), ws].concat());
         let ordered = self.ordered && warm_shapes().contains(&shape_key);
         let cache = cache.filter(|_| cached > 0);
         let (before, after) = {
@@ -194,8 +190,9 @@ impl<C: TensorWire + Send> HaloOps<'_, C> {
         };
         let halo = Halo {
             axis,
-            before: &before,
-            after: &after,
+            extent: halo,
+            before: before.as_ref(),
+            after: after.as_ref(),
         };
         // Causal front padding: kt − 1 frames, less the cached ones; none on the split axis.
         let mut front = [kernel[0] - 1 - cached, kernel[1] / 2, kernel[2] / 2];
@@ -253,23 +250,51 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
             return Unsharded.frame_attention(q, k, v);
         }
         let _span = tracing::debug_span!("parallel_vae_attention").entered();
+        // Stream-ordered like the halos, except on the first run of this shape on this GPU: the
+        // output projection's first run right after may search cuDNN's algorithms (module docs).
+        let key = shape_key(q, &[ATTENTION]);
+        let ordered = self.ordered && warm_shapes().contains(&key);
         let keys = {
             let _gather = tracing::debug_span!("parallel_vae_attention_gather").entered();
-            gather_frame_tokens(&*self.comm(), &self.shard, &Tensor::concat(&[k, v], 0)?)?
+            let kv = Tensor::concat(&[k, v], 0)?;
+            gather_frame_tokens(&*self.comm(), &self.shard, &kv, ordered)?
         };
         let frames = k.shape()[0];
         let (k, v) = (keys.narrow(0, 0, frames)?, keys.narrow(0, frames, frames)?);
         let (out, _lse) = attention(q, &k, &v, AttentionOptions::default())?;
+        if self.ordered && !ordered {
+            warm_shapes().insert(key);
+        }
         Ok(out)
     }
 }
 
+/// The attention's entry in [`WARM_SHAPES`]: its key ends with this (a conv's key ends with its
+/// weight's shape, never `usize::MAX`).
+const ATTENTION: usize = usize::MAX;
+
+/// A [`WARM_SHAPES`] key: (device, x's shape, bf16?, then `rest`), flattened.
+fn shape_key(x: &Tensor, rest: &[usize]) -> Vec<usize> {
+    let device = match x.device() {
+        Device::Cpu => 0,
+        Device::Cuda(ordinal) => ordinal + 1,
+    };
+    [device]
+        .into_iter()
+        .chain(x.shape().iter().copied())
+        .chain([usize::from(x.dtype() == DType::BF16)])
+        .chain(rest.iter().copied())
+        .collect()
+}
+
 /// cache [B, C, T_c, H, W] (optional, T_c > 0) and x [B, C, T, H, W] (this rank's band along the
 /// shard's axis) → the `halo` rows of each neighbour's band (of its cache, then its x, joined along
-/// T) that lie before and after this band along that axis, zeros where there is no neighbour: the
-/// edges of a [`Halo`], which the convolution reads around the band in place (no copy of the band).
-/// `ordered`: stream-ordered where the backend can ([`TensorWire::exchange`]). One message per
-/// neighbour carries the edge rows of cache ++ x (joined along T: a copy of the rows only).
+/// T) that lie before and after this band along that axis, `None` where there is no neighbour (the
+/// image's border: zeros, which the convolution reads without their being written): the edges of a
+/// [`Halo`], which the convolution reads around the band in place (no copy of the band).
+/// `ordered`: stream-ordered where the backend can ([`TensorWire::transfer`]). One message per
+/// neighbour carries the edge rows of cache ++ x (joined along T; both edges come from one
+/// `halo_edges` copy of the rows only).
 fn exchange_halo<C: TensorWire>(
     comm: &C,
     shard: &Shard,
@@ -277,18 +302,10 @@ fn exchange_halo<C: TensorWire>(
     x: &Tensor,
     halo: usize,
     ordered: bool,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
     let axis = shard.axis();
-    let extent = x.shape()[axis];
-    let edge = |start: usize| -> Result<Tensor> {
-        let rows = x.narrow(axis, start, halo)?;
-        Ok(match cache {
-            Some(cache) => Tensor::concat(&[&cache.narrow(axis, start, halo)?, &rows], 2)?,
-            None => rows,
-        })
-    };
-    let first = edge(0)?; // fails (a shape error) if the band is thinner than the halo
-    let last = edge(extent - halo)?;
+    // Fails (an argument error) if the band is thinner than the halo.
+    let (first, last) = halo_edges(cache, x, axis, halo)?;
     let edge_shape = first.shape().to_vec();
     let (prev, next) = shard.neighbours();
     // (peer, rows I send it) in the deadlock-free order of the module docs.
@@ -303,9 +320,13 @@ fn exchange_halo<C: TensorWire>(
         .into_iter()
         .filter_map(|(peer, edge)| peer.map(|peer| (peer, edge)))
         .collect();
+    let from: Vec<(usize, &[usize])> = swaps
+        .iter()
+        .map(|&(peer, _)| (peer, edge_shape.as_slice()))
+        .collect();
     let received = {
         let _swap = tracing::debug_span!("parallel_vae_halo_nccl").entered();
-        comm.exchange(&swaps, ordered)?
+        comm.transfer(&swaps, &from, x.dtype(), x.device(), ordered)?
     };
     let (mut from_prev, mut from_next) = (None, None);
     for (&(peer, _), rows) in swaps.iter().zip(received) {
@@ -315,57 +336,19 @@ fn exchange_halo<C: TensorWire>(
             from_next = Some(rows);
         }
     }
-    let border = || zeros(&edge_shape, x.dtype(), x.device());
-    Ok((
-        from_prev.map_or_else(border, Ok)?,
-        from_next.map_or_else(border, Ok)?,
-    ))
-}
-
-/// Zeros of `shape` on `device`, filled there. `Tensor::zeros` builds them on the host and uploads them
-/// (a pageable copy per call); a border rank needs a zero halo at every conv of every chunk, where
-/// that upload would cost more than the neighbour's halo does.
-fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-    match device {
-        #[cfg(feature = "cuda")]
-        Device::Cuda(ordinal) => device_zeros(shape, dtype, ordinal),
-        _ => Ok(Tensor::zeros(shape, dtype, device)?),
-    }
-}
-
-/// A fresh device tensor cleared by a stream-ordered memset on the kernels' stream (the stream its
-/// allocation and every later reader are on).
-#[cfg(feature = "cuda")]
-fn device_zeros(shape: &[usize], dtype: DType, ordinal: usize) -> Result<Tensor> {
-    use ditstream_kernels::KernelError;
-    use ditstream_kernels::cuda::{cuda_stream, tensor_device_ptr, uninit_tensor};
-    let t = uninit_tensor(shape, dtype, ordinal)?;
-    let bytes = t.numel() * dtype.size_in_bytes();
-    if bytes == 0 {
-        return Ok(t);
-    }
-    let stream = cuda_stream(ordinal)?;
-    let ptr = tensor_device_ptr(&t)?;
-    // SAFETY: `ptr` is the start of `t`'s fresh storage (uninit_tensor: allocated, not yet read or
-    // written) of at least `bytes` bytes on this GPU, and `t` outlives the view. Writing into such a
-    // tensor before anything reads it is what `uninit_tensor` is for. The view is leaked, never freed
-    // (the tensor owns the storage); the backend's context has event tracking off, so the view records
-    // no events.
-    let mut view = unsafe { stream.upgrade_device_ptr::<u8>(ptr, bytes) };
-    let cleared = stream.memset_zeros(&mut view);
-    let _ = view.leak();
-    cleared.map_err(|e| KernelError::Cuda {
-        op: "parallel VAE halo",
-        call: "cuMemsetD8Async",
-        device: Device::Cuda(ordinal),
-        detail: format!("{e:?}"),
-    })?;
-    Ok(t)
+    Ok((from_prev, from_next))
 }
 
 /// kv [N, S_r, H, C] (this rank's tokens of N frames: its band, row-major) → [N, S, H, C] with every
-/// rank's tokens in the whole frame's row-major order.
-fn gather_frame_tokens<C: TensorWire>(comm: &C, shard: &Shard, kv: &Tensor) -> Result<Tensor> {
+/// rank's tokens in the whole frame's row-major order. `ordered`: stream-ordered where the backend
+/// can ([`TensorWire::transfer`]); this rank sends its tokens to every peer and receives theirs, in
+/// ascending peer order (with waited transfers, every pair meets: no cycle).
+fn gather_frame_tokens<C: TensorWire>(
+    comm: &C,
+    shard: &Shard,
+    kv: &Tensor,
+    ordered: bool,
+) -> Result<Tensor> {
     let (n, local_tokens, channels) = (kv.shape()[0], kv.shape()[1], kv.shape()[2] * kv.shape()[3]);
     // This layer's spatial scale f: local tokens = (band · f) · (other extent · f).
     let other = shard.latent_other_extent();
@@ -391,18 +374,21 @@ fn gather_frame_tokens<C: TensorWire>(comm: &C, shard: &Shard, kv: &Tensor) -> R
         grid[split_axis] = lines(r);
         grid
     };
-    let counts: Vec<usize> = (0..shard.size())
-        .map(|r| grid(r).iter().product())
-        .collect();
-    let total: usize = counts.iter().sum();
-    let all = wire::all_gather_v(comm, kv, &counts)?;
-    let mut offset = 0;
-    let mut parts = Vec::with_capacity(counts.len());
-    for (r, &count) in counts.iter().enumerate() {
-        parts.push(all.narrow(0, offset, count)?.reshape(&grid(r))?);
-        offset += count;
-    }
+    let me = shard.rank();
+    let peers: Vec<usize> = (0..shard.size()).filter(|&r| r != me).collect();
+    let grids: Vec<[usize; 4]> = (0..shard.size()).map(grid).collect();
+    let sends: Vec<(usize, &Tensor)> = peers.iter().map(|&r| (r, kv)).collect();
+    let recvs: Vec<(usize, &[usize])> = peers.iter().map(|&r| (r, &grids[r][..])).collect();
+    let mut received = comm.transfer(&sends, &recvs, kv.dtype(), kv.device(), ordered)?;
+    // The peers' parts in rank order, with this rank's own in its place.
+    received.insert(me.min(received.len()), kv.reshape(&grids[me])?);
+    let parts: Vec<Tensor> = received
+        .iter()
+        .zip(&grids)
+        .map(|(part, grid)| part.reshape(grid))
+        .collect::<std::result::Result<_, _>>()?;
     let frame = Tensor::concat(&parts.iter().collect::<Vec<_>>(), split_axis)?;
+    let total: usize = grids.iter().map(|g| g.iter().product::<usize>()).sum();
     Ok(frame.reshape(&[
         n,
         total / (n * channels).max(1),

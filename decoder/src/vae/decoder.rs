@@ -197,9 +197,11 @@ impl WanVaeDecoder {
     /// Decodes the next latent frames of a stream: latent [B, z_dim, n, h, w] in the DiT's normalised
     /// space (n ≥ 1, any device and dtype: it is moved to the decoder's) → video
     /// [B, out_channels, F, 8h, 8w] in [−1, 1] on the decoder's device in its dtype, with
-    /// F = 1 + 4(n − 1) when the chunk starts the stream and 4n after. The frames returned are final. The result does not depend
-    /// on how the latent is cut into chunks; memory grows with n (activations of n latent frames).
-    /// On error the stream is left as it was.
+    /// F = 1 + 4(n − 1) when the chunk starts the stream and 4n after. The frames returned are
+    /// final. The result does not depend on how the latent is cut into chunks: the decoder runs one
+    /// pass per latent frame, as diffusers does, so memory is bounded by one latent frame's
+    /// activations (plus the F frames returned), and the passes are queued back to back (on a GPU
+    /// the host never waits between them). On error the stream is left as it was.
     pub fn decode_chunk(&self, stream: &mut DecodeStream, latent: &Tensor) -> Result<Tensor> {
         self.decode_chunk_with(stream, latent, &Unsharded)
     }
@@ -223,20 +225,32 @@ impl WanVaeDecoder {
         .entered();
         // Work on a copy of the slots (tensor clones share storage) and commit only on success.
         let mut caches = stream.caches.clone();
-        let mut pass = Pass {
-            ops,
-            caches: &mut caches,
-            first_chunk: stream.latent_frames_decoded == 0,
+        let mut videos = Vec::with_capacity(frames);
+        for t in 0..frames {
+            let mut pass = Pass {
+                ops,
+                caches: &mut caches,
+                first_chunk: stream.latent_frames_decoded + t == 0,
+            };
+            let frame = if frames == 1 {
+                latent.clone()
+            } else {
+                latent.narrow(2, t, 1)?
+            };
+            videos.push(self.forward(&mut pass, &frame)?);
+        }
+        let video = match videos.len() {
+            1 => videos.swap_remove(0),
+            _ => Tensor::concat(&videos.iter().collect::<Vec<_>>(), 2)?,
         };
-        let video = self.forward(&mut pass, &latent)?;
         stream.caches = caches;
         stream.batch = Some(latent.shape()[0]);
         stream.latent_frames_decoded += frames;
         Ok(video)
     }
 
-    /// Decodes a whole latent [B, z_dim, T, h, w] → [B, out_channels, 1 + 4(T − 1), 8h, 8w], one latent
-    /// frame per pass as diffusers does (memory bounded by one latent frame's activations).
+    /// Decodes a whole latent [B, z_dim, T, h, w] → [B, out_channels, 1 + 4(T − 1), 8h, 8w]: one
+    /// chunk of a fresh stream (one pass per latent frame, as diffusers does).
     pub fn decode(&self, latent: &Tensor) -> Result<Tensor> {
         let shape = latent.shape();
         if shape.len() != 5 {
@@ -245,19 +259,7 @@ impl WanVaeDecoder {
                 shape: shape.to_vec(),
             });
         }
-        let mut stream = self.new_stream(shape[3], shape[4])?;
-        let chunks = (0..shape[2])
-            .map(|t| {
-                let frame = latent.narrow(2, t, 1)?;
-                self.decode_chunk(&mut stream, &frame)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        if chunks.is_empty() {
-            return Err(VaeError::EmptyChunk {
-                shape: shape.to_vec(),
-            });
-        }
-        Ok(Tensor::concat(&chunks.iter().collect::<Vec<_>>(), 2)?)
+        self.decode_chunk(&mut self.new_stream(shape[3], shape[4])?, latent)
     }
 
     fn check_chunk(&self, stream: &DecodeStream, latent: &Tensor) -> Result<()> {

@@ -42,3 +42,32 @@ COPY_ROWS(w16, uint4)
 COPY_ROWS(w8, uint2)
 COPY_ROWS(w4, unsigned int)
 COPY_ROWS(w2, unsigned short)
+
+// halo_edges: the parallel VAE's edges of a band, both sides in one launch. For each of `slabs`
+// (B·C) channel slabs and F = cached + frames frames (the cache's first, then x's), `runs` runs of
+// `run` words, run i of frame f starting at word `start[e]` + i·`stride` of that frame (`plane` words),
+// into out[e] [slabs, F, runs, run] for edge e = blockIdx.y (0: before, 1: after). Words of W as
+// copy_rows picks them. Grid: x grid-stride over an edge's words, y over the two edges.
+template <typename W>
+__device__ void halo_edges(const W* x, const W* cache, W* out0, W* out1, i64 slabs, i64 cached, i64 frames,
+                           i64 plane, i64 runs, i64 run, i64 stride, i64 start0, i64 start1) {
+    W* out = blockIdx.y == 0 ? out0 : out1;
+    const i64 start = blockIdx.y == 0 ? start0 : start1, joined = cached + frames;
+    const i64 n = slabs * joined * runs * run;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 k = i % run, r = i / run % runs, sf = i / (run * runs);
+        const i64 f = sf % joined, s = sf / joined, at = start + r * stride + k;
+        out[i] = f < cached ? cache[(s * cached + f) * plane + at] : x[(s * frames + f - cached) * plane + at];
+    }
+}
+
+#define HALO_EDGES(WN, W) \
+    extern "C" __global__ void halo_edges_##WN(const W* x, const W* cache, W* out0, W* out1, i64 slabs, \
+                                               i64 cached, i64 frames, i64 plane, i64 runs, i64 run,   \
+                                               i64 stride, i64 start0, i64 start1) {                   \
+        halo_edges(x, cache, out0, out1, slabs, cached, frames, plane, runs, run, stride, start0, start1); \
+    }
+HALO_EDGES(w16, uint4)
+HALO_EDGES(w8, uint2)
+HALO_EDGES(w4, unsigned int)
+HALO_EDGES(w2, unsigned short)

@@ -204,6 +204,96 @@ pub(crate) fn copy_strided(
     Ok(())
 }
 
+/// The geometry of [`halo_edges`] in elements: `slabs` (B·C) channel slabs of `cached` cache frames and
+/// `frames` x frames of `plane` elements each; an edge of a frame is `runs` runs of `run` elements,
+/// run i starting at `start[e]` + i·`stride` of the frame, for edge e (0: before, 1: after).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct EdgeRuns {
+    pub slabs: usize,
+    pub cached: usize,
+    pub frames: usize,
+    pub plane: usize,
+    pub runs: usize,
+    pub run: usize,
+    pub stride: usize,
+    pub start: [usize; 2],
+}
+
+/// `halo_edges` of copy.cu: both edges of cache ++ x (frames joined, the cache's first) into `outs`
+/// ([slabs, cached + frames, runs, run] each), in one launch, in the widest word that every address,
+/// offset and length allows; `es` is the element size in bytes. `cache_ptr` is read only when
+/// `cached` > 0.
+pub(crate) fn halo_edges(
+    op: &'static str,
+    backend: &CudaBackend,
+    (x_ptr, cache_ptr): (u64, u64),
+    outs: [u64; 2],
+    g: EdgeRuns,
+    es: usize,
+) -> Result<()> {
+    let n = g.slabs * (g.cached + g.frames) * g.runs * g.run;
+    if n == 0 {
+        return Ok(());
+    }
+    let aligned = |w: usize| {
+        [g.plane, g.run, g.stride, g.start[0], g.start[1]]
+            .iter()
+            .all(|v| (v * es).is_multiple_of(w))
+            && [x_ptr, cache_ptr, outs[0], outs[1]]
+                .iter()
+                .all(|p| p.is_multiple_of(w as u64))
+    };
+    let (name, word) = [
+        ("halo_edges_w16", 16),
+        ("halo_edges_w8", 8),
+        ("halo_edges_w4", 4),
+    ]
+    .into_iter()
+    .find(|&(_, w)| aligned(w))
+    .unwrap_or(("halo_edges_w2", 2));
+    let f = backend.function(&SOURCE, name)?;
+    let per_word = word / es;
+    let words = |v: usize| (v / per_word) as i64;
+    let (slabs, cached, frames, runs, stride) = (
+        g.slabs as i64,
+        g.cached as i64,
+        g.frames as i64,
+        g.runs as i64,
+        words(g.stride),
+    );
+    let (plane, run, start0, start1) = (
+        words(g.plane),
+        words(g.run),
+        words(g.start[0]),
+        words(g.start[1]),
+    );
+    let block = super::BLOCK;
+    let x_blocks = (n / per_word).div_ceil(block as usize).clamp(1, 1 << 16) as u32;
+    let mut launch = backend.stream.launch_builder(&f);
+    launch
+        .arg(&x_ptr)
+        .arg(&cache_ptr)
+        .arg(&outs[0])
+        .arg(&outs[1]);
+    for v in [
+        &slabs, &cached, &frames, &plane, &runs, &run, &stride, &start0, &start1,
+    ] {
+        launch.arg(v);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (x_blocks, 2, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: x holds slabs·frames·plane elements and the cache slabs·cached·plane (the caller's
+    // shapes), every run lies inside its frame (start + (runs − 1)·stride + run ≤ plane, the caller's
+    // geometry), each output holds slabs·(cached + frames)·runs·run elements; the word divides every
+    // byte count, offset and address; the parameters are (const W*, const W*, W*, W*, 9 × i64) as
+    // pushed.
+    unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -37,7 +37,7 @@ pub use attention_kernel::{
 pub use conv_algo::{
     AUTO_CONV_ALGO, AUTO_POINTWISE_CONV_ALGO, ConvAlgo, auto_conv_algo, conv_algo, with_conv_algo,
 };
-pub(crate) use copy::{Layout, copy_strided};
+pub(crate) use copy::{EdgeRuns, Layout, copy_strided, halo_edges};
 pub use cudnn::{cudnn_conv_plans, cudnn_version};
 pub use nvrtc::{CudaConfig, set_cuda_config};
 pub(crate) use storage::{CudaBuf, CudaStorage};

@@ -233,6 +233,35 @@ __device__ __forceinline__ void store_chunk(U* at, const Chunk<U>& c) {
     }
 }
 
+// upsample_nearest2x_words: upsample_nearest2x where a source row is whole 8-byte words (w · size
+// a multiple of 8): a thread reads one word (K = 8 / size source elements) and writes each element
+// twice as one 16-byte chunk of the output row, so both sides move full words (the element kernel
+// above stores 2 or 4 bytes per thread with 64-bit index maths per element).
+template <typename U>
+__device__ void upsample_nearest2x_words(const U* x, U* out, i64 n, i64 h, i64 w) {
+    constexpr int K = 8 / (int)sizeof(U);
+    const i64 row_words = w / K;  // source words per row = output chunks per row
+    FOR_EACH(i, n * 2 * h * row_words) {
+        const i64 c = i % row_words, r = i / row_words;  // output row r of the n · 2h
+        const i64 src_row = r / (2 * h) * h + r % (2 * h) / 2;
+        Word<U, K> s;
+        s.word = *reinterpret_cast<const typename Bits<8>::T*>(x + src_row * w + c * K);
+        Chunk<U> d;
+#pragma unroll
+        for (int j = 0; j < K; ++j) d.elem[2 * j] = d.elem[2 * j + 1] = s.elem[j];
+        *reinterpret_cast<uint4*>(out + r * 2 * w + c * 2 * K) = d.word;
+    }
+}
+
+extern "C" __global__ void upsample_nearest2x_words_e2(const unsigned short* x, unsigned short* out, i64 n,
+                                                       i64 h, i64 w) {
+    upsample_nearest2x_words(x, out, n, h, w);
+}
+extern "C" __global__ void upsample_nearest2x_words_e4(const unsigned int* x, unsigned int* out, i64 n,
+                                                       i64 h, i64 w) {
+    upsample_nearest2x_words(x, out, n, h, w);
+}
+
 // One tile of a batched transpose. The source is [rows, cols], read by load(r, k) → the chunk of
 // elements (r, k..k+V) (zeros out of range); the destination is [cols, rows] with rows contiguous,
 // written by put(k, r, chunk) for destination row k, elements r..r+V (all in range: checked here), or
@@ -330,8 +359,11 @@ __device__ void conv_to_ndhwc(const U* x, const U* cache, U* out, i64 batch, i64
 // with plane = height × width the haloed frame, whose first `halo` rows (axis 3) or columns (axis 4)
 // come from `before` and last `halo` from `after`, each [B, C, cached + x_frames, eh, ew] (the cache's
 // frames first, then x's; [eh, ew] = [halo, width] or [height, halo]), and the rest from the cache
-// and x frames of [height, width] less the halos. Zero frames stay zero, halo included. The bits equal
-// those of concatenating before, the band and after along the axis first, without that copy.
+// and x frames of [height, width] less the halos; a null edge (the image's border) reads as zeros.
+// Zero frames stay zero, halo included. The bits equal
+// those of concatenating before, the band and after along the axis first, without that copy. A height
+// split whose width is a multiple of a chunk loads whole chunks of one row in words (as the plain
+// join does); other splits load element by element.
 template <typename U, int PACK>
 __device__ void conv_to_ndhwc_halo(const U* x, const U* cache, const U* before, const U* after, U* out,
                                    i64 batch, i64 channels, i64 zeros_front, i64 cached, i64 x_frames,
@@ -350,7 +382,29 @@ __device__ void conv_to_ndhwc_halo(const U* x, const U* cache, const U* before, 
     for (i64 s = blockIdx.z; s < batch * frames; s += gridDim.z) {
         const i64 b = s / frames, fc = s % frames - zeros_front, fx = fc - cached;
         const bool data = fc >= 0 && fc < joined;
+        // Row r of channel c's haloed frame: its source row (an edge's or the band's), nullptr for zeros.
+        auto source_row = [&](i64 c, int r) -> const U* {
+            if (!data || c >= channels) return nullptr;
+            if (r < halo) {
+                return before == nullptr ? nullptr
+                                         : before + ((b * channels + c) * joined + fc) * edge_plane + (i64)r * width;
+            }
+            if (r >= halo + band) {
+                return after == nullptr
+                           ? nullptr
+                           : after + ((b * channels + c) * joined + fc) * edge_plane + (i64)(r - halo - band) * width;
+            }
+            const i64 at = (i64)(r - halo) * width;
+            return fx < 0 ? cache + ((b * channels + c) * cached + fc) * band_plane + at
+                          : x + ((b * channels + c) * x_frames + fx) * band_plane + at;
+        };
         auto load = [&](i64 c, i64 k) -> Chunk<U> {
+            if (rows && width % V == 0) {
+                // A height split whose rows hold whole chunks: the chunk is one run of one source row,
+                // read in words of PACK (its offset, a multiple of the width, keeps them aligned).
+                return load_chunk<U, PACK>(k < plane ? source_row(c, (int)(k / width)) : nullptr,
+                                           k % width, width);
+            }
             Chunk<U> w;
             int r = (int)(k / width), col = (int)(k % width);  // of pixel k, then stepped (plane < 2³¹)
 #pragma unroll
@@ -363,7 +417,9 @@ __device__ void conv_to_ndhwc_halo(const U* x, const U* cache, const U* before, 
                         const U* edge = a < halo ? before : after;
                         const int e = a < halo ? a : a - halo - band;
                         const int er = rows ? e : r, ec = rows ? col : e;
-                        v = edge[((b * channels + c) * joined + fc) * edge_plane + (i64)er * edge_w + ec];
+                        if (edge != nullptr) {
+                            v = edge[((b * channels + c) * joined + fc) * edge_plane + (i64)er * edge_w + ec];
+                        }
                     } else {
                         const int br = rows ? r - halo : r, bc = rows ? col : col - halo;
                         const i64 at = (i64)br * band_w + bc;

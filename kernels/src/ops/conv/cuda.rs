@@ -209,14 +209,22 @@ pub(super) fn conv3d(
     let backend = CudaBackend::get(xc.cuda_storage(op)?.ordinal)?;
     let path = choose(&backend, op, g, dtype)?;
     let in_place = matches!(&path, Path::Cudnn { key, .. } if key.layout == DnnLayout::Ndhwc);
-    let mut edges = match halo {
-        Some(h) => Some((h.axis, h.before.to_dtype(dtype)?, h.after.to_dtype(dtype)?)),
+    let cached = cache.as_ref().map_or(0, |c| c.shape()[2]);
+    let edges = match halo.filter(|_| in_place) {
+        Some(h) => Some(Edges {
+            axis: h.axis,
+            extent: h.extent,
+            before: h.before.map(|t| t.to_dtype(dtype)).transpose()?,
+            after: h.after.map(|t| t.to_dtype(dtype)).transpose()?,
+        }),
         None => None,
     };
-    if let Some((axis, before, after)) = edges.take_if(|_| !in_place) {
-        // Only the channels-last transpose reads the halo in place: join it for the other paths.
-        let cached = cache.as_ref().map_or(0, |c| c.shape()[2]);
-        let frames = xc.shape()[2];
+    if let Some(h) = halo.filter(|_| !in_place) {
+        // Only the channels-last transpose reads the halo in place (a missing edge as zeros): join
+        // it for the other paths, zeros made where an edge is missing.
+        let (axis, frames) = (h.axis, xc.shape()[2]);
+        let before = h.edge_or_zeros(0, &xc, cached, dtype)?;
+        let after = h.edge_or_zeros(1, &xc, cached, dtype)?;
         xc = Tensor::concat(
             &[
                 &before.narrow(2, cached, frames)?,
@@ -345,7 +353,7 @@ fn ndhwc_conv3d(
     g: &ConvGeometry,
     (key, zeros): (&DnnConvKey, [usize; 2]),
     (upsampled, residual): (bool, Option<&Tensor>),
-    halo: Option<&(usize, Tensor, Tensor)>,
+    halo: Option<&Edges>,
 ) -> Result<CudaStorage> {
     let cached = cache.map_or(0, |c| c.shape()[2]);
     let cache_ptr = match cache {
@@ -353,12 +361,18 @@ fn ndhwc_conv3d(
         None => 0,
     };
     let frames = [zeros[0], cached, g.input[0] - cached, zeros[1]];
+    let edge_ptr = |edge: &Option<Tensor>| -> Result<u64> {
+        Ok(match edge {
+            Some(t) => t.cuda_storage(op)?.ptr(),
+            None => 0, // zeros: the kernel reads none
+        })
+    };
     let source = match halo {
-        Some((axis, before, after)) => Source::Haloed {
-            before: before.cuda_storage(op)?.ptr(),
-            after: after.cuda_storage(op)?.ptr(),
-            extent: before.shape()[*axis],
-            axis: *axis,
+        Some(h) => Source::Haloed {
+            before: edge_ptr(&h.before)?,
+            after: edge_ptr(&h.after)?,
+            extent: h.extent,
+            axis: h.axis,
         },
         None if upsampled => Source::Upsampled,
         None => Source::Plain,
@@ -479,6 +493,15 @@ fn transpose_tile(elem_bytes: usize) -> usize {
     128 / elem_bytes
 }
 
+/// A [`Halo`] in the conv's dtype, for the channels-last transpose to read in place (a missing edge
+/// reads as zeros).
+struct Edges {
+    axis: usize,
+    extent: usize,
+    before: Option<Tensor>,
+    after: Option<Tensor>,
+}
+
 /// What `to_ndhwc` reads besides the cache and x frames of the plane it writes.
 #[derive(Debug, Clone, Copy)]
 enum Source {
@@ -487,7 +510,8 @@ enum Source {
     /// Frames of a quarter of the plane, nearest ×2 upsampled on the fly (`conv_to_ndhwc_up2`).
     Upsampled,
     /// Frames of the plane less `extent` rows (axis 3) or columns (axis 4) on each side, which come
-    /// from `before` and `after` ([`Halo`]'s edges, cache frames first; `conv_to_ndhwc_halo`).
+    /// from `before` and `after` ([`Halo`]'s edges, cache frames first; 0: zeros;
+    /// `conv_to_ndhwc_halo`).
     Haloed {
         before: u64,
         after: u64,
@@ -594,8 +618,8 @@ fn to_ndhwc(
     }
     // SAFETY: x holds B·C·x_frames·(its frame) elements and cache B·C·cached·(its frame) (read only when
     // cached > 0), their frames [H, W] (plain), [H/2, W/2] (upsampled: the caller's geometry is the
-    // upsampled one) or the band [H − 2e, W] / [H, W − 2e] (haloed), and a halo's edges
-    // B·C·(cached + x_frames)·e·W or ·H·e each (checked by `conv3d_cached`); out B·F·plane·C; all of
+    // upsampled one) or the band [H − 2e, W] / [H, W − 2e] (haloed), and a halo's edges (those not
+    // null) B·C·(cached + x_frames)·e·W or ·H·e each (checked by `conv3d_cached`); out B·F·plane·C; all of
     // `dtype` (whose size the kernel's element type has), and the arguments in the kernel's order;
     // plane and C are multiples of the pack's elements, so every word access is aligned (buffers start
     // 256-byte aligned; the halo kernel and the upsampling load element by element).
@@ -943,19 +967,93 @@ pub(super) fn upsample_nearest2x(
     let backend = CudaBackend::get(src.ordinal)?;
     let out = backend.alloc(x.dtype(), 4 * n * h * w)?;
     if n * h * w > 0 {
-        let f = backend.function(
-            &SOURCE,
-            &format!("upsample_nearest2x_{}", suffix(x.dtype())),
-        )?;
+        let es = x.dtype().size_in_bytes();
+        // Rows of whole 8-byte words: a thread per word (the buffers start 256-byte aligned, so
+        // every row, and every word of it, is aligned); otherwise a thread per output element.
+        let words = (w * es).is_multiple_of(8);
+        let (name, threads) = if words {
+            (
+                format!("upsample_nearest2x_words_e{es}"),
+                2 * n * h * (w * es / 8),
+            )
+        } else {
+            (
+                format!("upsample_nearest2x_{}", suffix(x.dtype())),
+                4 * n * h * w,
+            )
+        };
+        let f = backend.function(&SOURCE, &name)?;
         let (xp, op_ptr) = (src.ptr(), out.ptr());
         let (n_i, h_i, w_i) = (n as i64, h as i64, w as i64);
         let mut launch = backend.stream.launch_builder(&f);
         launch.arg(&xp).arg(&op_ptr).arg(&n_i).arg(&h_i).arg(&w_i);
-        // SAFETY: x holds n·h·w elements and out 4·n·h·w, as the kernel indexes.
-        unsafe { launch.launch(grid_1d(4 * n * h * w)) }
+        // SAFETY: x holds n·h·w elements and out 4·n·h·w of x's dtype (whose size the kernel's
+        // element type has), as both kernels index; the word kernel runs only on rows of whole
+        // 8-byte words.
+        unsafe { launch.launch(grid_1d(threads)) }
             .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok(Tensor::from_cuda(out, out_shape))
+}
+
+/// The GPU side of [`crate::halo_edges`] (arguments checked there; `cache` has frames): both edges
+/// of cache ++ x along `axis` from one `halo_edges` kernel of copy.cu.
+pub(super) fn halo_edges(
+    op: &'static str,
+    cache: Option<&Tensor>,
+    x: &Tensor,
+    axis: usize,
+    extent: usize,
+) -> Result<(Tensor, Tensor)> {
+    let src = x.cuda_storage(op)?;
+    let backend = CudaBackend::get(src.ordinal)?;
+    let &[b, c, frames, h, w] = x.shape() else {
+        return Err(KernelError::shape(
+            op,
+            "x must be [B, C, T, H, W]",
+            &[x.shape()],
+        ));
+    };
+    let cached = cache.map_or(0, |t| t.shape()[2]);
+    let cache_ptr = match cache {
+        Some(t) => t.cuda_storage(op)?.ptr(),
+        None => 0,
+    };
+    let mut edge_shape = vec![b, c, cached + frames, h, w];
+    edge_shape[axis] = extent;
+    let numel: usize = edge_shape.iter().product();
+    let outs = [
+        backend.alloc(x.dtype(), numel)?,
+        backend.alloc(x.dtype(), numel)?,
+    ];
+    // Rows: each frame's edge is `extent` whole rows, one run; columns: `extent` elements per row.
+    let (runs, run, stride, last) = match axis {
+        3 => (1, extent * w, 0, (h - extent) * w),
+        _ => (h, extent, w, w - extent),
+    };
+    let geometry = crate::cuda::EdgeRuns {
+        slabs: b * c,
+        cached,
+        frames,
+        plane: h * w,
+        runs,
+        run,
+        stride,
+        start: [0, last],
+    };
+    crate::cuda::halo_edges(
+        op,
+        &backend,
+        (src.ptr(), cache_ptr),
+        [outs[0].ptr(), outs[1].ptr()],
+        geometry,
+        x.dtype().size_in_bytes(),
+    )?;
+    let [first, last] = outs;
+    Ok((
+        Tensor::from_cuda(first, &edge_shape),
+        Tensor::from_cuda(last, &edge_shape),
+    ))
 }
 
 #[cfg(test)]

@@ -111,7 +111,10 @@ fn run(
     operands.extend(bias);
     operands.extend(cache);
     operands.extend(residual);
-    operands.extend(halo.iter().flat_map(|h| [h.before, h.after]));
+    operands.extend(
+        halo.iter()
+            .flat_map(|h| h.before.into_iter().chain(h.after)),
+    );
     match same_device(op, &operands)? {
         Device::Cpu => {
             let input = match cache {
@@ -120,7 +123,12 @@ fn run(
             };
             // The definition: the band between its halos (each holds the cache's frames, then x's).
             let input = match halo {
-                Some(h) => Tensor::concat(&[h.before, &input, h.after], h.axis)?,
+                Some(h) => {
+                    let cached = cache.map_or(0, |c| c.shape()[2]);
+                    let before = h.edge_or_zeros(0, x, cached, x.dtype())?;
+                    let after = h.edge_or_zeros(1, x, cached, x.dtype())?;
+                    Tensor::concat(&[&before, &input, &after], h.axis)?
+                }
                 None => input,
             };
             // The definition: upsample, then convolve (the CUDA path reads the upsampling in place).
@@ -364,11 +372,86 @@ fn cache_frames(op: &'static str, x: &Tensor, cache: Option<&Tensor>) -> Result<
 pub struct Halo<'a> {
     /// The split axis of [B, C, T, H, W]: 3 (rows) or 4 (columns).
     pub axis: usize,
+    /// Rows (columns) on each side, e ≥ 1.
+    pub extent: usize,
     /// The rows (columns) before the band, [B, C_in, T_c + T, e, W] (axis 3) or
-    /// [B, C_in, T_c + T, H, e] (axis 4): the cache's T_c frames first, then x's T.
-    pub before: &'a Tensor,
-    /// The rows (columns) after the band, shaped as `before`.
-    pub after: &'a Tensor,
+    /// [B, C_in, T_c + T, H, e] (axis 4): the cache's T_c frames first, then x's T. `None`: zeros
+    /// (the image's border), never written.
+    pub before: Option<&'a Tensor>,
+    /// The rows (columns) after the band, shaped as `before`; `None`: zeros.
+    pub after: Option<&'a Tensor>,
+}
+
+impl Halo<'_> {
+    /// The shape of an edge around x [B, C_in, T, H, W] with `cached` frames in front.
+    fn edge_shape(&self, x: &Tensor, cached: usize) -> Vec<usize> {
+        let mut shape = x.shape().to_vec();
+        shape[2] += cached;
+        shape[self.axis] = self.extent;
+        shape
+    }
+
+    /// The edge before (0) or after (1) as a tensor of `dtype` on `device`: zeros where it is `None`.
+    fn edge_or_zeros(
+        &self,
+        side: usize,
+        x: &Tensor,
+        cached: usize,
+        dtype: crate::DType,
+    ) -> Result<Tensor> {
+        match [self.before, self.after][side] {
+            Some(edge) => edge.to_dtype(dtype),
+            None => Tensor::zeros(&self.edge_shape(x, cached), dtype, x.device()),
+        }
+    }
+}
+
+/// What a parallel-VAE rank sends its neighbours before a conv: the first and the last `extent` rows
+/// (axis 3) or columns (axis 4) of `cache` [B, C, T_c, H, W] (optional) followed by x [B, C, T, H, W]
+/// along T → (first, last), each [B, C, T_c + T, e, W] or [B, C, T_c + T, H, e], the cache's frames
+/// first: a neighbour's [`Halo`] edges. On the GPU both come from one kernel (the narrows and the
+/// join along T would take six copies).
+pub fn halo_edges(
+    cache: Option<&Tensor>,
+    x: &Tensor,
+    axis: usize,
+    extent: usize,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "halo_edges";
+    expect_rank(OP, "x [B, C, T, H, W]", x, 5)?;
+    let cached = cache_frames(OP, x, cache)?;
+    if axis != 3 && axis != 4 {
+        return Err(KernelError::arg(
+            OP,
+            "axis",
+            axis,
+            "a halo lies along H (3) or W (4)",
+        ));
+    }
+    let along = x.shape()[axis];
+    if extent == 0 || extent > along {
+        return Err(KernelError::arg(
+            OP,
+            "extent",
+            extent,
+            format!("between 1 and x's {along} along axis {axis}"),
+        ));
+    }
+    let cache = cache.filter(|_| cached > 0);
+    match x.device() {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::halo_edges(OP, cache, x, axis, extent),
+        _ => {
+            let edge = |start: usize| -> Result<Tensor> {
+                let rows = x.narrow(axis, start, extent)?;
+                match cache {
+                    Some(c) => Tensor::concat(&[&c.narrow(axis, start, extent)?, &rows], 2),
+                    None => Ok(rows),
+                }
+            };
+            Ok((edge(0)?, edge(along - extent)?))
+        }
+    }
 }
 
 /// Checks `halo` against x [B, C_in, T, H, W] and the cache's `cached` frames; returns its extent e.
@@ -381,20 +464,25 @@ fn halo_extent(op: &'static str, x: &Tensor, cached: usize, halo: &Halo) -> Resu
             "a halo lies along H (3) or W (4)",
         ));
     }
-    let xs = x.shape();
-    let bs = halo.before.shape();
-    let mut expected = xs.to_vec();
-    expected[2] += cached;
-    expected[halo.axis] = bs.get(halo.axis).copied().unwrap_or(0);
-    if bs != expected.as_slice() || halo.after.shape() != bs || expected[halo.axis] == 0 {
-        return Err(KernelError::shape(
+    if halo.extent == 0 {
+        return Err(KernelError::arg(
             op,
-            "halo edges must be [B, C_in, T_c + T, e, W] (axis 3) or [B, C_in, T_c + T, H, e] \
-             (axis 4), both alike, e ≥ 1",
-            &[xs, bs, halo.after.shape()],
+            "halo.extent",
+            0,
+            "a halo has at least one row (column) on each side",
         ));
     }
-    for (name, t) in [("halo.before", halo.before), ("halo.after", halo.after)] {
+    let expected = halo.edge_shape(x, cached);
+    for (name, edge) in [("halo.before", halo.before), ("halo.after", halo.after)] {
+        let Some(t) = edge else { continue };
+        if t.shape() != expected.as_slice() {
+            return Err(KernelError::shape(
+                op,
+                "halo edges must be [B, C_in, T_c + T, e, W] (axis 3) or [B, C_in, T_c + T, H, e] \
+                 (axis 4)",
+                &[x.shape(), t.shape(), &expected],
+            ));
+        }
         if t.dtype() != x.dtype() {
             return Err(KernelError::DTypeMismatch {
                 op,
@@ -404,7 +492,7 @@ fn halo_extent(op: &'static str, x: &Tensor, cached: usize, halo: &Halo) -> Resu
             });
         }
     }
-    Ok(expected[halo.axis])
+    Ok(halo.extent)
 }
 
 /// Conv3d, stride 1, of `cache` [B, C_in, T_c, H, W] (frames in front, optional) followed by

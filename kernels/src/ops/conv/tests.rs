@@ -194,8 +194,8 @@ fn conv3d_cached_pads_each_side_as_asked() -> Result<()> {
 }
 
 /// With a halo, the input is the halo's edges around cache ++ x along its axis (each edge holds the
-/// cache's frames, then x's), for rows and for columns, against the naive conv of that explicit
-/// join; edges of the wrong shape or axis are refused.
+/// cache's frames, then x's; a missing one is zeros), for rows and for columns, against the naive
+/// conv of that explicit join; edges of the wrong shape, axis or extent are refused.
 #[test]
 fn conv3d_cached_reads_a_halo_around_the_band() -> Result<()> {
     let cache = randn(&[1, 3, 2, 4, 5], 65);
@@ -207,33 +207,47 @@ fn conv3d_cached_reads_a_halo_around_the_band() -> Result<()> {
         (4, [1, 3, 5, 4, 1], ([0, 1, 0], [0, 1, 0])),
     ] {
         let (before, after) = (randn(&edge, 69), randn(&edge, 70));
-        let halo = Halo {
-            axis,
-            before: &before,
-            after: &after,
-        };
-        let out = conv3d_cached(&x, &w, Some(&bias), Some(&cache), Some(&halo), pads, None)?;
-        let joined = Tensor::concat(&[&before, &Tensor::concat(&[&cache, &x], 2)?, &after], axis)?;
-        let (padded, dims) = pad(&joined, pads.0, pads.1)?;
-        let (expect, _) = naive_valid_conv3d((&padded, dims), &w, Some(&bias), [1, 1, 1])?;
-        assert_eq!(out.shape(), [1, 2, 3, 4, 5], "axis {axis}");
-        assert_close_slices(&out.to_vec_f32()?, &expect, ATOL, 0.0);
+        let zeros = Tensor::zeros(&edge, DType::F32, Device::Cpu)?;
+        // Both edges, and a border on either side (a missing edge is zeros).
+        for (b, a) in [
+            (Some(&before), Some(&after)),
+            (None, Some(&after)),
+            (Some(&before), None),
+        ] {
+            let halo = Halo {
+                axis,
+                extent: 1,
+                before: b,
+                after: a,
+            };
+            let out = conv3d_cached(&x, &w, Some(&bias), Some(&cache), Some(&halo), pads, None)?;
+            let band = Tensor::concat(&[&cache, &x], 2)?;
+            let joined = Tensor::concat(&[b.unwrap_or(&zeros), &band, a.unwrap_or(&zeros)], axis)?;
+            let (padded, dims) = pad(&joined, pads.0, pads.1)?;
+            let (expect, _) = naive_valid_conv3d((&padded, dims), &w, Some(&bias), [1, 1, 1])?;
+            assert_eq!(out.shape(), [1, 2, 3, 4, 5], "axis {axis}");
+            assert_close_slices(&out.to_vec_f32()?, &expect, ATOL, 0.0);
+        }
         let short = before.narrow(2, 1, 4)?; // x's frames only: the cache's are missing
         let bad = Halo {
-            before: &short,
-            after: &short,
+            before: Some(&short),
+            after: None,
             axis,
+            extent: 1,
         };
         assert!(conv3d_cached(&x, &w, None, Some(&cache), Some(&bad), pads, None).is_err());
     }
     let edge = randn(&[1, 3, 5, 1, 5], 71);
-    let bad = Halo {
-        axis: 2,
-        before: &edge,
-        after: &edge,
-    };
     let pads = ([0, 0, 1], [0, 0, 1]);
-    assert!(conv3d_cached(&x, &w, None, Some(&cache), Some(&bad), pads, None).is_err());
+    for (axis, extent) in [(2, 1), (3, 0), (3, 2)] {
+        let bad = Halo {
+            axis,
+            extent,
+            before: Some(&edge),
+            after: Some(&edge),
+        };
+        assert!(conv3d_cached(&x, &w, None, Some(&cache), Some(&bad), pads, None).is_err());
+    }
     Ok(())
 }
 
@@ -318,6 +332,28 @@ fn conv_shape_errors() {
     assert!(causal_conv3d(&x, &w_even, None, None).is_err());
     let w_big = randn(&[2, 3, 1, 7, 7], 73);
     assert!(conv3d(&x, &w_big, None, [1, 1, 1], [0, 0, 0]).is_err());
+}
+
+/// `halo_edges` gives the first and last rows (columns) of cache ++ x, the cache's frames first, and
+/// refuses an extent of 0 or past the band, another axis, and a cache of another size, naming them.
+#[test]
+fn halo_edges_are_the_joined_edges() -> Result<()> {
+    let x = randn(&[1, 2, 2, 4, 5], 95);
+    let cache = randn(&[1, 2, 1, 4, 5], 96);
+    let joined = Tensor::concat(&[&cache, &x], 2)?;
+    let (first, last) = halo_edges(Some(&cache), &x, 3, 1)?;
+    assert_eq!(first.to_vec_f32()?, joined.narrow(3, 0, 1)?.to_vec_f32()?);
+    assert_eq!(last.to_vec_f32()?, joined.narrow(3, 3, 1)?.to_vec_f32()?);
+    let (first, last) = halo_edges(None, &x, 4, 2)?;
+    assert_eq!(first.shape(), [1, 2, 2, 4, 2]);
+    assert_eq!(last.to_vec_f32()?, x.narrow(4, 3, 2)?.to_vec_f32()?);
+    for (axis, extent, what) in [(3, 0, "extent"), (3, 5, "extent"), (2, 1, "axis")] {
+        let err = halo_edges(None, &x, axis, extent).unwrap_err().to_string();
+        assert!(err.contains(what), "{err}");
+    }
+    let wrong = randn(&[1, 2, 1, 3, 5], 97);
+    assert!(halo_edges(Some(&wrong), &x, 3, 1).is_err());
+    Ok(())
 }
 
 /// The upsampled causal conv is the causal conv of the upsampled input (and cache), bit for bit, for

@@ -1326,6 +1326,80 @@ fn conv3d_cached_halo_matches_joined() -> Result<()> {
     Ok(())
 }
 
+/// `conv3d_cached_upsampled` with a halo of x's resolution (the parallel VAE's upsampling convs: the
+/// channels-last transpose reads the upsampling and the halo in place, `conv_to_ndhwc_halo_up2`;
+/// the other paths join, upsample and cut) is bit-identical on the GPU to `conv3d_cached` of the
+/// explicitly joined, upsampled and cut input, on every path: the upsamplers' 1×3×3 kernel on rows
+/// and columns, a 3×3×3 one with cached frames, a missing edge (zeros), odd and even channel counts,
+/// f32 and bf16.
+#[test]
+fn conv3d_cached_upsampled_halo_matches_joined() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    for dtype in [DType::F32, DType::BF16] {
+        for (axis, c_in, kt, cached, hw) in [
+            // Upsampled widths of 16 and 8 hold whole 16-byte chunks (8 bf16, 4 f32): the height
+            // split's word path; 12 only in f32; the width split goes element by element.
+            (3, 16, 1, 0, [4, 8]),
+            (3, 5, 1, 0, [3, 4]),
+            (4, 16, 1, 0, [4, 8]),
+            (3, 8, 3, 2, [3, 6]),
+            (4, 7, 3, 1, [3, 5]),
+        ] {
+            let frames = 2;
+            let x = randn(&[1, c_in, frames, hw[0], hw[1]], dtype, 160).to_device(dev)?;
+            let w = randn(&[8, c_in, kt, 3, 3], dtype, 161).to_device(dev)?;
+            let b = randn(&[8], dtype, 162).to_device(dev)?;
+            let cache = (cached > 0)
+                .then(|| randn(&[1, c_in, cached, hw[0], hw[1]], dtype, 163).to_device(dev))
+                .transpose()?;
+            let mut edge = vec![1, c_in, cached + frames, hw[0], hw[1]];
+            edge[axis] = 1;
+            let before = randn(&edge, dtype, 164).to_device(dev)?;
+            let after = randn(&edge, dtype, 165).to_device(dev)?;
+            // Odd channel counts stand for a border rank: no edge before (zeros).
+            let halo = k::Halo {
+                axis,
+                extent: 1,
+                before: (c_in % 2 == 0).then_some(&before),
+                after: Some(&after),
+            };
+            let before = match halo.before {
+                Some(_) => before.clone(),
+                None => k::Tensor::zeros(&edge, dtype, dev)?,
+            };
+            let mut pads = ([kt - 1 - cached.min(kt - 1), 1, 1], [0, 1, 1]);
+            pads.0[axis - 2] = 0;
+            pads.1[axis - 2] = 0;
+            let band = match &cache {
+                Some(c) => k::Tensor::concat(&[c, &x], 2)?,
+                None => x.clone(),
+            };
+            let up = k::upsample_nearest2x(&k::Tensor::concat(&[&before, &band, &after], axis)?)?;
+            let cut = up.narrow(axis, 1, up.shape()[axis] - 2)?;
+            for (algo, label) in CONV_PATHS {
+                let haloed = with_conv_algo(algo, || {
+                    k::conv3d_cached_upsampled(&x, &w, Some(&b), cache.as_ref(), Some(&halo), pads)
+                })?;
+                let joined = with_conv_algo(algo, || {
+                    k::conv3d_cached(&cut, &w, Some(&b), None, None, pads, None)
+                })?;
+                assert_eq!(haloed.shape(), joined.shape(), "{label}");
+                let differing = differing_bits(&haloed, &joined)?;
+                println!(
+                    "PARITY\tconv3d_cached_upsampled halo {label} vs joined gpu\t{}\taxis {axis} c_in {c_in} kt {kt} cached {cached} {hw:?}\t{differing} differing\texact",
+                    name(dtype),
+                );
+                assert_eq!(
+                    differing, 0,
+                    "{label} {dtype:?} axis {axis} c_in {c_in}: haloed differs"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `halo_edges` (both edges of cache ++ x from one kernel) is bit-identical on the GPU to the CPU's
 /// narrows and join: rows and columns, extents 1 and 2, with and without cached frames, widths that
 /// take 16-byte words (16) and ones that take elements (10, 7 columns), f32 and bf16.

@@ -20,7 +20,10 @@
 //! full copy of both per conv: 2-GPU profiles on the H200 put that at ~245 ms of a 965 ms 480p decode
 //! per rank, against 17–38 ms for the NCCL swaps themselves. The residual blocks' last conv adds its
 //! shortcut in the conv's epilogue, as the unsharded decode does, rather than writing the conv's
-//! output and adding in a separate pass.
+//! output and adding in a separate pass. The upsamplers' convs read x's nearest ×2 upsampling in
+//! place (`conv3d_cached_upsampled`), as the unsharded decode does: the neighbours swap their edge
+//! row of x before the upsampling (which is the upsampled band's halo row, doubled along the
+//! other axis), and the upsampled band is never written.
 //!
 //! **Spans.** The conv, its halo exchange (`waited` when host-waited; the swap itself, without the
 //! edge copies around it, is `parallel_vae_halo_nccl`), the attention and its
@@ -73,8 +76,8 @@ use ditstream_common::collectives::CollectiveError;
 use ditstream_common::collectives::wire::TensorWire;
 use ditstream_common::config::VaeSplitDim;
 use ditstream_kernels::{
-    AttentionOptions, DType, Device, Halo, Tensor, attention, conv3d_cached, halo_edges,
-    upsample_nearest2x,
+    AttentionOptions, DType, Device, Halo, Tensor, attention, conv3d_cached,
+    conv3d_cached_upsampled, halo_edges,
 };
 
 use super::shard::Shard;
@@ -136,10 +139,12 @@ impl<C: TensorWire + Send> HaloOps<'_, C> {
     /// `residual` (the output's shape, this rank's band) when given, added in the conv's epilogue
     /// as [`Unsharded`]'s `causal_conv3d_residual` adds it (the kernels crate's `conv3d_cached`: the
     /// same bits as the conv then `add`, without writing the conv's output and reading it back).
+    /// With `upsampled` (no cache, no residual: the upsamplers' conv) it is
+    /// `causal_conv3d_upsampled`: the conv of x's nearest ×2 upsampling (`conv3d_cached_upsampled`).
     /// `kind` labels the span ("", "+up2", "+res").
     fn conv(
         &self,
-        x: &Tensor,
+        (x, upsampled): (&Tensor, bool),
         weight: &Tensor,
         bias: Option<&Tensor>,
         cache: Option<&Tensor>,
@@ -155,12 +160,16 @@ impl<C: TensorWire + Send> HaloOps<'_, C> {
         } else {
             [ws[2], ws[3], ws[4]]
         };
+        // Rows of the conv's input on each side; an upsampled conv's come from half as many of x's.
         let halo = kernel[axis - 2] / 2;
+        let rows_sent = if upsampled { halo.div_ceil(2) } else { halo };
         // Host-side markers for the benchmark's per-rank breakdown (bench/src/bin/vae_decode.rs
-        // reads them through a tracing layer); no cost without a subscriber.
-        let xs = x.shape();
-        let _span = match (ws, xs) {
+        // reads them through a tracing layer); no cost without a subscriber. Sizes of the conv's
+        // input (upsampled where it is).
+        let scale = if upsampled { 2 } else { 1 };
+        let _span = match (ws, x.shape()) {
             (&[c_out, c_in, kt, kh, kw], &[_, _, t, h, w]) => {
+                let (h, w) = (h * scale, w * scale);
                 tracing::debug_span!("parallel_vae_conv", c_in, c_out, kt, kh, kw, t, h, w, kind,)
             }
             _ => tracing::Span::none(),
@@ -169,14 +178,15 @@ impl<C: TensorWire + Send> HaloOps<'_, C> {
         // No neighbourhood along the split axis (1×1 convs, time_conv, a single rank), or arguments the
         // kernel's own checks reject (even kernels, too many cached frames): nothing to exchange.
         if plain || halo == 0 || kernel.iter().any(|k| k % 2 == 0) || cached >= kernel[0] {
-            return match residual {
-                Some(residual) => {
+            return match (residual, upsampled) {
+                (Some(residual), _) => {
                     Unsharded.causal_conv3d_residual(x, weight, bias, cache, residual)
                 }
-                None => Unsharded.causal_conv3d(x, weight, bias, cache),
+                (None, true) => Unsharded.causal_conv3d_upsampled(x, weight, bias),
+                (None, false) => Unsharded.causal_conv3d(x, weight, bias, cache),
             };
         }
-        let shape_key = shape_key(x, &[[cached].as_slice(), ws].concat());
+        let shape_key = shape_key(x, &[&[cached], ws, &[usize::from(upsampled)]].concat());
         let ordered = self.ordered && warm_shapes().contains(&shape_key);
         let cache = cache.filter(|_| cached > 0);
         let (before, after) = {
@@ -186,7 +196,7 @@ impl<C: TensorWire + Send> HaloOps<'_, C> {
                 tracing::debug_span!("parallel_vae_halo_waited")
             }
             .entered();
-            exchange_halo(&*self.comm(), &self.shard, cache, x, halo, ordered)?
+            exchange_halo(&*self.comm(), &self.shard, cache, x, rows_sent, ordered)?
         };
         let halo = Halo {
             axis,
@@ -199,7 +209,11 @@ impl<C: TensorWire + Send> HaloOps<'_, C> {
         let mut back = [0, kernel[1] / 2, kernel[2] / 2];
         front[axis - 2] = 0;
         back[axis - 2] = 0;
-        let out = conv3d_cached(x, weight, bias, cache, Some(&halo), (front, back), residual)?;
+        let pads = (front, back);
+        let out = match upsampled {
+            true => conv3d_cached_upsampled(x, weight, bias, cache, Some(&halo), pads)?,
+            false => conv3d_cached(x, weight, bias, cache, Some(&halo), pads, residual)?,
+        };
         if self.ordered && !ordered {
             warm_shapes().insert(shape_key); // its first run (and any GPU wait in it) is over
         }
@@ -216,19 +230,19 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
         bias: Option<&Tensor>,
         cache: Option<&Tensor>,
     ) -> Result<Tensor> {
-        self.conv(x, weight, bias, cache, None, "")
+        self.conv((x, false), weight, bias, cache, None, "")
     }
 
-    /// See the trait: the upsampling, then the halo conv of the upsampled band (its halo is of the
-    /// upsampled rows). The kernels' fused op would read the upsampling in place, but only with the
-    /// causal padding on both spatial axes, not with halo rows in place of the split axis' padding.
+    /// See the trait: the halo conv of the upsampled band. The neighbours swap their edge rows of x
+    /// (before the upsampling: a quarter of the upsampled rows' bytes), and the kernels'
+    /// `conv3d_cached_upsampled` reads the upsampling and the halo in place.
     fn causal_conv3d_upsampled(
         &self,
         x: &Tensor,
         weight: &Tensor,
         bias: Option<&Tensor>,
     ) -> Result<Tensor> {
-        self.conv(&upsample_nearest2x(x)?, weight, bias, None, None, "+up2")
+        self.conv((x, true), weight, bias, None, None, "+up2")
     }
 
     /// See the trait; x, cache and residual hold this rank's band, and so does the output.
@@ -240,7 +254,7 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
         cache: Option<&Tensor>,
         residual: &Tensor,
     ) -> Result<Tensor> {
-        self.conv(x, weight, bias, cache, Some(residual), "+res")
+        self.conv((x, false), weight, bias, cache, Some(residual), "+res")
     }
 
     /// See the trait; q, k, v hold this rank's tokens (its band of each frame, row-major), and so

@@ -22,7 +22,8 @@ mod ulysses;
 pub use attention::{AttentionOptions, attention, lse_combine, lse_merge_pair};
 pub use conv::{
     Halo, causal_conv3d, causal_conv3d_residual, causal_conv3d_upsampled, channels_to_frames,
-    conv2d, conv3d, conv3d_cached, conv3d_channels_last, halo_edges, upsample_nearest2x,
+    conv2d, conv3d, conv3d_cached, conv3d_cached_upsampled, conv3d_channels_last, halo_edges,
+    upsample_nearest2x,
 };
 pub use elementwise::{
     add, affine, clamp, gated_residual, gelu_tanh, modulate, mul, scale, silu, sub,

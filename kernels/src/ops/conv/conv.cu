@@ -360,50 +360,73 @@ __device__ void conv_to_ndhwc(const U* x, const U* cache, U* out, i64 batch, i64
 // come from `before` and last `halo` from `after`, each [B, C, cached + x_frames, eh, ew] (the cache's
 // frames first, then x's; [eh, ew] = [halo, width] or [height, halo]), and the rest from the cache
 // and x frames of [height, width] less the halos; a null edge (the image's border) reads as zeros.
-// Zero frames stay zero, halo included. The bits equal
-// those of concatenating before, the band and after along the axis first, without that copy. A height
-// split whose width is a multiple of a chunk loads whole chunks of one row in words (as the plain
-// join does); other splits load element by element.
-template <typename U, int PACK>
+// Zero frames stay zero, halo included. The bits equal those of concatenating before, the band and
+// after along the axis first, without that copy. A height split whose width is a multiple of a chunk
+// loads whole chunks of one row in words (as the plain join does); other splits load element by
+// element.
+//
+// UP (conv_to_ndhwc_halo_up2): the same join of the nearest ×2 upsampling, read in place. The band
+// frames are [(height − 2·halo) / 2, width / 2] (rows) or [height / 2, (width − 2·halo) / 2]
+// (columns), and the edges hold ⌈halo / 2⌉ rows (columns) of that resolution: the haloed frame's
+// first `halo` rows are the last `halo` of before's upsampling, its last `halo` the first of
+// after's. A height split whose width is a multiple of a chunk reads 8-byte words of a source row and
+// writes each element twice (as upsample_nearest2x_words); other splits go element by element.
+template <typename U, int PACK, bool UP>
 __device__ void conv_to_ndhwc_halo(const U* x, const U* cache, const U* before, const U* after, U* out,
                                    i64 batch, i64 channels, i64 zeros_front, i64 cached, i64 x_frames,
                                    i64 zeros_back, int height, int width, int halo, int axis) {
     constexpr int V = chunk_elems<U>(), TE = 8 * V;
+    constexpr int S = UP ? 1 : 0;  // source coordinate = haloed (upsampled) coordinate >> S
     TR_TILE(U);
     const i64 frames = zeros_front + cached + x_frames + zeros_back, joined = cached + x_frames;
     const i64 plane = (i64)height * width;
     const bool rows = axis == 3;
     const int band = (rows ? height : width) - 2 * halo;  // extent of the band along the axis
-    const int band_w = rows ? width : band;              // width of a band frame
-    const i64 band_plane = rows ? (i64)band * width : (i64)height * band;
-    const i64 edge_plane = rows ? (i64)halo * width : (i64)height * halo;
-    const int edge_w = rows ? width : halo;
+    const int edge_rows = UP ? (halo + 1) / 2 : halo;     // an edge's extent along the axis (source)
+    // The sources' frames: [band rows, band_w] and [edge rows, edge_w] (rows split) or their transposes.
+    const int band_w = rows ? width >> S : band >> S;
+    const i64 band_plane = rows ? (i64)(band >> S) * (width >> S) : (i64)(height >> S) * (band >> S);
+    const i64 edge_plane = rows ? (i64)edge_rows * (width >> S) : (i64)(height >> S) * edge_rows;
+    const int edge_w = rows ? width >> S : edge_rows;
     const i64 r0 = (i64)blockIdx.x * TE;  // channel tile
     for (i64 s = blockIdx.z; s < batch * frames; s += gridDim.z) {
         const i64 b = s / frames, fc = s % frames - zeros_front, fx = fc - cached;
         const bool data = fc >= 0 && fc < joined;
-        // Row r of channel c's haloed frame: its source row (an edge's or the band's), nullptr for zeros.
+        // Row r of channel c's haloed frame (a height split): its source row (an edge's or the
+        // band's, of width >> S), nullptr for zeros.
         auto source_row = [&](i64 c, int r) -> const U* {
             if (!data || c >= channels) return nullptr;
+            const i64 src_w = width >> S;
             if (r < halo) {
+                const int e = (UP ? 2 * edge_rows - halo + r : r) >> S;
                 return before == nullptr ? nullptr
-                                         : before + ((b * channels + c) * joined + fc) * edge_plane + (i64)r * width;
+                                         : before + ((b * channels + c) * joined + fc) * edge_plane + e * src_w;
             }
             if (r >= halo + band) {
-                return after == nullptr
-                           ? nullptr
-                           : after + ((b * channels + c) * joined + fc) * edge_plane + (i64)(r - halo - band) * width;
+                const int e = (r - halo - band) >> S;
+                return after == nullptr ? nullptr
+                                        : after + ((b * channels + c) * joined + fc) * edge_plane + e * src_w;
             }
-            const i64 at = (i64)(r - halo) * width;
+            const i64 at = (i64)((r - halo) >> S) * src_w;
             return fx < 0 ? cache + ((b * channels + c) * cached + fc) * band_plane + at
                           : x + ((b * channels + c) * x_frames + fx) * band_plane + at;
         };
         auto load = [&](i64 c, i64 k) -> Chunk<U> {
             if (rows && width % V == 0) {
                 // A height split whose rows hold whole chunks: the chunk is one run of one source row,
-                // read in words of PACK (its offset, a multiple of the width, keeps them aligned).
-                return load_chunk<U, PACK>(k < plane ? source_row(c, (int)(k / width)) : nullptr,
-                                           k % width, width);
+                // read in words (its offset, a multiple of the width, keeps them aligned).
+                const U* row = k < plane ? source_row(c, (int)(k / width)) : nullptr;
+                if constexpr (!UP) {
+                    return load_chunk<U, PACK>(row, k % width, width);
+                } else {
+                    // V / 2 source pixels, 8 bytes, each written twice (upsample_nearest2x_words).
+                    Chunk<U> w;
+                    Word<U, V / 2> h;
+                    h.word = row == nullptr ? 0 : *reinterpret_cast<const typename Bits<8>::T*>(row + k % width / 2);
+#pragma unroll
+                    for (int j = 0; j < V / 2; ++j) w.elem[2 * j] = w.elem[2 * j + 1] = h.elem[j];
+                    return w;
+                }
             }
             Chunk<U> w;
             int r = (int)(k / width), col = (int)(k % width);  // of pixel k, then stepped (plane < 2³¹)
@@ -412,16 +435,20 @@ __device__ void conv_to_ndhwc_halo(const U* x, const U* cache, const U* before, 
                 const i64 kk = k + j;
                 U v = U(0);
                 if (data && c < channels && kk < plane) {
-                    const int a = rows ? r : col;  // coordinate along the split axis
+                    const int a = rows ? r : col;      // coordinate along the split axis
+                    const int o = (rows ? col : r) >> S;  // source coordinate along the other axis
                     if (a < halo || a >= halo + band) {
-                        const U* edge = a < halo ? before : after;
-                        const int e = a < halo ? a : a - halo - band;
-                        const int er = rows ? e : r, ec = rows ? col : e;
+                        const bool first = a < halo;
+                        const U* edge = first ? before : after;
+                        // Upsampled: before's upsampling ends at the band, after's starts there.
+                        const int e = first ? (UP ? 2 * edge_rows - halo + a : a) : a - halo - band;
+                        const int er = rows ? e >> S : o, ec = rows ? o : e >> S;
                         if (edge != nullptr) {
                             v = edge[((b * channels + c) * joined + fc) * edge_plane + (i64)er * edge_w + ec];
                         }
                     } else {
-                        const int br = rows ? r - halo : r, bc = rows ? col : col - halo;
+                        const int ab = (a - halo) >> S;  // band source coordinate along the axis
+                        const int br = rows ? ab : o, bc = rows ? o : ab;
                         const i64 at = (i64)br * band_w + bc;
                         v = fx < 0 ? cache[((b * channels + c) * cached + fc) * band_plane + at]
                                    : x[((b * channels + c) * x_frames + fx) * band_plane + at];
@@ -458,8 +485,15 @@ __device__ void conv_to_ndhwc_halo(const U* x, const U* cache, const U* before, 
         const U* x, const U* cache, const U* before, const U* after, U* out, i64 batch, i64 channels, \
         i64 zeros_front, i64 cached, i64 x_frames, i64 zeros_back, int height, int width, int halo,   \
         int axis) {                                                                                   \
-        conv_to_ndhwc_halo<U, PACK>(x, cache, before, after, out, batch, channels, zeros_front,       \
-                                    cached, x_frames, zeros_back, height, width, halo, axis);         \
+        conv_to_ndhwc_halo<U, PACK, false>(x, cache, before, after, out, batch, channels, zeros_front, \
+                                           cached, x_frames, zeros_back, height, width, halo, axis);  \
+    }                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(TR_THREADS) conv_to_ndhwc_halo_up2_##NAME(  \
+        const U* x, const U* cache, const U* before, const U* after, U* out, i64 batch, i64 channels, \
+        i64 zeros_front, i64 cached, i64 x_frames, i64 zeros_back, int height, int width, int halo,   \
+        int axis) {                                                                                   \
+        conv_to_ndhwc_halo<U, PACK, true>(x, cache, before, after, out, batch, channels, zeros_front,  \
+                                          cached, x_frames, zeros_back, height, width, halo, axis);   \
     }
 // Instances per element size (e2, e4) and word: p1, p2, pw (a whole 16-byte chunk).
 TO_NDHWC_HALO(e2_p1, unsigned short, 1)

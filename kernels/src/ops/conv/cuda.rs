@@ -219,35 +219,24 @@ pub(super) fn conv3d(
         }),
         None => None,
     };
-    if let Some(h) = halo.filter(|_| !in_place) {
-        // Only the channels-last transpose reads the halo in place (a missing edge as zeros): join
-        // it for the other paths, zeros made where an edge is missing.
-        let (axis, frames) = (h.axis, xc.shape()[2]);
-        let before = h.edge_or_zeros(0, &xc, cached, dtype)?;
-        let after = h.edge_or_zeros(1, &xc, cached, dtype)?;
-        xc = Tensor::concat(
-            &[
-                &before.narrow(2, cached, frames)?,
-                &xc,
-                &after.narrow(2, cached, frames)?,
-            ],
-            axis,
-        )?;
-        if let Some(c) = &cache {
-            cache = Some(Tensor::concat(
-                &[
-                    &before.narrow(2, 0, cached)?,
-                    c,
-                    &after.narrow(2, 0, cached)?,
-                ],
-                axis,
-            )?);
+    match halo.filter(|_| !in_place) {
+        // Only the channels-last transpose reads the halo (a missing edge as zeros) and the
+        // upsampling in place: join, upsample and cut them as the definition does for the others.
+        Some(h) => {
+            let frames = xc.shape()[2];
+            let joined = match &cache {
+                Some(c) => Tensor::concat(&[c, &xc], 2)?,
+                None => xc.clone(),
+            };
+            let joined = h.joined(&joined, &xc, cached, upsampled)?;
+            cache = cache.map(|_| joined.narrow(2, 0, cached)).transpose()?;
+            xc = joined.narrow(2, cached, frames)?;
         }
-    }
-    if upsampled && !in_place {
-        // Only the channels-last transpose reads the upsampling in place: materialise it for the rest.
-        xc = crate::upsample_nearest2x(&xc)?;
-        cache = cache.map(|c| crate::upsample_nearest2x(&c)).transpose()?;
+        None if upsampled && !in_place => {
+            xc = crate::upsample_nearest2x(&xc)?;
+            cache = cache.map(|c| crate::upsample_nearest2x(&c)).transpose()?;
+        }
+        None => {}
     }
     let up = upsampled && in_place;
     // The epilogue's add equals the `add` op only where nothing is rounded after it: the conv's dtype
@@ -373,6 +362,7 @@ fn ndhwc_conv3d(
             after: edge_ptr(&h.after)?,
             extent: h.extent,
             axis: h.axis,
+            upsampled,
         },
         None if upsampled => Source::Upsampled,
         None => Source::Plain,
@@ -511,12 +501,14 @@ enum Source {
     Upsampled,
     /// Frames of the plane less `extent` rows (axis 3) or columns (axis 4) on each side, which come
     /// from `before` and `after` ([`Halo`]'s edges, cache frames first; 0: zeros;
-    /// `conv_to_ndhwc_halo`).
+    /// `conv_to_ndhwc_halo`); `upsampled`: the band and the edges hold frames of half the
+    /// resolution, nearest ×2 upsampled on the fly (`conv_to_ndhwc_halo_up2`).
     Haloed {
         before: u64,
         after: u64,
         extent: usize,
         axis: usize,
+        upsampled: bool,
     },
 }
 
@@ -533,7 +525,12 @@ fn to_ndhwc_kernel(dtype: DType, pack: &str, source: Source) -> String {
     let kind = match source {
         Source::Plain => "",
         Source::Upsampled => "_up2",
-        Source::Haloed { .. } => "_halo",
+        Source::Haloed {
+            upsampled: false, ..
+        } => "_halo",
+        Source::Haloed {
+            upsampled: true, ..
+        } => "_halo_up2",
     };
     format!("conv_to_ndhwc{kind}_e{}_{pack}", dtype.size_in_bytes())
 }
@@ -582,6 +579,7 @@ fn to_ndhwc(
             after,
             extent,
             axis,
+            ..
         } => {
             // The kernel indexes a frame's pixels in 32 bits.
             let int = |name, v: usize| {
@@ -1086,13 +1084,19 @@ mod tests {
         let has = |name: &str| cubin.windows(name.len()).any(|w| w == name.as_bytes());
         for dtype in [DType::F32, DType::BF16] {
             for pack in ["p1", "p2", "pw"] {
-                let haloed = Source::Haloed {
+                let haloed = |upsampled| Source::Haloed {
                     before: 0,
                     after: 0,
                     extent: 1,
                     axis: 3,
+                    upsampled,
                 };
-                for source in [Source::Plain, Source::Upsampled, haloed] {
+                for source in [
+                    Source::Plain,
+                    Source::Upsampled,
+                    haloed(false),
+                    haloed(true),
+                ] {
                     assert!(
                         has(&to_ndhwc_kernel(dtype, pack, source)),
                         "{dtype:?} {pack} {source:?}"

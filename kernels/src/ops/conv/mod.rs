@@ -121,21 +121,12 @@ fn run(
                 Some(cache) => Tensor::concat(&[cache, x], 2)?,
                 None => x.clone(),
             };
-            // The definition: the band between its halos (each holds the cache's frames, then x's).
+            // The definition: the band between its halos (each holds the cache's frames, then x's),
+            // upsampled, then convolved (the CUDA path reads both in place).
             let input = match halo {
-                Some(h) => {
-                    let cached = cache.map_or(0, |c| c.shape()[2]);
-                    let before = h.edge_or_zeros(0, x, cached, x.dtype())?;
-                    let after = h.edge_or_zeros(1, x, cached, x.dtype())?;
-                    Tensor::concat(&[&before, &input, &after], h.axis)?
-                }
+                Some(h) => h.joined(&input, x, cache.map_or(0, |c| c.shape()[2]), upsampled)?,
+                None if upsampled => upsample_nearest2x(&input)?,
                 None => input,
-            };
-            // The definition: upsample, then convolve (the CUDA path reads the upsampling in place).
-            let input = if upsampled {
-                upsample_nearest2x(&input)?
-            } else {
-                input
             };
             let bias = bias.map(|b| b.cpu_f32(op)).transpose()?;
             let out = cpu::conv3d(
@@ -376,18 +367,29 @@ pub struct Halo<'a> {
     pub extent: usize,
     /// The rows (columns) before the band, [B, C_in, T_c + T, e, W] (axis 3) or
     /// [B, C_in, T_c + T, H, e] (axis 4): the cache's T_c frames first, then x's T. `None`: zeros
-    /// (the image's border), never written.
+    /// (the image's border), never written. For [`conv3d_cached_upsampled`] the edges are of x's
+    /// resolution, ⌈e/2⌉ rows (columns): the conv reads the e of their ×2 upsampling next to the band.
     pub before: Option<&'a Tensor>,
     /// The rows (columns) after the band, shaped as `before`; `None`: zeros.
     pub after: Option<&'a Tensor>,
 }
 
 impl Halo<'_> {
+    /// Rows (columns) each edge holds: the extent, or ⌈extent/2⌉ of x's resolution for an
+    /// `upsampled` conv.
+    fn edge_rows(&self, upsampled: bool) -> usize {
+        if upsampled {
+            self.extent.div_ceil(2)
+        } else {
+            self.extent
+        }
+    }
+
     /// The shape of an edge around x [B, C_in, T, H, W] with `cached` frames in front.
-    fn edge_shape(&self, x: &Tensor, cached: usize) -> Vec<usize> {
+    fn edge_shape(&self, x: &Tensor, cached: usize, upsampled: bool) -> Vec<usize> {
         let mut shape = x.shape().to_vec();
         shape[2] += cached;
-        shape[self.axis] = self.extent;
+        shape[self.axis] = self.edge_rows(upsampled);
         shape
     }
 
@@ -397,12 +399,28 @@ impl Halo<'_> {
         side: usize,
         x: &Tensor,
         cached: usize,
-        dtype: crate::DType,
+        (dtype, upsampled): (crate::DType, bool),
     ) -> Result<Tensor> {
         match [self.before, self.after][side] {
             Some(edge) => edge.to_dtype(dtype),
-            None => Tensor::zeros(&self.edge_shape(x, cached), dtype, x.device()),
+            None => Tensor::zeros(&self.edge_shape(x, cached, upsampled), dtype, x.device()),
         }
+    }
+
+    /// The definition, on any device: `input` [B, C, T_c + T, H, W] (cache ++ x) between the edges
+    /// (zeros for a missing one) along the axis, upsampled ×2 when `upsampled` and then cut to
+    /// `extent` upsampled rows (columns) on each side.
+    fn joined(&self, input: &Tensor, x: &Tensor, cached: usize, upsampled: bool) -> Result<Tensor> {
+        let dtype = (input.dtype(), upsampled);
+        let before = self.edge_or_zeros(0, x, cached, dtype)?;
+        let after = self.edge_or_zeros(1, x, cached, dtype)?;
+        let joined = Tensor::concat(&[&before, input, &after], self.axis)?;
+        if !upsampled {
+            return Ok(joined);
+        }
+        let up = upsample_nearest2x(&joined)?;
+        let extra = 2 * self.edge_rows(true) - self.extent; // upsampled rows past the extent
+        up.narrow(self.axis, extra, up.shape()[self.axis] - 2 * extra)
     }
 }
 
@@ -455,7 +473,13 @@ pub fn halo_edges(
 }
 
 /// Checks `halo` against x [B, C_in, T, H, W] and the cache's `cached` frames; returns its extent e.
-fn halo_extent(op: &'static str, x: &Tensor, cached: usize, halo: &Halo) -> Result<usize> {
+fn halo_extent(
+    op: &'static str,
+    x: &Tensor,
+    cached: usize,
+    halo: &Halo,
+    upsampled: bool,
+) -> Result<usize> {
     if halo.axis != 3 && halo.axis != 4 {
         return Err(KernelError::arg(
             op,
@@ -472,7 +496,7 @@ fn halo_extent(op: &'static str, x: &Tensor, cached: usize, halo: &Halo) -> Resu
             "a halo has at least one row (column) on each side",
         ));
     }
-    let expected = halo.edge_shape(x, cached);
+    let expected = halo.edge_shape(x, cached, upsampled);
     for (name, edge) in [("halo.before", halo.before), ("halo.after", halo.after)] {
         let Some(t) = edge else { continue };
         if t.shape() != expected.as_slice() {
@@ -519,7 +543,7 @@ pub fn conv3d_cached(
     let mut input_shape = x.shape().to_vec();
     input_shape[2] += cached;
     if let Some(halo) = halo {
-        input_shape[halo.axis] += 2 * halo_extent(OP, x, cached, halo)?;
+        input_shape[halo.axis] += 2 * halo_extent(OP, x, cached, halo, false)?;
     }
     let geometry = geometry(
         OP,
@@ -540,6 +564,44 @@ pub fn conv3d_cached(
         ));
     }
     run(OP, cache, x, w, bias, &geometry, false, residual, halo)
+}
+
+/// [`conv3d_cached`] of the nearest ×2 upsampling (in H and W) of cache ++ x, with `halo`'s edges
+/// of x's resolution (⌈e/2⌉ rows or columns each, see [`Halo`]): the input is the upsampled band
+/// between the e upsampled rows (columns) next to it on each side, then padded; → [B, C_out, …] of
+/// that input's geometry, in x's dtype. The parallel VAE's upsampling convs: the neighbours send
+/// their edge rows before the upsampling (a quarter of the upsampled rows' bytes) and, on the CUDA
+/// channels-last path, the transpose reads the upsampling and the halo in place (neither the
+/// upsampled band nor the join is written). Equal inputs give the bits of upsampling the explicit
+/// join, cutting it to e rows per side and calling [`conv3d_cached`].
+pub fn conv3d_cached_upsampled(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    cache: Option<&Tensor>,
+    halo: Option<&Halo>,
+    (pad_front, pad_back): ([usize; 3], [usize; 3]),
+) -> Result<Tensor> {
+    const OP: &str = "conv3d_cached_upsampled";
+    expect_rank(OP, "x [B, C_in, T, H, W]", x, 5)?;
+    let cached = cache_frames(OP, x, cache)?;
+    let mut input_shape = x.shape().to_vec();
+    input_shape[2] += cached;
+    input_shape[3] *= 2;
+    input_shape[4] *= 2;
+    if let Some(halo) = halo {
+        input_shape[halo.axis] += 2 * halo_extent(OP, x, cached, halo, true)?;
+    }
+    let geometry = geometry(
+        OP,
+        &input_shape,
+        w.shape(),
+        bias,
+        [1, 1, 1],
+        pad_front,
+        pad_back,
+    )?;
+    run(OP, cache, x, w, bias, &geometry, true, None, halo)
 }
 
 /// Conv2d with symmetric zero padding (PyTorch `nn.Conv2d`, dilation 1, groups 1):

@@ -251,6 +251,59 @@ fn conv3d_cached_reads_a_halo_around_the_band() -> Result<()> {
     Ok(())
 }
 
+/// The upsampled conv with a halo of x's resolution is the conv of the explicit join, upsampled and
+/// cut to the halo's extent (one upsampled row or column of each edge next to the band), bit for
+/// bit: rows and columns, with and without cached frames, a missing edge (zeros), and its checks
+/// (edges at the upsampled size are refused).
+#[test]
+fn conv3d_cached_upsampled_reads_the_halo_at_x_resolution() -> Result<()> {
+    let x = randn(&[1, 3, 2, 4, 5], 72);
+    let bias = randn(&[2], 73);
+    for (axis, ws, cached) in [(3, [2, 3, 1, 3, 3], 0), (4, [2, 3, 3, 3, 3], 2)] {
+        let w = randn(&ws, 74);
+        let cache = (cached > 0).then(|| randn(&[1, 3, cached, 4, 5], 75));
+        let mut edge = vec![1, 3, cached + 2, 4, 5];
+        edge[axis] = 1;
+        let (before, after) = (randn(&edge, 76), randn(&edge, 77));
+        let zeros = Tensor::zeros(&edge, DType::F32, Device::Cpu)?;
+        let mut pads = ([2 - cached.min(2), 1, 1], [0, 1, 1]);
+        if ws[2] == 1 {
+            pads.0[0] = 0;
+        }
+        pads.0[axis - 2] = 0;
+        pads.1[axis - 2] = 0;
+        for (b, a) in [(Some(&before), Some(&after)), (None, Some(&after))] {
+            let halo = Halo {
+                axis,
+                extent: 1,
+                before: b,
+                after: a,
+            };
+            let out =
+                conv3d_cached_upsampled(&x, &w, Some(&bias), cache.as_ref(), Some(&halo), pads)?;
+            let band = match &cache {
+                Some(c) => Tensor::concat(&[c, &x], 2)?,
+                None => x.clone(),
+            };
+            let joined = Tensor::concat(&[b.unwrap_or(&zeros), &band, a.unwrap_or(&zeros)], axis)?;
+            let up = upsample_nearest2x(&joined)?;
+            let cut = up.narrow(axis, 1, up.shape()[axis] - 2)?;
+            let expect = conv3d_cached(&cut, &w, Some(&bias), None, None, pads, None)?;
+            assert_eq!(out.shape(), expect.shape(), "axis {axis}");
+            assert_eq!(out.to_vec_f32()?, expect.to_vec_f32()?, "axis {axis}");
+        }
+        let upsampled_edge = upsample_nearest2x(&before)?;
+        let bad = Halo {
+            axis,
+            extent: 1,
+            before: Some(&upsampled_edge),
+            after: None,
+        };
+        assert!(conv3d_cached_upsampled(&x, &w, None, cache.as_ref(), Some(&bad), pads).is_err());
+    }
+    Ok(())
+}
+
 /// With a residual (the parallel VAE's residual blocks) it is the conv then `add`, bit for bit, in
 /// f32 and bf16; a residual of another shape is refused.
 #[test]

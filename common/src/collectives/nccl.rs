@@ -418,7 +418,8 @@ impl NcclWorld {
         DEFAULT_TIMEOUT
     }
 
-    /// This rank's communication stream (every communicator of this rank uses it).
+    /// This rank's communication stream (every communicator of this rank uses it; only
+    /// [`NcclComm::post_p2p`] queues on a stream the caller names).
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
@@ -567,7 +568,8 @@ impl Drop for NcclComm {
 }
 
 impl NcclComm {
-    /// The stream this communicator's work runs on.
+    /// The stream this communicator's work runs on (but [`NcclComm::post_p2p`]'s, on the caller's
+    /// stream, which this one then waits for).
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
@@ -605,17 +607,20 @@ impl NcclComm {
     }
 
     /// Posts grouped point-to-point transfers, every `(send, to)` and every `(recv, from)` in one NCCL
-    /// group, on [`Self::stream`] and returns **without waiting**: the stream-ordered transfers of
-    /// [`TensorWire::transfer`](super::wire::TensorWire::transfer). It is the one operation that
-    /// breaks the "returns when complete" contract, on purpose, so the caller takes over what the
-    /// other operations do: it orders [`Self::stream`] after the buffers' producers, orders their
-    /// consumers after an event recorded on [`Self::stream`] after this call, keeps every buffer alive
-    /// and unreused until the stream has passed the transfers, and bounds the wait later with
-    /// [`Communicator::synchronize`] (or any other operation), whose timeout aborts the communicator
-    /// and so unblocks a transfer whose peer never came. NCCL errors already reported are checked
-    /// here (no wait), so a broken group fails at the next post.
+    /// group, on `stream` (of this communicator's GPU: the buffers' producers and consumers' own,
+    /// so no event lies between them and the transfers) and returns **without waiting**: the
+    /// stream-ordered transfers of [`TensorWire::transfer`](super::wire::TensorWire::transfer). It
+    /// is the one operation that breaks the "returns when complete" contract, on purpose, so the
+    /// caller takes over what the other operations do: it keeps every buffer alive and unreused
+    /// until `stream` has passed the transfers, makes [`Self::stream`] wait for an event recorded
+    /// on `stream` after this call (so that this communicator's later operations come after the
+    /// transfers, as NCCL needs, and its waits cover them), and bounds the wait later with
+    /// [`Communicator::synchronize`] (or any other operation), whose timeout aborts the
+    /// communicator and so unblocks a transfer whose peer never came. NCCL errors already reported
+    /// are checked here (no wait), so a broken group fails at the next post.
     pub fn post_p2p<T: Element>(
         &self,
+        stream: &CudaStream,
         sends: &[(&CudaSlice<T>, usize)],
         recvs: &mut [(&mut CudaSlice<T>, usize)],
     ) -> Result<()> {
@@ -639,7 +644,8 @@ impl NcclComm {
                     (buf.device_ptr_mut(&self.stream).0, len, *from)
                 })
                 .collect();
-            self.grouped_p2p(dtype(T::DTYPE), &send_ptrs, &recv_ptrs)?;
+            let on = stream.cu_stream() as nccl::cudaStream_t;
+            self.grouped_p2p_on(on, dtype(T::DTYPE), &send_ptrs, &recv_ptrs)?;
             self.async_error()
         })
     }
@@ -770,6 +776,17 @@ impl NcclComm {
         sends: &[(u64, usize, usize)],
         recvs: &[(u64, usize, usize)],
     ) -> Result<()> {
+        self.grouped_p2p_on(self.raw_stream(), dt, sends, recvs)
+    }
+
+    /// [`Self::grouped_p2p`] queued on `stream`.
+    fn grouped_p2p_on(
+        &self,
+        stream: nccl::cudaStream_t,
+        dt: ncclDataType_t,
+        sends: &[(u64, usize, usize)],
+        recvs: &[(u64, usize, usize)],
+    ) -> Result<()> {
         self.nccl("ncclGroupStart", nccl_result::group_start())?;
         let mut first_err = Ok(());
         for &(ptr, count, peer) in sends {
@@ -785,7 +802,7 @@ impl NcclComm {
                     dt,
                     peer as i32,
                     self.comm,
-                    self.raw_stream(),
+                    stream,
                 )
             };
             if first_err.is_ok() {
@@ -804,7 +821,7 @@ impl NcclComm {
                     dt,
                     peer as i32,
                     self.comm,
-                    self.raw_stream(),
+                    stream,
                 )
             };
             if first_err.is_ok() {

@@ -16,10 +16,11 @@
 //!   becomes the output; no existing tensor is ever written.
 //!
 //! Stream ordering (NCCL). Two streams per GPU: the kernels' stream (`cuda_stream`, every op of the
-//! model) and the communicator's own stream (`NcclComm::stream`, every NCCL call of the rank, one
-//! stream for all its communicators). We keep them separate, ordered by events, rather than run
-//! NCCL on the kernels' stream, so a posted Ring send/recv overlaps the attention queued after it
-//! (on one stream the attention would wait for the transfer).
+//! model) and the communicator's own stream (`NcclComm::stream`, every NCCL call of the rank but
+//! the stream-ordered transfers below, one stream for all its communicators). We keep them
+//! separate, ordered by events, rather than run NCCL on the kernels' stream, so a posted Ring
+//! send/recv overlaps the attention queued after it (on one stream the attention would wait for
+//! the transfer).
 //! - compute → communication: before NCCL touches a tensor's storage (a staged input, or a receive
 //!   tensor whose allocation is stream-ordered on the kernels' stream), an event is recorded on the
 //!   kernels' stream and the communicator's stream waits on it (`cuStreamWaitEvent`; the host does
@@ -37,16 +38,18 @@
 //! that do not wait on the host: the parallel VAE swaps a halo before every 3×3 convolution (~30
 //! per latent frame) and gathers the frame attention's keys and values once, and a host wait there
 //! drains the GPU each time and stops the host from queueing the kernels after it. Instead the
-//! communicator's stream waits on an event of the kernels' stream (as above), the grouped
-//! send/recv is queued (`NcclComm::post_p2p`), and the kernels' stream waits on an event recorded
-//! on the communicator's stream after it: every kernel queued afterwards reads complete data, and
-//! the frees of the sent and received tensors (on the kernels' stream, queued after that wait)
-//! come after the transfers too. What the host gives up: it learns of a failure or a vanished peer
-//! only at the communicator's next waiting operation (`synchronize`, any collective), whose
-//! timeout aborts the communicator and so ends the stuck transfer (and the kernels' stream's
-//! wait). A caller must therefore reach such an operation before it waits on the kernels' stream
-//! itself (a host read, a cuDNN algorithm search): a host wait on the kernels' stream behind a
-//! transfer whose peer is gone has no timeout.
+//! grouped send/recv is queued (`NcclComm::post_p2p`) on the kernels' stream itself, between the
+//! tensors' producers and their consumers, with no event in between (a halo is on the critical
+//! path: nothing can overlap it, and each event hop between the streams costs microseconds, ~700
+//! times per 480p decode); the frees of the sent and received tensors, queued there later, come
+//! after the transfers too. The communicator's stream then waits on an event recorded after them,
+//! so the communicator's later operations run after them (one communicator's operations must run
+//! in order) and its timed waits cover them. What the host gives up: it learns of a failure or a
+//! vanished peer only at the communicator's next waiting operation (`synchronize`, any
+//! collective), whose timeout aborts the communicator and so ends the stuck transfer (and every
+//! kernel queued behind it). A caller must therefore reach such an operation before it waits on
+//! the kernels' stream itself (a host read, a cuDNN algorithm search): a host wait on the kernels'
+//! stream behind a transfer whose peer is gone has no timeout.
 //!
 //! Failures are [`WireError`]s; the model crates fold them into their own errors (a collective
 //! failure stays a collective failure there), so their call sites use `?`.
@@ -402,19 +405,6 @@ mod device {
         // Dropping the event is fine: the wait captured it, and CUDA frees it once it completes.
     }
 
-    /// The kernels' stream of GPU `ordinal` waits (on the GPU; the host does not block) for
-    /// everything queued so far on the communicator's stream: the reverse of [`after_compute`].
-    fn before_compute(comm: &NcclComm, ordinal: usize) -> Result<()> {
-        let kernels = cuda_stream(ordinal)?;
-        let event = comm
-            .stream()
-            .record_event(None)
-            .map_err(|e| cuda_error("cuEventRecord", e))?;
-        kernels
-            .wait(&event)
-            .map_err(|e| cuda_error("cuStreamWaitEvent", e))
-    }
-
     /// A view of `t`'s storage as a `CudaSlice<T>` on the communicator's stream, ordered after the
     /// kernels that produced it.
     fn view<T: WireElement>(comm: &NcclComm, t: &Tensor, ordinal: usize) -> Result<DeviceBuf<T>> {
@@ -463,8 +453,6 @@ mod device {
                 raw_view::<T>(comm, &into)
             })
             .collect::<Result<Vec<_>>>()?;
-        // One event: the transfers wait for the sent tensors' producers and the receive allocations.
-        after_compute(comm, ordinal)?;
         let send_bufs: Vec<_> = sent
             .iter()
             .zip(sends)
@@ -475,19 +463,22 @@ mod device {
             .zip(recvs)
             .map(|(v, &(peer, _))| (&mut *v.slice, peer))
             .collect();
-        let posted = comm.post_p2p(&send_bufs, &mut recv_bufs);
-        // Even after a failed post (the communicator is aborted then) the kernels' stream waits for
-        // whatever was queued, so the frees below never hand NCCL's buffers to a kernel early.
-        let back = before_compute(comm, ordinal);
+        // On the kernels' stream: after the sent tensors' producers and the receive allocations,
+        // before every consumer, with no event in between.
+        let kernels = cuda_stream(ordinal)?;
+        let posted = comm.post_p2p(&kernels, &send_bufs, &mut recv_bufs);
+        // The communicator's stream waits for the transfers: its later operations come after them
+        // (NCCL runs one communicator's operations in order) and its timed waits cover them.
+        let tracked = after_compute(comm, ordinal);
         posted?;
-        back?;
+        tracked?;
         let out = received
             .iter()
             .zip(recvs)
             .map(|(v, &(_, shape))| Ok(v.tensor.reshape(shape)?))
             .collect();
-        // Dropping the views now frees (stream-ordered, on the kernels' stream) only behind the wait
-        // just queued there: after the transfers, whatever the host does next.
+        // Dropping the views now frees (stream-ordered, on the kernels' stream) behind the
+        // transfers, whatever the host does next.
         drop(sent);
         out
     }

@@ -163,8 +163,8 @@ pub trait TensorWire: Communicator + Sized {
     /// group rank `peer`, `recvs[j] = (peer, shape)` receives a tensor of `shape` from `peer`, in
     /// `dtype` on `device`; the received tensors come back in the order of `recvs`. At most one send
     /// to and one receive from each peer; each peer makes the matching call (its send to this rank
-    /// has the shape this rank receives). The parallel VAE's halo swaps, its key/value gather for
-    /// the frame attention (uneven bands: the shapes differ per peer), and its frames' gather.
+    /// has the shape this rank receives). The parallel VAE's halo swaps and its key/value gather
+    /// for the frame attention (uneven bands: the shapes differ per peer).
     ///
     /// The default, and every call with `ordered` false: one waited [`send_recv`] per peer (the
     /// send to it, or nothing, and the receive from it, or nothing), peers in the order they first

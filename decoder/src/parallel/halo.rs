@@ -41,10 +41,11 @@
 //!
 //! **No host wait per conv (NCCL).** A waited exchange blocks the host until the transfer is done,
 //! i.e. until the GPU has run every kernel before it: the GPU drains before each of the ~30 3×3
-//! convs of a pass (one latent frame), and every kernel after it is queued only then (at the low-resolution stages
-//! those kernels are shorter than their launches, so the GPU idles behind the host). The exchange is
-//! therefore stream-ordered (common's `wire` docs): queued on the communicator's stream between two
-//! events, the host going on at once. The host's deadline moves to the end of the chunk
+//! convs of a pass (one latent frame), and every kernel after it is queued only then (at the
+//! low-resolution stages those kernels are shorter than their launches, so the GPU idles behind
+//! the host). The exchange is therefore stream-ordered (common's `wire` docs): queued on the
+//! kernels' stream between the edges' copy and the conv, the host going on at once. The host's
+//! deadline moves to the end of the chunk
 //! ([`ParallelVaeDecoder::decode_chunk`](super::ParallelVaeDecoder::decode_chunk) waits for the
 //! communicator, with its timeout, before returning frames), with one exception: the first run of a
 //! conv shape on a GPU in this process ([`WARM_SHAPES`]) waits as before, because the kernels crate
@@ -52,8 +53,8 @@
 //! on the kernels' stream behind a transfer whose peer is gone would have no timeout. A waited
 //! exchange also waits for every transfer queued before it (one communicator stream, in order), so
 //! such a search never waits behind a pending one either. So the first three passes of the first
-//! request of a size (new shapes: no cache, then growing caches) wait per conv, and the rest do not. The
-//! values are the same either way (the same tensors reach the same kernels).
+//! request of a size (new shapes: no cache, then growing caches) wait per conv, and the rest do
+//! not. The values are the same either way (the same tensors reach the same kernels).
 //!
 //! **Attention.** The mid block attends each frame's tokens over the whole frame. Each rank sends
 //! the keys and values of its band to every peer and receives theirs (one transfer step; uneven
@@ -94,9 +95,10 @@ pub struct HaloOps<'a, C> {
 }
 
 /// The conv shapes run once already, per GPU, in this process, with a waited halo exchange (module
-/// docs, "No host wait per conv"): (device, input shape, dtype, cached frames, weight shape),
-/// flattened, and likewise the attention's query shapes ([`shape_key`]). A shape's first run may wait on the GPU (cuDNN's algorithm search, kept per GPU for
-/// the process, like this set); its later runs do not.
+/// docs, "No host wait per conv"): (device, input shape, dtype, cached frames, weight shape,
+/// upsampled), flattened, and likewise the attention's query shapes ([`shape_key`]). A shape's
+/// first run may wait on the GPU (cuDNN's algorithm search, kept per GPU for the process, like this
+/// set); its later runs do not.
 static WARM_SHAPES: LazyLock<Mutex<HashSet<Vec<usize>>>> = LazyLock::new(Default::default);
 
 fn warm_shapes() -> MutexGuard<'static, HashSet<Vec<usize>>> {
@@ -284,7 +286,7 @@ impl<C: TensorWire + Send> SpatialOps for HaloOps<'_, C> {
 }
 
 /// The attention's entry in [`WARM_SHAPES`]: its key ends with this (a conv's key ends with its
-/// weight's shape, never `usize::MAX`).
+/// upsampled flag, 0 or 1).
 const ATTENTION: usize = usize::MAX;
 
 /// A [`WARM_SHAPES`] key: (device, x's shape, bf16?, then `rest`), flattened.

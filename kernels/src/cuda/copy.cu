@@ -57,7 +57,8 @@ __device__ void halo_edges(const W* x, const W* cache, W* out0, W* out1, i64 sla
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const i64 k = i % run, r = i / run % runs, sf = i / (run * runs);
         const i64 f = sf % joined, s = sf / joined, at = start + r * stride + k;
-        out[i] = f < cached ? cache[(s * cached + f) * plane + at] : x[(s * frames + f - cached) * plane + at];
+        out[i] = f < cached ? cache[(s * cached + f) * plane + at]
+                            : x[(s * frames + f - cached) * plane + at];
     }
 }
 

@@ -397,15 +397,14 @@ __device__ void conv_to_ndhwc_halo(const U* x, const U* cache, const U* before, 
         auto source_row = [&](i64 c, int r) -> const U* {
             if (!data || c >= channels) return nullptr;
             const i64 src_w = width >> S;
+            const i64 edge_at = ((b * channels + c) * joined + fc) * edge_plane;
             if (r < halo) {
                 const int e = (UP ? 2 * edge_rows - halo + r : r) >> S;
-                return before == nullptr ? nullptr
-                                         : before + ((b * channels + c) * joined + fc) * edge_plane + e * src_w;
+                return before == nullptr ? nullptr : before + edge_at + e * src_w;
             }
             if (r >= halo + band) {
                 const int e = (r - halo - band) >> S;
-                return after == nullptr ? nullptr
-                                        : after + ((b * channels + c) * joined + fc) * edge_plane + e * src_w;
+                return after == nullptr ? nullptr : after + edge_at + e * src_w;
             }
             const i64 at = (i64)((r - halo) >> S) * src_w;
             return fx < 0 ? cache + ((b * channels + c) * cached + fc) * band_plane + at
@@ -422,7 +421,8 @@ __device__ void conv_to_ndhwc_halo(const U* x, const U* cache, const U* before, 
                     // V / 2 source pixels, 8 bytes, each written twice (upsample_nearest2x_words).
                     Chunk<U> w;
                     Word<U, V / 2> h;
-                    h.word = row == nullptr ? 0 : *reinterpret_cast<const typename Bits<8>::T*>(row + k % width / 2);
+                    typedef typename Bits<8>::T Half;
+                    h.word = row == nullptr ? 0 : *reinterpret_cast<const Half*>(row + k % width / 2);
 #pragma unroll
                     for (int j = 0; j < V / 2; ++j) w.elem[2 * j] = w.elem[2 * j + 1] = h.elem[j];
                     return w;

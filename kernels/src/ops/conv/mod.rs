@@ -538,22 +538,7 @@ pub fn conv3d_cached(
     residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     const OP: &str = "conv3d_cached";
-    expect_rank(OP, "x [B, C_in, T, H, W]", x, 5)?;
-    let cached = cache_frames(OP, x, cache)?;
-    let mut input_shape = x.shape().to_vec();
-    input_shape[2] += cached;
-    if let Some(halo) = halo {
-        input_shape[halo.axis] += 2 * halo_extent(OP, x, cached, halo, false)?;
-    }
-    let geometry = geometry(
-        OP,
-        &input_shape,
-        w.shape(),
-        bias,
-        [1, 1, 1],
-        pad_front,
-        pad_back,
-    )?;
+    let geometry = cached_geometry(OP, (x, cache, halo, false), w, bias, (pad_front, pad_back))?;
     if let Some(residual) = residual
         && residual.shape() != geometry.output_shape()
     {
@@ -583,25 +568,39 @@ pub fn conv3d_cached_upsampled(
     (pad_front, pad_back): ([usize; 3], [usize; 3]),
 ) -> Result<Tensor> {
     const OP: &str = "conv3d_cached_upsampled";
-    expect_rank(OP, "x [B, C_in, T, H, W]", x, 5)?;
-    let cached = cache_frames(OP, x, cache)?;
+    let geometry = cached_geometry(OP, (x, cache, halo, true), w, bias, (pad_front, pad_back))?;
+    run(OP, cache, x, w, bias, &geometry, true, None, halo)
+}
+
+/// The geometry of [`conv3d_cached`] (or, `upsampled`, [`conv3d_cached_upsampled`]): stride 1 over
+/// cache ++ x along T (upsampled ×2 in H and W), with the halo's extent on each side of its axis,
+/// then padded; the arguments checked.
+fn cached_geometry(
+    op: &'static str,
+    (x, cache, halo, upsampled): (&Tensor, Option<&Tensor>, Option<&Halo>, bool),
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    (pad_front, pad_back): ([usize; 3], [usize; 3]),
+) -> Result<ConvGeometry> {
+    expect_rank(op, "x [B, C_in, T, H, W]", x, 5)?;
+    let cached = cache_frames(op, x, cache)?;
+    let scale = if upsampled { 2 } else { 1 };
     let mut input_shape = x.shape().to_vec();
     input_shape[2] += cached;
-    input_shape[3] *= 2;
-    input_shape[4] *= 2;
+    input_shape[3] *= scale;
+    input_shape[4] *= scale;
     if let Some(halo) = halo {
-        input_shape[halo.axis] += 2 * halo_extent(OP, x, cached, halo, true)?;
+        input_shape[halo.axis] += 2 * halo_extent(op, x, cached, halo, upsampled)?;
     }
-    let geometry = geometry(
-        OP,
+    geometry(
+        op,
         &input_shape,
         w.shape(),
         bias,
         [1, 1, 1],
         pad_front,
         pad_back,
-    )?;
-    run(OP, cache, x, w, bias, &geometry, true, None, halo)
+    )
 }
 
 /// Conv2d with symmetric zero padding (PyTorch `nn.Conv2d`, dilation 1, groups 1):

@@ -106,6 +106,19 @@ impl Layout {
     }
 }
 
+/// The widest word, 16, 8, 4 or 2 bytes, that divides every byte count of `bytes` and every address
+/// of `ptrs`: the instance (`_w16` … `_w2`) of a copy.cu kernel that moves words. 2 is the smallest
+/// element, so it always fits.
+fn widest_word(bytes: impl Iterator<Item = usize> + Clone, ptrs: &[u64]) -> usize {
+    [16, 8, 4]
+        .into_iter()
+        .find(|&w| {
+            bytes.clone().all(|b| b.is_multiple_of(w))
+                && ptrs.iter().all(|p| p.is_multiple_of(w as u64))
+        })
+        .unwrap_or(2)
+}
+
 /// `copy_rows` of copy.cu in the widest word that every address, stride and width allows; `es` is
 /// the element size in bytes.
 fn copy_rows(
@@ -118,23 +131,9 @@ fn copy_rows(
 ) -> Result<()> {
     let outer_rank = r.outer.rank as usize;
     let strides = r.outer.stride[..2].iter().flat_map(|s| &s[..outer_rank]);
-    let aligned = |w: usize| {
-        (r.width * es).is_multiple_of(w)
-            && strides
-                .clone()
-                .all(|&s| (s as usize * es).is_multiple_of(w))
-            && src_ptr.is_multiple_of(w as u64)
-            && dst_ptr.is_multiple_of(w as u64)
-    };
-    let (name, word) = [
-        ("copy_rows_w16", 16),
-        ("copy_rows_w8", 8),
-        ("copy_rows_w4", 4),
-    ]
-    .into_iter()
-    .find(|&(_, w)| aligned(w))
-    .unwrap_or(("copy_rows_w2", 2));
-    let f = backend.function(&SOURCE, name)?;
+    let bytes = std::iter::once(r.width).chain(strides.map(|&s| s as usize));
+    let word = widest_word(bytes.map(|v| v * es), &[src_ptr, dst_ptr]);
+    let f = backend.function(&SOURCE, &format!("copy_rows_w{word}"))?;
     let per_word = (word / es) as i64; // elements per word
     let mut outer = r.outer;
     for k in 0..2 {
@@ -235,23 +234,9 @@ pub(crate) fn halo_edges(
     if n == 0 {
         return Ok(());
     }
-    let aligned = |w: usize| {
-        [g.plane, g.run, g.stride, g.start[0], g.start[1]]
-            .iter()
-            .all(|v| (v * es).is_multiple_of(w))
-            && [x_ptr, cache_ptr, outs[0], outs[1]]
-                .iter()
-                .all(|p| p.is_multiple_of(w as u64))
-    };
-    let (name, word) = [
-        ("halo_edges_w16", 16),
-        ("halo_edges_w8", 8),
-        ("halo_edges_w4", 4),
-    ]
-    .into_iter()
-    .find(|&(_, w)| aligned(w))
-    .unwrap_or(("halo_edges_w2", 2));
-    let f = backend.function(&SOURCE, name)?;
+    let bytes = [g.plane, g.run, g.stride, g.start[0], g.start[1]].map(|v| v * es);
+    let word = widest_word(bytes.into_iter(), &[x_ptr, cache_ptr, outs[0], outs[1]]);
+    let f = backend.function(&SOURCE, &format!("halo_edges_w{word}"))?;
     let per_word = word / es;
     let words = |v: usize| (v / per_word) as i64;
     let (slabs, cached, frames, runs, stride) = (
@@ -297,6 +282,20 @@ pub(crate) fn halo_edges(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The word kernels get the widest word every length and address allows, down to 2 bytes.
+    #[test]
+    fn word_is_the_widest_that_divides_everything() {
+        let at = 1 << 20; // 256-byte aligned, as the pool's buffers are
+        assert_eq!(
+            widest_word([832 * 2, 96 * 832 * 2].into_iter(), &[at, at]),
+            16
+        );
+        assert_eq!(widest_word([104 * 2].into_iter(), &[at, at + 8]), 8);
+        assert_eq!(widest_word([10 * 2].into_iter(), &[at]), 4);
+        assert_eq!(widest_word([7 * 2].into_iter(), &[at]), 2);
+        assert_eq!(widest_word([16].into_iter(), &[at + 2]), 2);
+    }
 
     #[test]
     fn layout_merges_contiguous_axes() -> Result<()> {

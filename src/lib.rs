@@ -1,10 +1,13 @@
-//! The `ditstream` service in one process: requests (`request`), the admission queue and worker
-//! (`engine`), the text → denoise → decode → encode path (`pipeline`), the devices and models it
-//! runs on (`models`), the persistent rank threads of its multi-rank parts (`ranks`), the gRPC
-//! service (`service`), server start-up (`serve`), the client (`generate`), and `plan`; the
-//! disaggregated pools in `roles`. The binary (`main.rs`) only parses the command line.
+//! The `ditstream` service: requests and their limits (`request`), admission's cost model
+//! (`cost`), the gateway with the one request lifecycle (`gateway`), the text → latent and
+//! latent → segments stages (`pipeline`), the devices and models they run on (`models`), the
+//! persistent rank threads of their multi-rank parts (`ranks`), the pool services and the
+//! disaggregated processes (`roles`), every gRPC status (`status`), `serve` (the gateway and both
+//! pools in one process), the client (`generate`), and `plan`. The binary (`main.rs`) only parses
+//! the command line.
 
-pub mod engine;
+pub mod cost;
+pub mod gateway;
 pub mod generate;
 pub mod models;
 pub mod pipeline;
@@ -13,4 +16,4 @@ pub mod ranks;
 pub mod request;
 pub mod roles;
 pub mod serve;
-pub mod service;
+pub mod status;

@@ -186,6 +186,34 @@ pub fn text_encoder(cfg: &Config, device: Device) -> anyhow::Result<TextEncoder>
     })
 }
 
+/// The transformer dimensions the config serves: a preset's, or the checkpoint's
+/// `transformer/config.json` (the high-noise expert's, for Wan2.2-A14B: both have the same).
+pub fn transformer_config(cfg: &Config) -> anyhow::Result<WanConfig> {
+    let m = &cfg.model;
+    match (m.weights, &m.checkpoint, m.preset) {
+        (SourceKind::Random, _, Some(preset)) => Ok(WanConfig::preset(preset)),
+        (SourceKind::Checkpoint, Some(dir), _) => Ok(WanConfig::from_dir(&dir.join("transformer"))?),
+        _ => bail!("model: validation should have refused this combination"),
+    }
+}
+
+/// The VAE the config serves: the tiny one, Wan 2.1's, or the checkpoint's `vae/config.json`.
+pub fn vae_config(cfg: &Config) -> anyhow::Result<VaeConfig> {
+    let m = &cfg.model;
+    match (m.weights, &m.checkpoint, m.preset) {
+        (SourceKind::Random, _, Some(Preset::Tiny)) => Ok(tiny_vae_config()),
+        (SourceKind::Random, _, Some(preset @ Preset::Wan22Ti2v5b)) => bail!(
+            "model.preset = {preset}: its VAE is the Wan 2.2 VAE (z 48), which is not \
+             built yet; the decoder runs the Wan 2.1 VAE (z 16)"
+        ),
+        (SourceKind::Random, _, Some(_)) => Ok(VaeConfig::wan21()),
+        (SourceKind::Checkpoint, Some(dir), _) => {
+            Ok(VaeConfig::from_file(&dir.join("vae").join("config.json"))?)
+        }
+        _ => bail!("model: validation should have refused this combination"),
+    }
+}
+
 /// One VAE decoder per rank, on the rank's device; ranks that share a device share one.
 pub fn vae_decoders(cfg: &Config, devices: &[Device]) -> anyhow::Result<Vec<Arc<WanVaeDecoder>>> {
     let dtype = dtype(cfg);
@@ -194,14 +222,7 @@ pub fn vae_decoders(cfg: &Config, devices: &[Device]) -> anyhow::Result<Vec<Arc<
     let copies = match (m.weights, &m.checkpoint, m.preset) {
         (SourceKind::Random, _, Some(preset)) => {
             check_random_on(preset, devices)?;
-            let config = match preset {
-                Preset::Tiny => tiny_vae_config(),
-                Preset::Wan22Ti2v5b => bail!(
-                    "model.preset = {preset}: its VAE is the Wan 2.2 VAE (z 48), which is not \
-                     built yet; the decoder runs the Wan 2.1 VAE (z 16)"
-                ),
-                _ => VaeConfig::wan21(),
-            };
+            let config = vae_config(cfg)?;
             let drawn = DrawnWeights::draw(WEIGHT_SEED, |ws| {
                 WanVaeDecoder::from_weights_on(config.clone(), ws, Device::Cpu, dtype).map(drop)
             })?;

@@ -13,6 +13,7 @@
 
 use std::sync::mpsc::{Sender, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
@@ -32,61 +33,94 @@ use ditstream_decoder::encode::{
 use ditstream_decoder::parallel::{ParallelDecodeStream, ParallelVaeDecoder};
 use ditstream_decoder::vae::{DecodeStream, WanVaeDecoder};
 use ditstream_denoiser::denoise::{
-    Control, DenoiseError, DenoiseParams, Experts, StepProgress, denoise, initial_noise,
+    Control, DenoiseError, DenoiseParams, Experts, StepProgress, denoise_interruptible,
+    initial_noise,
 };
 use ditstream_denoiser::parallel::{self, MeshComms, ParallelError, check_mesh};
 use ditstream_denoiser::text::TextEncoder;
 use ditstream_kernels::{Device, Tensor};
 
-use crate::engine::{Event, Phase, Segment, Timings, ms};
 use crate::models::{self, DenoiserModels};
 use crate::ranks::{GroupStatus, RankGroup, RankState, Ranks, Threads};
 use crate::request::GenerateParams;
 
-/// Why the pipeline stopped a request early.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stop {
-    /// Cancelled, or the client went away.
-    Cancelled,
-    /// The deadline passed.
-    Deadline,
+/// What a denoiser pool runs for one request: the prompt, the video's size and the sampling
+/// parameters, validated at the gateway.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DenoiseJob {
+    /// The prompt.
+    pub prompt: String,
+    /// The negative prompt.
+    pub negative_prompt: String,
+    /// Video width in pixels.
+    pub width: usize,
+    /// Video height in pixels.
+    pub height: usize,
+    /// Video frames (4k+1).
+    pub num_frames: usize,
+    /// Denoising steps.
+    pub steps: usize,
+    /// CFG scale.
+    pub guidance_scale: f64,
+    /// CFG scale of a low-noise expert.
+    pub guidance_scale_2: Option<f64>,
+    /// Initial-noise seed.
+    pub seed: u64,
 }
 
-/// How a run ended badly.
-#[derive(Debug)]
-pub enum RunError {
-    /// Stopped on request.
-    Stopped(Stop),
-    /// A stage failed.
-    Failed(String),
-}
+impl DenoiseJob {
+    /// The denoising half of a validated request.
+    pub fn of(p: &GenerateParams) -> DenoiseJob {
+        DenoiseJob {
+            prompt: p.prompt.clone(),
+            negative_prompt: p.negative_prompt.clone(),
+            width: p.width,
+            height: p.height,
+            num_frames: p.num_frames,
+            steps: p.steps,
+            guidance_scale: p.guidance_scale,
+            guidance_scale_2: p.guidance_scale_2,
+            seed: p.seed,
+        }
+    }
 
-impl<E: std::fmt::Display> From<E> for RunError
-where
-    E: Into<anyhow::Error>,
-{
-    fn from(e: E) -> RunError {
-        RunError::Failed(format!("{:#}", e.into()))
+    /// The latent grid it denoises.
+    pub fn latent_grid(&self) -> (usize, usize, usize) {
+        latent_grid(self.num_frames, self.height, self.width)
     }
 }
 
-/// Where a run's events go; also says when to stop.
-pub trait Sink {
-    /// `Err` when the request should stop now.
-    fn check(&mut self) -> Result<(), Stop>;
-    /// Delivers an event; `Err` when the request should stop now.
-    fn send(&mut self, event: Event) -> Result<(), Stop>;
+/// What a decoder instance runs for one request: the latent's video size and how to cut it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeJob {
+    /// Video width in pixels.
+    pub width: usize,
+    /// Video height in pixels.
+    pub height: usize,
+    /// Video frames (4k+1).
+    pub num_frames: usize,
+    /// Frames per second of the output.
+    pub fps: u32,
+    /// Frames per media segment after the first.
+    pub segment_frames: usize,
 }
 
-/// A finished run's accounting (the engine fills in the first-segment and total times).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Done {
-    /// Measured stage durations.
-    pub timings: Timings,
-    /// Video frames delivered.
-    pub frames: u32,
-    /// Media segments delivered.
-    pub segments: u32,
+impl DecodeJob {
+    /// The decoding half of a validated request.
+    pub fn of(p: &GenerateParams) -> DecodeJob {
+        DecodeJob {
+            width: p.width,
+            height: p.height,
+            num_frames: p.num_frames,
+            fps: p.fps,
+            segment_frames: p.segment_frames,
+        }
+    }
+
+    /// The latent grid it decodes.
+    pub fn latent_grid(&self) -> (usize, usize, usize) {
+        latent_grid(self.num_frames, self.height, self.width)
+    }
 }
 
 /// The model name a config serves: the preset, or the checkpoint folder's name.
@@ -144,7 +178,7 @@ enum DenoiseRanks {
     /// A mesh of persistent rank threads (one request at a time: the lock), and its status,
     /// readable while a request holds the lock.
     Mesh(
-        Mutex<Box<dyn Ranks<DenoiseJob, DenoiseOut>>>,
+        Mutex<Box<dyn Ranks<MeshJob, DenoiseOut>>>,
         Arc<GroupStatus>,
     ),
 }
@@ -164,7 +198,7 @@ struct DenoiseRequest {
 type StepReport = (StepProgress, SyncSender<Control>);
 
 /// One rank's part of a request.
-struct DenoiseJob {
+struct MeshJob {
     request: Arc<DenoiseRequest>,
     /// Rank 0 only: each step's progress goes to the caller, which answers continue or cancel.
     progress: Option<Sender<StepReport>>,
@@ -201,7 +235,7 @@ where
     W: CommWorld,
     W::Comm: TensorWire + Send + 'static,
 {
-    type Job = DenoiseJob;
+    type Job = MeshJob;
     type Out = DenoiseOut;
 
     fn connect(&mut self, world: &W) -> anyhow::Result<()> {
@@ -221,7 +255,7 @@ where
         )
     }
 
-    fn run(&mut self, job: DenoiseJob) -> DenoiseOut {
+    fn run(&mut self, job: MeshJob) -> DenoiseOut {
         let comms = self.comms.as_ref().ok_or_else(|| ParallelError::Mesh {
             mesh: self.mesh.to_string(),
             what: "communicators",
@@ -290,7 +324,7 @@ impl DenoiseStage {
         let ranks = if mesh.world_size() == 1 {
             DenoiseRanks::Single(Arc::clone(&copies[0]))
         } else {
-            let group: Box<dyn Ranks<DenoiseJob, DenoiseOut>> = match cfg.serving.device {
+            let group: Box<dyn Ranks<MeshJob, DenoiseOut>> = match cfg.serving.device {
                 DeviceKind::Cpu => Box::new(RankGroup::<Threads, DenoiseRank<CpuComm>>::start(
                     "denoise",
                     Threads,
@@ -367,7 +401,7 @@ impl DenoiseStage {
 
     /// Prompt and negative prompt, encoded in one batch (repeats come from the cache):
     /// each [1, 512, text_dim], on the text encoder's device (rank 0's, or the host for `tiny`).
-    pub fn text_states(&self, p: &GenerateParams) -> anyhow::Result<(Tensor, Tensor)> {
+    pub fn text_states(&self, p: &DenoiseJob) -> anyhow::Result<(Tensor, Tensor)> {
         let embeds = self.text.encode(&[&p.prompt, &p.negative_prompt])?;
         Ok((
             embeds.states.narrow(0, 0, 1)?,
@@ -376,14 +410,18 @@ impl DenoiseStage {
     }
 
     /// The denoised latent [1, C, T, H/8, W/8] (f32, on the host) from the request's seed.
+    /// `on_step` runs after every step; `interrupted`, once set, stops a single rank before its
+    /// next transformer block (a mesh stops after the step: its ranks agree on a cancel once per
+    /// step, and a rank leaving mid-step would strand the others in a collective).
     pub fn denoise_latent(
         &self,
-        p: &GenerateParams,
+        p: &DenoiseJob,
         cond: &Tensor,
         uncond: &Tensor,
+        interrupted: &AtomicBool,
         on_step: impl FnMut(StepProgress) -> Control,
     ) -> Result<Tensor, DenoiseError> {
-        let (lt, lh, lw) = latent_grid(p);
+        let (lt, lh, lw) = p.latent_grid();
         // Drawn on the host from the seed, whatever the device: the same noise everywhere.
         let noise = initial_noise([1, self.latent_channels(), lt, lh, lw], p.seed)?;
         let params = DenoiseParams {
@@ -404,12 +442,13 @@ impl DenoiseStage {
                     high: &models.high,
                     low: models.low.as_ref().map(|(m, b)| (m, *b)),
                 };
-                denoise(
+                denoise_interruptible(
                     experts,
                     &params,
                     noise,
                     &to_device(cond)?,
                     Some(&to_device(uncond)?),
+                    &|| interrupted.load(Ordering::Relaxed),
                     on_step,
                 )
             }
@@ -432,7 +471,7 @@ impl DenoiseStage {
 /// step); the other ranks report nothing. Waits for every rank, so the mesh is idle when this
 /// returns, and answers with rank 0's outcome (every rank ends with the same latent or an error).
 fn run_on_mesh(
-    group: &mut dyn Ranks<DenoiseJob, DenoiseOut>,
+    group: &mut dyn Ranks<MeshJob, DenoiseOut>,
     mesh: &Mesh,
     request: Arc<DenoiseRequest>,
     mut on_step: impl FnMut(StepProgress) -> Control,
@@ -443,7 +482,7 @@ fn run_on_mesh(
     };
     let (progress_tx, progress_rx) = std::sync::mpsc::channel::<StepReport>();
     let jobs = (0..group.size())
-        .map(|rank| DenoiseJob {
+        .map(|rank| MeshJob {
             request: Arc::clone(&request),
             progress: (rank == 0).then(|| progress_tx.clone()),
         })
@@ -472,9 +511,14 @@ fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Latent frames, height and width of a request (Wan 2.1 VAE: 4× in time, causal; 8× in space).
-pub fn latent_grid(p: &GenerateParams) -> (usize, usize, usize) {
-    ((p.num_frames - 1) / 4 + 1, p.height / 8, p.width / 8)
+/// Milliseconds of a duration, as the timings report them.
+pub fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Latent frames, height and width of a video (Wan 2.1 VAE: 4× in time, causal; 8× in space).
+pub fn latent_grid(num_frames: usize, height: usize, width: usize) -> (usize, usize, usize) {
+    ((num_frames.max(1) - 1) / 4 + 1, height / 8, width / 8)
 }
 
 /// The decoder pool's half: VAE and H.264 encoder.
@@ -776,8 +820,8 @@ impl DecodeStage {
     }
 
     /// Starts a request's decode; the init segment is ready at once.
-    pub fn start(&self, p: &GenerateParams) -> anyhow::Result<DecodeSession<'_>> {
-        let (lt, lh, lw) = latent_grid(p);
+    pub fn start(&self, p: &DecodeJob) -> anyhow::Result<DecodeSession<'_>> {
+        let (lt, lh, lw) = p.latent_grid();
         let vae = match &self.vae {
             VaeRanks::Single(vae) => SessionVae::Single(vae.new_stream(lh, lw)?),
             VaeRanks::Sharded(sharded, _) => {
@@ -812,7 +856,7 @@ impl DecodeStage {
     /// The non-streamed path, for reference: the whole latent decoded at once, unsharded, on the
     /// first rank's device, then every frame encoded into a single-fragment MP4 with the same
     /// keyframes. Streaming must produce the same pictures.
-    pub fn render_whole(&self, p: &GenerateParams, latent: &Tensor) -> anyhow::Result<Vec<u8>> {
+    pub fn render_whole(&self, p: &DecodeJob, latent: &Tensor) -> anyhow::Result<Vec<u8>> {
         let frames = to_rgb(&self.whole.decode(latent)?)?;
         Ok(encode_single_fragment(
             &self.encoder,
@@ -825,11 +869,8 @@ impl DecodeStage {
 
 impl DecodeSession<'_> {
     /// The init segment (`ftyp` + `moov`) and its MIME type with codecs.
-    pub fn init_event(&self) -> Event {
-        Event::Init {
-            data: self.writer.init_segment().to_vec(),
-            mime_type: self.writer.mime_type(),
-        }
+    pub fn init_segment(&self) -> (Vec<u8>, String) {
+        (self.writer.init_segment().to_vec(), self.writer.mime_type())
     }
 
     /// Decodes the next latent frames [1, C, n, h, w] (host or device) into video frames
@@ -888,7 +929,7 @@ impl DecodeSession<'_> {
 
     /// Decodes the next latent frames [1, C, n, h, w] and encodes the frames; returns the segments
     /// they completed (after the last latent frame, the final segment too).
-    pub fn push(&mut self, latent: &Tensor) -> anyhow::Result<Vec<Segment>> {
+    pub fn push(&mut self, latent: &Tensor) -> anyhow::Result<Vec<MediaSegment>> {
         let video = self.decode(latent)?;
         let t = Instant::now();
         let rgb = to_rgb(&video)?;
@@ -902,15 +943,7 @@ impl DecodeSession<'_> {
         self.encode_ms += ms(t.elapsed());
         self.frames += rgb.len() as u32;
         self.segments += ready.len() as u32;
-        Ok(ready
-            .into_iter()
-            .map(|s| Segment {
-                sequence_number: s.sequence_number,
-                first_frame: s.first_frame as u32,
-                frame_count: s.frame_count,
-                data: s.bytes,
-            })
-            .collect())
+        Ok(ready)
     }
 
     /// Whether every latent frame has been decoded.
@@ -979,94 +1012,44 @@ impl Pipeline {
         &self.decode
     }
 
-    /// Runs one request, sending its progress and segments to `sink` as they exist.
-    pub fn run(
-        &self,
-        p: &GenerateParams,
-        accepted: Instant,
-        sink: &mut dyn Sink,
-    ) -> Result<Done, RunError> {
-        let stopped = |s| RunError::Stopped(s);
-        sink.check().map_err(stopped)?;
-        let mut timings = Timings {
-            queue_ms: ms(accepted.elapsed()),
-            ..Timings::default()
-        };
-
-        sink.send(Event::Progress {
-            phase: Phase::Text,
-            done: 0,
-            total: 1,
-        })
-        .map_err(stopped)?;
-        let t = Instant::now();
-        let (cond, uncond) = self.denoise.text_states(p)?;
-        timings.text_ms = ms(t.elapsed());
-        sink.send(Event::Progress {
-            phase: Phase::Text,
-            done: 1,
-            total: 1,
-        })
-        .map_err(stopped)?;
-
-        let t = Instant::now();
-        let mut stop = None;
-        let latent = self.denoise.denoise_latent(p, &cond, &uncond, |s| {
-            let event = Event::Progress {
-                phase: Phase::Denoise,
-                done: s.step as u32,
-                total: s.steps as u32,
-            };
-            match sink.send(event) {
-                Ok(()) => Control::Continue,
-                Err(s) => {
-                    stop = Some(s);
-                    Control::Cancel
-                }
+    /// The streamed path without a service, for parity tests and benchmarks: text, the loop,
+    /// then every latent frame decoded and encoded as a stream would be; returns the init
+    /// segment and every media segment concatenated (a whole fragmented MP4).
+    pub fn render_streamed(&self, p: &GenerateParams) -> anyhow::Result<Vec<u8>> {
+        let job = DenoiseJob::of(p);
+        let (cond, uncond) = self.denoise.text_states(&job)?;
+        let never = AtomicBool::new(false);
+        let latent =
+            self.denoise
+                .denoise_latent(&job, &cond, &uncond, &never, |_| Control::Continue)?;
+        let mut session = self.decode.start(&DecodeJob::of(p))?;
+        let mut mp4 = session.init_segment().0;
+        for t in 0..latent.shape()[2] {
+            for segment in session.push(&latent.narrow(2, t, 1)?)? {
+                mp4.extend(segment.bytes);
             }
-        });
-        let latent = match (latent, stop) {
-            (Err(DenoiseError::Cancelled { .. }), Some(s)) => return Err(stopped(s)),
-            (result, _) => result?,
-        };
-        timings.denoise_ms = ms(t.elapsed());
-
-        // Decode one latent frame at a time (frame 0 → 1 video frame, then 4 each), sending every
-        // segment as soon as its last frame is encoded.
-        let mut session = self.decode.start(p)?;
-        sink.send(session.init_event()).map_err(stopped)?;
-        for chunk in 0..latent.shape()[2] {
-            sink.check().map_err(stopped)?;
-            for seg in session.push(&latent.narrow(2, chunk, 1)?)? {
-                sink.send(Event::Segment(seg)).map_err(stopped)?;
-            }
-            let event = Event::Progress {
-                phase: Phase::Decode,
-                done: session.frames,
-                total: p.num_frames as u32,
-            };
-            sink.send(event).map_err(stopped)?;
         }
-        timings.decode_ms = session.decode_ms;
-        timings.encode_ms = session.encode_ms;
-        Ok(Done {
-            timings,
-            frames: session.frames,
-            segments: session.segments,
-        })
+        Ok(mp4)
     }
 
     /// The non-streamed path, for reference (see [`DecodeStage::render_whole`]).
     pub fn render_whole(&self, p: &GenerateParams) -> anyhow::Result<Vec<u8>> {
-        let (cond, uncond) = self.denoise.text_states(p)?;
-        let latent = self
-            .denoise
-            .denoise_latent(p, &cond, &uncond, |_| Control::Continue)?;
-        self.decode.render_whole(p, &latent)
+        let job = DenoiseJob::of(p);
+        let (cond, uncond) = self.denoise.text_states(&job)?;
+        let never = AtomicBool::new(false);
+        let latent =
+            self.denoise
+                .denoise_latent(&job, &cond, &uncond, &never, |_| Control::Continue)?;
+        self.decode.render_whole(&DecodeJob::of(p), &latent)
+    }
+
+    /// The two halves, for `serve` to hand to its pools.
+    pub fn into_stages(self) -> (DenoiseStage, DecodeStage) {
+        (self.denoise, self.decode)
     }
 }
 
-fn video_params(p: &GenerateParams) -> VideoParams {
+fn video_params(p: &DecodeJob) -> VideoParams {
     VideoParams {
         width: p.width as u32,
         height: p.height as u32,
@@ -1076,7 +1059,7 @@ fn video_params(p: &GenerateParams) -> VideoParams {
 
 /// Frame 0 alone (the first picture leaves as soon as latent frame 0 is decoded), then
 /// `segment_frames` each.
-fn segment_plan(p: &GenerateParams) -> anyhow::Result<SegmentPlan> {
+fn segment_plan(p: &DecodeJob) -> anyhow::Result<SegmentPlan> {
     Ok(SegmentPlan::new(1, p.segment_frames as u32)?)
 }
 

@@ -1,18 +1,21 @@
-//! Starting and stopping the gRPC server around an engine: `ditstream serve`, and the embedded
-//! server `ditstream generate` starts on loopback when no `--server` is given.
+//! `ditstream serve`, and the embedded server `ditstream generate` starts on loopback when no
+//! `--server` is given: the gateway, one denoiser pool and one decoder instance in one process,
+//! joined by the in-process latent link. Requests take exactly the path they take in the
+//! disaggregated deployment (admission, routing, relaying in [`crate::gateway`]), so decode(N)
+//! overlaps denoise(N+1) here too.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use ditstream_common::config::Config;
-use ditstream_proto::v1::video_service_server::VideoServiceServer;
-use tokio::sync::oneshot;
-use tokio_stream::wrappers::TcpListenerStream;
 
-use crate::engine::Engine;
+use crate::gateway::{Gateway, RunningGateway};
 use crate::pipeline::Pipeline;
-use crate::service::VideoServer;
+use crate::roles::decoder::DecoderService;
+use crate::roles::denoiser::DenoiserService;
+use crate::roles::link::Pending;
 
 /// The embedded default: CPU, the built-in tiny model (configs/cpu-tiny.yaml, compiled in).
 pub const EMBEDDED_CONFIG: &str = include_str!("../configs/cpu-tiny.yaml");
@@ -33,56 +36,41 @@ pub fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Config> {
 pub struct RunningServer {
     /// Where it listens.
     pub addr: SocketAddr,
-    shutdown: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    gateway: RunningGateway,
+    grace: Duration,
 }
 
 impl RunningServer {
-    /// Stops accepting, lets open streams finish, and waits.
-    pub async fn stop(mut self) -> anyhow::Result<()> {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        self.task
-            .await
-            .context("server task panicked")?
-            .context("server failed")?;
+    /// Stops admitting, lets running requests finish within `serving.shutdown_grace_s`, cancels
+    /// the rest, and stops listening.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.gateway.stop(self.grace).await;
         Ok(())
     }
 }
 
-/// Builds the models (on a blocking thread), starts the engine and serves on `listen`
-/// (port 0 picks a free port; see `addr`).
+/// Builds the models (on a blocking thread), starts both pools and the gateway, and serves on
+/// `listen` (port 0 picks a free port; see `addr`).
 pub async fn start(cfg: Config, listen: SocketAddr) -> anyhow::Result<RunningServer> {
+    let gateway = Gateway::new(&cfg)?;
     let build_cfg = cfg.clone();
     let pipeline = tokio::task::spawn_blocking(move || Pipeline::from_config(&build_cfg))
         .await
         .context("model loading panicked")??;
-    let engine = Arc::new(Engine::start(pipeline, cfg.serving.queue_depth));
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("cannot listen on {listen}"))?;
-    let addr = listener.local_addr()?;
-    let (tx, rx) = oneshot::channel();
-    let service = VideoServiceServer::new(VideoServer::new(engine, cfg))
-        .max_decoding_message_size(1 << 20)
-        .max_encoding_message_size(64 << 20);
-    let task = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(service)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-                let _ = rx.await;
-            }),
-    );
-    tracing::info!(%addr, "serving ditstream.v1.VideoService");
+    let (denoise, decode) = pipeline.into_stages();
+    let pending: Pending = Arc::default();
+    let decoder = DecoderService::new(Arc::new(decode), Arc::clone(&pending));
+    let denoiser = DenoiserService::new(Arc::new(denoise), None, Some(pending));
+    gateway.add_local(Arc::new(denoiser), Arc::new(decoder));
+    let gateway = crate::gateway::serve(gateway, listen, false).await?;
     Ok(RunningServer {
-        addr,
-        shutdown: Some(tx),
-        task,
+        addr: gateway.addr,
+        gateway,
+        grace: Duration::from_secs(cfg.serving.shutdown_grace_s),
     })
 }
 
-/// `ditstream serve`: serves until Ctrl-C.
+/// `ditstream serve`: serves until Ctrl-C, then drains.
 pub async fn serve(
     config: Option<&std::path::Path>,
     listen: Option<SocketAddr>,
@@ -97,6 +85,6 @@ pub async fn serve(
     tokio::signal::ctrl_c()
         .await
         .context("waiting for Ctrl-C")?;
-    eprintln!("stopping");
+    eprintln!("stopping: draining running requests");
     server.stop().await
 }

@@ -32,8 +32,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
 
-use ditstream::engine::Event;
-use ditstream::pipeline::{Sink, Stop};
 use ditstream_common::config::Config;
 
 /// The built-in tiny model in f32 at a small size: 3 steps, 64×48, 9 frames (3 latent frames).
@@ -51,23 +49,6 @@ fn config(device: &str, gpus: &str, parallel: &str) -> Config {
     let cfg = Config::parse(&yaml, "<test>").unwrap();
     cfg.validate(None).unwrap();
     cfg
-}
-
-/// Collects a run's init and media segments into an MP4.
-pub struct Collect(pub Vec<u8>);
-
-impl Sink for Collect {
-    fn check(&mut self) -> Result<(), Stop> {
-        Ok(())
-    }
-    fn send(&mut self, event: Event) -> Result<(), Stop> {
-        match event {
-            Event::Init { data, .. } => self.0.extend(data),
-            Event::Segment(s) => self.0.extend(s.data),
-            _ => {}
-        }
-        Ok(())
-    }
 }
 
 /// Top-level boxes of `buf`: (type, body).
@@ -184,14 +165,11 @@ fn the_mp4_check_decodes_every_frame_of_a_cpu_run() {
     }
     .validate(&cfg, "tiny")
     .unwrap();
-    let mut out = Collect(Vec::new());
-    pipeline
-        .run(&p, std::time::Instant::now(), &mut out)
-        .unwrap();
-    assert_eq!(decode_mp4(&out.0), vec![(64, 48); 9]);
+    let mp4 = pipeline.render_streamed(&p).unwrap();
+    assert_eq!(decode_mp4(&mp4), vec![(64, 48); 9]);
     // A truncated file is not playable: the check fails.
-    let cut = out.0.len() - 10;
-    assert!(std::panic::catch_unwind(|| decode_mp4(&out.0[..cut])).is_err());
+    let cut = mp4.len() - 10;
+    assert!(std::panic::catch_unwind(|| decode_mp4(&mp4[..cut])).is_err());
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -213,7 +191,9 @@ async fn cuda_in_a_build_without_cuda_is_a_clear_startup_error() {
 mod gpu {
     use std::time::Instant;
 
-    use ditstream::pipeline::{DecodeStage, DenoiseStage, Pipeline};
+    use std::sync::atomic::AtomicBool;
+
+    use ditstream::pipeline::{DecodeJob, DecodeStage, DenoiseJob, DenoiseStage, Pipeline};
     use ditstream::request::{GenerateParams, RawRequest};
     use ditstream_common::config::Config;
     use ditstream_denoiser::denoise::Control;
@@ -222,7 +202,7 @@ mod gpu {
     use ditstream_proto::v1::generate_event::Event as E;
     use ditstream_proto::v1::video_service_client::VideoServiceClient;
 
-    use super::{Collect, config, decode_mp4};
+    use super::{config, decode_mp4};
 
     /// Guidance scale of the requests (the sampler default).
     const GUIDANCE: f64 = 5.0;
@@ -251,9 +231,9 @@ mod gpu {
     }
 
     fn latent(stage: &DenoiseStage, p: &GenerateParams) -> Vec<f32> {
-        let (cond, uncond) = stage.text_states(p).unwrap();
+        let (cond, uncond) = stage.text_states(&DenoiseJob::of(p)).unwrap();
         let latent = stage
-            .denoise_latent(p, &cond, &uncond, |_| Control::Continue)
+            .denoise_latent(&DenoiseJob::of(p), &cond, &uncond, &AtomicBool::new(false), |_| Control::Continue)
             .unwrap();
         assert_eq!(
             latent.device(),
@@ -312,7 +292,7 @@ mod gpu {
         assert!(
             models.models[0]
                 .description
-                .contains("device cuda (gpus [0])"),
+                .contains("= 1 ranks on cuda:0"),
             "{models:?}"
         );
         let request = pb::GenerateRequest {
@@ -352,9 +332,7 @@ mod gpu {
         let again = {
             let (gpu, p) = (std::sync::Arc::clone(&gpu), p.clone());
             tokio::task::spawn_blocking(move || {
-                let mut out = Collect(Vec::new());
-                gpu.run(&p, Instant::now(), &mut out).unwrap();
-                out.0
+                gpu.render_streamed(&p).unwrap()
             })
             .await
             .unwrap()
@@ -375,8 +353,8 @@ mod gpu {
                 latent_bound(),
             );
             let cpu_latent = Tensor::from_vec(want, &[1, 16, 3, 6, 8]).unwrap();
-            let mut on_cpu = cpu.decode_stage().start(&p).unwrap();
-            let mut on_gpu = gpu.decode_stage().start(&p).unwrap();
+            let mut on_cpu = cpu.decode_stage().start(&DecodeJob::of(&p)).unwrap();
+            let mut on_gpu = gpu.decode_stage().start(&DecodeJob::of(&p)).unwrap();
             let mut worst = 0f64;
             for t in 0..3 {
                 let chunk = cpu_latent.narrow(2, t, 1).unwrap();
@@ -432,8 +410,8 @@ mod gpu {
             );
             // A cancel after step 1 ends every rank (agreed), and the next request runs on the
             // same communicators with the same result.
-            let (cond, uncond) = stage.text_states(&p).unwrap();
-            let cancelled = stage.denoise_latent(&p, &cond, &uncond, |s| {
+            let (cond, uncond) = stage.text_states(&DenoiseJob::of(&p)).unwrap();
+            let cancelled = stage.denoise_latent(&DenoiseJob::of(&p), &cond, &uncond, &AtomicBool::new(false), |s| {
                 if s.step == 1 {
                     Control::Cancel
                 } else {
@@ -475,7 +453,7 @@ mod gpu {
         assert_eq!(two.connections(), 1);
         let p = params(&cfg, 5);
         let latent = ditstream_denoiser::denoise::initial_noise([1, 16, 3, 6, 8], 5).unwrap();
-        let (mut a, mut b) = (one.start(&p).unwrap(), two.start(&p).unwrap());
+        let (mut a, mut b) = (one.start(&DecodeJob::of(&p)).unwrap(), two.start(&DecodeJob::of(&p)).unwrap());
         let mut worst = 0f64;
         for t in 0..3 {
             let chunk = latent.narrow(2, t, 1).unwrap();

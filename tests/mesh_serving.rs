@@ -9,7 +9,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
 
-use ditstream::pipeline::DenoiseStage;
+use std::sync::atomic::AtomicBool;
+
+use ditstream::pipeline::{DecodeJob, DenoiseJob, DenoiseStage};
 use ditstream::request::RawRequest;
 use ditstream_common::config::Config;
 use ditstream_denoiser::denoise::Control;
@@ -32,9 +34,9 @@ fn every_mesh_gives_the_single_rank_latent() {
         ..RawRequest::default()
     };
     let params = raw.validate(&cfg, "tiny").unwrap();
-    let (cond, uncond) = single.text_states(&params).unwrap();
+    let (cond, uncond) = single.text_states(&DenoiseJob::of(&params)).unwrap();
     let want = single
-        .denoise_latent(&params, &cond, &uncond, |_| Control::Continue)
+        .denoise_latent(&DenoiseJob::of(&params), &cond, &uncond, &AtomicBool::new(false), |_| Control::Continue)
         .unwrap()
         .to_vec_f32()
         .unwrap();
@@ -51,7 +53,7 @@ fn every_mesh_gives_the_single_rank_latent() {
         assert!(stage.mesh().world_size() > 1);
         let mut steps = Vec::new();
         let got = stage
-            .denoise_latent(&params, &cond, &uncond, |s| {
+            .denoise_latent(&DenoiseJob::of(&params), &cond, &uncond, &AtomicBool::new(false), |s| {
                 steps.push(s.step);
                 Control::Continue
             })
@@ -87,8 +89,8 @@ fn a_cancel_on_rank_zero_stops_every_rank() {
         ..RawRequest::default()
     };
     let params = raw.validate(&cfg, "tiny").unwrap();
-    let (cond, uncond) = stage.text_states(&params).unwrap();
-    let err = stage.denoise_latent(&params, &cond, &uncond, |s| {
+    let (cond, uncond) = stage.text_states(&DenoiseJob::of(&params)).unwrap();
+    let err = stage.denoise_latent(&DenoiseJob::of(&params), &cond, &uncond, &AtomicBool::new(false), |s| {
         if s.step == 2 {
             Control::Cancel
         } else {
@@ -105,7 +107,7 @@ fn a_cancel_on_rank_zero_stops_every_rank() {
     // And the stage is usable again at once (an agreed cancel leaves the communicators intact).
     assert!(
         stage
-            .denoise_latent(&params, &cond, &uncond, |_| Control::Continue)
+            .denoise_latent(&DenoiseJob::of(&params), &cond, &uncond, &AtomicBool::new(false), |_| Control::Continue)
             .is_ok()
     );
 }
@@ -162,23 +164,6 @@ async fn a_multi_rank_config_serves_a_video() {
     server.stop().await.unwrap();
 }
 
-/// Collects a run's segments into an MP4.
-struct Collect(Vec<u8>);
-
-impl ditstream::pipeline::Sink for Collect {
-    fn check(&mut self) -> Result<(), ditstream::pipeline::Stop> {
-        Ok(())
-    }
-    fn send(&mut self, event: ditstream::engine::Event) -> Result<(), ditstream::pipeline::Stop> {
-        match event {
-            ditstream::engine::Event::Init { data, .. } => self.0.extend(data),
-            ditstream::engine::Event::Segment(s) => self.0.extend(s.data),
-            _ => {}
-        }
-        Ok(())
-    }
-}
-
 #[test]
 fn a_sharded_vae_gives_the_same_video() {
     let video = |parallel: &str| {
@@ -190,11 +175,7 @@ fn a_sharded_vae_gives_the_same_video() {
             ..RawRequest::default()
         };
         let params = raw.validate(&cfg, "tiny").unwrap();
-        let mut out = Collect(Vec::new());
-        pipeline
-            .run(&params, std::time::Instant::now(), &mut out)
-            .unwrap();
-        out.0
+        pipeline.render_streamed(&params).unwrap()
     };
     let whole = video("  parallel_vae_size: 1\n");
     // 48×64 video: latent 6 × 8; 2 bands of rows, 3 uneven bands of columns, 5 bands (1-row ones).
@@ -223,9 +204,9 @@ fn the_mesh_keeps_its_communicators_across_requests() {
         ..RawRequest::default()
     };
     let params = raw.validate(&cfg, "tiny").unwrap();
-    let (cond, uncond) = stage.text_states(&params).unwrap();
+    let (cond, uncond) = stage.text_states(&DenoiseJob::of(&params)).unwrap();
     let run = |cancel_at: Option<usize>| {
-        stage.denoise_latent(&params, &cond, &uncond, |s| {
+        stage.denoise_latent(&DenoiseJob::of(&params), &cond, &uncond, &AtomicBool::new(false), |s| {
             if Some(s.step) == cancel_at {
                 Control::Cancel
             } else {
@@ -259,7 +240,7 @@ fn a_sharded_vae_instance_decodes_interleaved_requests() {
     let latent = |seed| ditstream_denoiser::denoise::initial_noise([1, 16, 3, 6, 8], seed).unwrap();
     let (a, b) = (latent(1), latent(2));
     let decode_alone = |latent: &ditstream_kernels::Tensor| {
-        let mut s = single.start(&params).unwrap();
+        let mut s = single.start(&DecodeJob::of(&params)).unwrap();
         (0..3)
             .map(|t| {
                 s.decode(&latent.narrow(2, t, 1).unwrap())
@@ -271,8 +252,8 @@ fn a_sharded_vae_instance_decodes_interleaved_requests() {
     };
     let (want_a, want_b) = (decode_alone(&a), decode_alone(&b));
     // Two requests' chunks alternate on one instance: each keeps its own causal caches.
-    let mut sa = sharded.start(&params).unwrap();
-    let mut sb = sharded.start(&params).unwrap();
+    let mut sa = sharded.start(&DecodeJob::of(&params)).unwrap();
+    let mut sb = sharded.start(&DecodeJob::of(&params)).unwrap();
     for t in 0..3 {
         let got_a = sa
             .decode(&a.narrow(2, t, 1).unwrap())

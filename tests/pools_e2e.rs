@@ -291,7 +291,7 @@ async fn a_dead_decoder_is_dropped_and_a_new_one_serves() {
         .into_inner();
     assert_eq!(
         models.models[0].description,
-        "1 denoiser pool(s), 0 decoder instance(s)"
+        "1 denoiser pool(s), 0 decoder instance(s) registered"
     );
     // A request waits in the queue until a decoder registers, then completes.
     let t0 = Instant::now();

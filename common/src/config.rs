@@ -395,6 +395,62 @@ pub struct ServingConfig {
     pub queue_depth: usize,
     /// H.264 encoder backend.
     pub encoder: EncoderKind,
+    /// Seconds a client may leave its stream unread (its window full) before it loses its
+    /// request: the request is cancelled and its slot freed, so nobody else waits on it.
+    pub client_send_timeout_s: f64,
+    /// Longest deadline honoured, in seconds: a `grpc-timeout` beyond it is clamped to it.
+    pub max_deadline_s: u64,
+    /// Seconds a stopping server lets running requests finish before it cancels them.
+    pub shutdown_grace_s: u64,
+    /// What admission refuses as beyond the serving devices (see [`AdmissionConfig`]).
+    pub admission: AdmissionConfig,
+}
+
+/// `serving.admission`: the cost model that refuses, at once, a request the serving devices
+/// cannot do. A request's cost is estimated from its tokens, frames and steps (see the
+/// gateway's `cost` module); `None` takes the default for `serving.device`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdmissionConfig {
+    /// Longest estimated run, in seconds, a request may need (denoise and decode).
+    pub max_request_s: f64,
+    /// Sustained dense throughput of one rank, in TFLOP/s (default: 0.01 on the CPU, which the
+    /// 2-core build machine sustains on the tiny model's f32 reference ops; 400 on a GPU, an
+    /// H200's measured bf16 DiT rate).
+    pub device_tflops: Option<f64>,
+    /// Memory one rank may fill with a request's activations, in GiB (default: 8 on the CPU,
+    /// 100 on a GPU, an H200's 141 GB less the largest model and the workspaces).
+    pub device_memory_gib: Option<f64>,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            max_request_s: 1800.0,
+            device_tflops: None,
+            device_memory_gib: None,
+        }
+    }
+}
+
+impl AdmissionConfig {
+    /// One rank's throughput in FLOP/s on `device`.
+    pub fn flops_per_s(&self, device: DeviceKind) -> f64 {
+        let tflops = self.device_tflops.unwrap_or(match device {
+            DeviceKind::Cpu => 0.01,
+            DeviceKind::Cuda => 400.0,
+        });
+        tflops * 1e12
+    }
+
+    /// One rank's activation budget in bytes on `device`.
+    pub fn memory_bytes(&self, device: DeviceKind) -> f64 {
+        let gib = self.device_memory_gib.unwrap_or(match device {
+            DeviceKind::Cpu => 8.0,
+            DeviceKind::Cuda => 100.0,
+        });
+        gib * f64::from(1u32 << 30)
+    }
 }
 
 impl Default for ServingConfig {
@@ -413,6 +469,10 @@ impl Default for ServingConfig {
             max_prompt_bytes: 8192,
             queue_depth: 16,
             encoder: EncoderKind::Openh264,
+            client_send_timeout_s: 10.0,
+            max_deadline_s: 24 * 3600,
+            shutdown_grace_s: 30,
+            admission: AdmissionConfig::default(),
         }
     }
 }
@@ -753,6 +813,28 @@ impl Config {
         }
         if s.queue_depth == 0 {
             return Err(invalid("serving.queue_depth", 0, "must be at least 1"));
+        }
+        if !(s.client_send_timeout_s.is_finite() && s.client_send_timeout_s > 0.0) {
+            return Err(invalid(
+                "serving.client_send_timeout_s",
+                s.client_send_timeout_s,
+                "must be a positive number of seconds",
+            ));
+        }
+        if s.max_deadline_s == 0 {
+            return Err(invalid("serving.max_deadline_s", 0, "must be at least 1"));
+        }
+        let a = &s.admission;
+        for (key, value) in [
+            ("serving.admission.max_request_s", Some(a.max_request_s)),
+            ("serving.admission.device_tflops", a.device_tflops),
+            ("serving.admission.device_memory_gib", a.device_memory_gib),
+        ] {
+            if let Some(v) = value
+                && !(v.is_finite() && v > 0.0)
+            {
+                return Err(invalid(key, v, "must be a positive number"));
+            }
         }
         Ok(())
     }

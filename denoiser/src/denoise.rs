@@ -105,6 +105,20 @@ pub fn denoise(
     latents: Tensor,
     cond: &Tensor,
     uncond: Option<&Tensor>,
+    on_step: impl FnMut(StepProgress) -> Control,
+) -> Result<Tensor, DenoiseError> {
+    denoise_interruptible(experts, params, latents, cond, uncond, &|| false, on_step)
+}
+
+/// [`denoise`] that also asks `interrupted` before every transformer block: a request that is
+/// cancelled mid-step ends within one block with [`DenoiseError::Cancelled`].
+pub fn denoise_interruptible(
+    experts: Experts<'_>,
+    params: &DenoiseParams,
+    latents: Tensor,
+    cond: &Tensor,
+    uncond: Option<&Tensor>,
+    interrupted: &dyn Fn() -> bool,
     mut on_step: impl FnMut(StepProgress) -> Control,
 ) -> Result<Tensor, DenoiseError> {
     let mut sampler = make_sampler(params)?;
@@ -156,10 +170,16 @@ pub fn denoise(
         };
         let timestep =
             Tensor::from_vec(vec![t as f32; batch], &[batch]).map_err(ModelError::from)?;
-        let v = model
-            .forward(&input, &timestep, &context)?
-            .to_vec_f32()
-            .map_err(ModelError::from)?;
+        let v = match model.forward_interruptible(&input, &timestep, &context, interrupted) {
+            Ok(v) => v.to_vec_f32().map_err(ModelError::from)?,
+            Err(ModelError::Interrupted { .. }) => {
+                return Err(DenoiseError::Cancelled {
+                    after_step: k,
+                    steps,
+                });
+            }
+            Err(e) => return Err(e.into()),
+        };
         let mut v_cond = v[..x.len()].to_vec();
         if cfg {
             cfg_combine(&mut v_cond, &v[x.len()..], guidance);

@@ -1,7 +1,13 @@
-//! `ditstream decoder`: one decoder instance. It listens for latent chunks on its QUIC latent
-//! link and serves `DecoderPool.Decode` to the gateway: a Decode call registers the request, and
-//! its chunks are decoded and encoded as they arrive, each segment streamed back the moment it
-//! exists. The instance keeps each request's causal VAE cache until its last chunk.
+//! One decoder instance: `DecoderPool.Decode` around a [`DecodeStage`]. A Decode call registers
+//! the request with the latent link (its first event is the init segment, which tells the
+//! gateway the latent may flow); its chunks are decoded and encoded as they arrive, each segment
+//! streamed back the moment it exists. The instance keeps each request's causal VAE cache until
+//! its last chunk. A gateway that goes away (the client cancelled or left) ends the decode at the
+//! next chunk, or at once while it waits for one.
+//!
+//! The same service runs behind its own gRPC listener and latent link (`ditstream decoder`) and
+//! inside `ditstream serve`, where the gateway calls it directly and the denoiser hands it the
+//! latent in memory.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -19,11 +25,12 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 
-use crate::engine::{Event, Phase};
-use crate::pipeline::{DecodeStage, model_name};
-use crate::request::GenerateParams;
+use crate::pipeline::{DecodeJob, DecodeStage, model_name};
+use crate::request::MAX_SEGMENT_FRAMES;
+use crate::roles::denoiser::request_id_of;
 use crate::roles::link::{self, Pending};
 use crate::roles::{addr, link_identity, registration};
+use crate::status;
 
 /// How long a request may wait for its next latent chunk before the decode fails.
 const CHUNK_TIMEOUT: Duration = Duration::from_secs(300);
@@ -33,7 +40,38 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-struct DecoderService {
+/// The request a `Decode` call carries, in domain terms (the one wire → domain conversion).
+fn job_of(r: pb::DecodeRequest) -> Result<(String, DecodeJob), Status> {
+    for (field, side) in [("width", r.width), ("height", r.height)] {
+        if side == 0 || side % 16 != 0 {
+            return Err(status::invalid_field(field, side, "must be a positive multiple of 16"));
+        }
+    }
+    if r.num_frames % 4 != 1 {
+        return Err(status::invalid_field("num_frames", r.num_frames, "must be 4k+1"));
+    }
+    if r.fps == 0 {
+        return Err(status::invalid_field("fps", 0, "must be at least 1"));
+    }
+    if r.segment_frames == 0 || r.segment_frames > MAX_SEGMENT_FRAMES {
+        return Err(status::invalid_field(
+            "segment_frames",
+            r.segment_frames,
+            &format!("must be in 1..={MAX_SEGMENT_FRAMES}"),
+        ));
+    }
+    let job = DecodeJob {
+        width: r.width as usize,
+        height: r.height as usize,
+        num_frames: r.num_frames as usize,
+        fps: r.fps,
+        segment_frames: r.segment_frames as usize,
+    };
+    Ok((r.request_id, job))
+}
+
+/// The instance's gRPC service.
+pub struct DecoderService {
     stage: Arc<DecodeStage>,
     pending: Pending,
     active: Arc<AtomicU32>,
@@ -45,6 +83,26 @@ fn event(e: pb::decode_event::Event) -> Result<pb::DecodeEvent, Status> {
     Ok(pb::DecodeEvent { event: Some(e) })
 }
 
+impl DecoderService {
+    /// The service over `stage`, whose requests take their chunks from `pending` (fed by the
+    /// latent link's listener, or in `serve` by the denoiser directly).
+    pub fn new(stage: Arc<DecodeStage>, pending: Pending) -> DecoderService {
+        DecoderService {
+            stage,
+            pending,
+            active: Arc::new(AtomicU32::new(0)),
+        }
+    }
+}
+
+impl DecoderService {
+    /// The VAE ranks and their devices.
+    pub fn description(&self) -> String {
+        let devices: Vec<String> = self.stage.devices().iter().map(|d| d.to_string()).collect();
+        format!("VAE on {} rank(s): {}", devices.len(), devices.join(", "))
+    }
+}
+
 #[tonic::async_trait]
 impl DecoderPool for DecoderService {
     type DecodeStream = DecodeStream;
@@ -53,51 +111,18 @@ impl DecoderPool for DecoderService {
         &self,
         request: Request<pb::DecodeRequest>,
     ) -> Result<Response<DecodeStream>, Status> {
-        let r = request.into_inner();
+        let logged_id = request_id_of(&request, &request.get_ref().request_id);
+        let (id, job) = job_of(request.into_inner())?;
         if let Some(why) = self.stage.out_of_service() {
-            return Err(Status::unavailable(format!(
-                "this decoder instance is out of service: {why}"
-            )));
-        }
-        let params = GenerateParams {
-            prompt: String::new(),
-            negative_prompt: String::new(),
-            width: r.width as usize,
-            height: r.height as usize,
-            num_frames: r.num_frames as usize,
-            fps: r.fps,
-            steps: 0,
-            guidance_scale: 0.0,
-            guidance_scale_2: None,
-            seed: 0,
-            segment_frames: r.segment_frames as usize,
-        };
-        if params.width == 0
-            || params.height == 0
-            || !params.width.is_multiple_of(16)
-            || !params.height.is_multiple_of(16)
-        {
-            return Err(Status::invalid_argument(format!(
-                "{}x{}: width and height must be positive multiples of 16",
-                r.width, r.height
-            )));
-        }
-        if params.num_frames % 4 != 1 || params.fps == 0 || params.segment_frames == 0 {
-            return Err(Status::invalid_argument(format!(
-                "num_frames = {} (must be 4k+1), fps = {}, segment_frames = {} (must be ≥ 1)",
-                r.num_frames, r.fps, r.segment_frames
-            )));
+            return Err(status::out_of_service("decoder instance", &why));
         }
         let (chunk_tx, mut chunk_rx) = mpsc::channel::<link::Delivery>(64);
         {
             let mut pending = lock(&self.pending);
-            if pending.contains_key(&r.request_id) {
-                return Err(Status::already_exists(format!(
-                    "request {} is already decoding here",
-                    r.request_id
-                )));
+            if pending.contains_key(&id) {
+                return Err(status::duplicate(&id));
             }
-            pending.insert(r.request_id.clone(), chunk_tx);
+            pending.insert(id.clone(), chunk_tx);
         }
         let (tx, rx) = mpsc::channel::<Result<pb::DecodeEvent, Status>>(64);
         let (stage, pending, active) = (
@@ -105,34 +130,31 @@ impl DecoderPool for DecoderService {
             Arc::clone(&self.pending),
             Arc::clone(&self.active),
         );
-        let id = r.request_id.clone();
         active.fetch_add(1, Ordering::Relaxed);
         let handle = tokio::runtime::Handle::current();
         tokio::task::spawn_blocking(move || {
-            let _span = tracing::info_span!("decode", id = %id).entered();
+            let _span = tracing::info_span!("decode", id = %logged_id).entered();
+            let gone = || anyhow::anyhow!("the gateway went away");
             let result = (|| -> anyhow::Result<()> {
-                let mut session = stage.start(&params)?;
-                let Event::Init { data, mime_type } = session.init_event() else {
-                    anyhow::bail!("the init event is always Init");
-                };
-                let send = |e| {
-                    tx.blocking_send(e)
-                        .map_err(|_| anyhow::anyhow!("the gateway went away"))
-                };
+                let mut session = stage.start(&job)?;
+                let (data, mime_type) = session.init_segment();
+                let send = |e| tx.blocking_send(e).map_err(|_| gone());
                 send(event(pb::decode_event::Event::InitSegment(
                     pb::InitSegment { data, mime_type },
                 )))?;
                 let channels = stage.latent_channels() as u64;
-                let (h, w) = ((params.height / 8) as u64, (params.width / 8) as u64);
+                let (_, h, w) = job.latent_grid();
+                let (h, w) = (h as u64, w as u64);
                 while !session.is_done() {
-                    let arrived = handle
-                        .block_on(async {
-                            tokio::time::timeout(CHUNK_TIMEOUT, chunk_rx.recv()).await
-                        })
-                        .map_err(|_| {
-                            anyhow::anyhow!("no latent chunk for {} s", CHUNK_TIMEOUT.as_secs())
-                        })?
-                        .context("the latent link closed before the last chunk")??;
+                    let arrived = handle.block_on(async {
+                        tokio::select! {
+                            chunk = tokio::time::timeout(CHUNK_TIMEOUT, chunk_rx.recv()) => chunk
+                                .map_err(|_| anyhow::anyhow!("no latent chunk for {} s", CHUNK_TIMEOUT.as_secs()))?
+                                .context("the latent link closed before the last chunk")?
+                                .map_err(anyhow::Error::from),
+                            _ = tx.closed() => Err(gone()),
+                        }
+                    })?;
                     let s = &arrived.header.shape;
                     if s.len() != 5 || s[0] != 1 || s[1] != channels || s[3] != h || s[4] != w {
                         anyhow::bail!(
@@ -144,18 +166,24 @@ impl DecoderPool for DecoderService {
                         send(event(pb::decode_event::Event::MediaSegment(
                             pb::MediaSegment {
                                 sequence_number: seg.sequence_number,
-                                first_frame: seg.first_frame,
+                                first_frame: seg.first_frame as u32,
                                 frame_count: seg.frame_count,
-                                data: seg.data,
+                                data: seg.bytes,
                             },
                         )))?;
                     }
                     send(event(pb::decode_event::Event::Progress(pb::Progress {
-                        phase: pb::Phase::from(Phase::Decode) as i32,
+                        phase: pb::Phase::Decode as i32,
                         done: session.frames,
-                        total: params.num_frames as u32,
+                        total: job.num_frames as u32,
                     })))?;
                 }
+                tracing::info!(
+                    decode_ms = session.decode_ms,
+                    encode_ms = session.encode_ms,
+                    segments = session.segments,
+                    "decoded"
+                );
                 send(event(pb::decode_event::Event::Decoded(pb::Decoded {
                     decode_ms: session.decode_ms,
                     encode_ms: session.encode_ms,
@@ -165,8 +193,8 @@ impl DecoderPool for DecoderService {
                 Ok(())
             })();
             if let Err(e) = result {
-                tracing::warn!(error = %format!("{e:#}"), "decode ended early");
-                let _ = tx.blocking_send(Err(Status::internal(format!("decoder: {e:#}"))));
+                tracing::info!(error = %format!("{e:#}"), "decode ended early");
+                let _ = tx.blocking_send(Err(status::internal("decoder", format!("{e:#}"))));
             }
             lock(&pending).remove(&id);
             active.fetch_sub(1, Ordering::Relaxed);
@@ -177,23 +205,24 @@ impl DecoderPool for DecoderService {
     }
 }
 
-impl From<Phase> for pb::Phase {
-    fn from(p: Phase) -> pb::Phase {
-        match p {
-            Phase::Text => pb::Phase::Text,
-            Phase::Denoise => pb::Phase::Denoise,
-            Phase::Decode => pb::Phase::Decode,
-        }
-    }
-}
-
-/// A decoder instance running in this process.
+/// A decoder instance running in this process behind its own listener and latent link.
 pub struct RunningDecoder {
     /// Its gRPC address.
     pub addr: SocketAddr,
     /// Its latent-link address.
     pub link_addr: SocketAddr,
+    registration: registration::Registered,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RunningDecoder {
+    /// Leaves the gateway (nothing more is routed here), then stops serving.
+    pub async fn stop(mut self) {
+        self.registration.deregister().await;
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+    }
 }
 
 impl Drop for RunningDecoder {
@@ -217,14 +246,10 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDec
         tokio::net::TcpListener::bind(addr("pools.decoder_listen", &cfg.pools.decoder_listen)?)
             .await?;
     let grpc_addr = listener.local_addr()?;
-    let active = Arc::new(AtomicU32::new(0));
     let health_stage = Arc::clone(&stage);
     let health: registration::Health = Arc::new(move || health_stage.out_of_service());
-    let service = DecoderService {
-        stage,
-        pending,
-        active: Arc::clone(&active),
-    };
+    let service = DecoderService::new(stage, pending);
+    let active = Arc::clone(&service.active);
     let grpc_task = tokio::spawn(async move {
         let served = tonic::transport::Server::builder()
             .add_service(DecoderPoolServer::new(service).max_encoding_message_size(64 << 20))
@@ -240,18 +265,15 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDec
         link_address: link_addr.to_string(),
         link_host: cfg.pools.link_host.clone(),
         model: model_name(cfg),
-        link_kind: link::kind_name(cfg.pools.link).to_string(),
+        link_kind: link::wire_kind(cfg.pools.link) as i32,
     };
-    let reg_task = tokio::spawn(registration::keep_registered(
-        cfg.pools.gateway.clone(),
-        registration,
-        active,
-        health,
-    ));
+    let registration =
+        registration::Registered::start(cfg.pools.gateway.clone(), registration, active, health);
     tracing::info!(%grpc_addr, %link_addr, "decoder instance up");
     Ok(RunningDecoder {
         addr: grpc_addr,
         link_addr,
-        tasks: vec![link_task, grpc_task, reg_task],
+        registration,
+        tasks: vec![link_task, grpc_task],
     })
 }

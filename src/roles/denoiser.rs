@@ -1,8 +1,12 @@
-//! `ditstream denoiser`: one denoiser pool. It serves `DenoiserPool.Denoise` to the gateway, one
-//! request at a time (the pool's devices run one denoise loop): text encoding and the loop, with
-//! progress streamed back, then the latent sent over the latent link to the decoder the gateway
-//! named, one latent frame per chunk so the decoder starts on the first while the rest are in
-//! flight. The pool is free for its next request as soon as the last chunk is handed over.
+//! One denoiser pool: `DenoiserPool.Denoise` around a [`DenoiseStage`], one request at a time
+//! (the pool's devices run one denoise loop). Text encoding and the loop, with progress streamed
+//! back, then the latent sent over the latent link to the decoder the gateway named, one latent
+//! frame per chunk, so the decoder starts on the first while the rest are in flight. The pool is
+//! free for its next request as soon as the last chunk is handed over.
+//!
+//! The same service runs behind its own gRPC listener (`ditstream denoiser`, registered with a
+//! gateway elsewhere) and inside `ditstream serve`, where the gateway calls it directly and the
+//! latent goes to the in-process decoder.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -21,15 +25,60 @@ use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
-use crate::engine::ms;
-use crate::pipeline::{DenoiseStage, model_name};
-use crate::request::GenerateParams;
-use crate::roles::{addr, link, link_identity, registration};
+use crate::pipeline::{DenoiseJob, DenoiseStage, ms, model_name};
+use crate::roles::link::{self, Pending};
+use crate::roles::{addr, link_identity, registration};
+use crate::status;
 
-struct DenoiserService {
+/// Where a request's latent goes, as the gateway named it.
+struct LinkTarget {
+    kind: pb::LinkKind,
+    address: String,
+    host: String,
+}
+
+/// The request a `Denoise` call carries, in domain terms (the one wire → domain conversion).
+fn job_of(r: pb::DenoiseRequest) -> Result<(String, DenoiseJob, LinkTarget), Status> {
+    let sides = [("width", r.width), ("height", r.height)];
+    for (field, side) in sides {
+        if side == 0 || side % 16 != 0 {
+            return Err(status::invalid_field(field, side, "must be a positive multiple of 16"));
+        }
+    }
+    if r.num_frames % 4 != 1 {
+        return Err(status::invalid_field("num_frames", r.num_frames, "must be 4k+1"));
+    }
+    if r.steps == 0 {
+        return Err(status::invalid_field("steps", 0, "must be at least 1"));
+    }
+    let link = LinkTarget {
+        kind: pb::LinkKind::try_from(r.decoder_link_kind).unwrap_or(pb::LinkKind::Unspecified),
+        address: r.decoder_link_address,
+        host: r.decoder_link_host,
+    };
+    let job = DenoiseJob {
+        prompt: r.prompt,
+        negative_prompt: r.negative_prompt,
+        width: r.width as usize,
+        height: r.height as usize,
+        num_frames: r.num_frames as usize,
+        steps: r.steps as usize,
+        guidance_scale: r.guidance_scale,
+        guidance_scale_2: r.guidance_scale_2,
+        seed: r.seed,
+    };
+    Ok((r.request_id, job, link))
+}
+
+/// The pool's gRPC service.
+pub struct DenoiserService {
     stage: Arc<DenoiseStage>,
-    identity: Arc<Identity>,
+    /// The latent link's TLS identity (pools in other processes); `None` in `serve`.
+    identity: Option<Arc<Identity>>,
+    /// The decoder in this process (`serve`), for `LINK_KIND_IN_PROCESS`.
+    in_process: Option<Pending>,
     /// Open latent-link connections, by decoder link address.
     links: Arc<tokio::sync::Mutex<HashMap<String, link::Connection>>>,
     busy: Arc<AtomicBool>,
@@ -42,6 +91,14 @@ fn event(e: pb::denoise_event::Event) -> Result<pb::DenoiseEvent, Status> {
     Ok(pb::DenoiseEvent { event: Some(e) })
 }
 
+fn progress(phase: pb::Phase, done: usize, total: usize) -> Result<pb::DenoiseEvent, Status> {
+    event(pb::denoise_event::Event::Progress(pb::Progress {
+        phase: phase as i32,
+        done: done as u32,
+        total: total as u32,
+    }))
+}
+
 /// Frees the pool when the request ends, however it ends.
 struct BusyGuard(Arc<AtomicBool>, Arc<AtomicU32>);
 
@@ -52,30 +109,73 @@ impl Drop for BusyGuard {
     }
 }
 
+/// The id the gateway put in the metadata (or the request's own), for the logs.
+pub fn request_id_of<T>(request: &Request<T>, fallback: &str) -> String {
+    request
+        .metadata()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or(fallback)
+        .to_string()
+}
+
 impl DenoiserService {
-    /// A live connection to the decoder at `address`, reusing the last one.
-    async fn link(
-        &self,
-        kind: &str,
-        address: &str,
-        host: &str,
-    ) -> Result<link::Connection, Status> {
+    /// The service over `stage`; the latent goes out over QUIC/UCX/NCCL with `identity`, or to
+    /// the decoder in this process through `in_process`.
+    pub fn new(
+        stage: Arc<DenoiseStage>,
+        identity: Option<Arc<Identity>>,
+        in_process: Option<Pending>,
+    ) -> DenoiserService {
+        DenoiserService {
+            stage,
+            identity,
+            in_process,
+            links: Arc::default(),
+            busy: Arc::new(AtomicBool::new(false)),
+            active: Arc::new(AtomicU32::new(0)),
+        }
+    }
+
+    /// The mesh and the devices it runs on, as `ditstream plan` names them.
+    pub fn description(&self) -> String {
+        let devices: Vec<String> = self.stage.devices().iter().map(|d| d.to_string()).collect();
+        format!("{} on {}", self.stage.mesh(), devices.join(", "))
+    }
+
+    /// A live connection to the decoder `target` names, reusing the last one.
+    async fn link(&self, target: &LinkTarget) -> Result<link::Connection, Status> {
+        if target.kind == pb::LinkKind::InProcess {
+            return match &self.in_process {
+                Some(pending) => Ok(link::Connection::InProcess(Arc::clone(pending))),
+                None => Err(status::invalid_field(
+                    "decoder_link_kind",
+                    "LINK_KIND_IN_PROCESS",
+                    "this denoiser pool has no decoder in its process",
+                )),
+            };
+        }
         let mut links = self.links.lock().await;
-        if let Some(c) = links.get(address)
+        if let Some(c) = links.get(&target.address)
             && c.is_open()
         {
             return Ok(c.clone());
         }
-        let target: SocketAddr = address.parse().map_err(|_| {
-            Status::invalid_argument(format!(
-                "decoder_link_address = {address:?}: not an address"
-            ))
+        let at: SocketAddr = target.address.parse().map_err(|_| {
+            status::invalid_field("decoder_link_address", &target.address, "not an address")
         })?;
+        let Some(identity) = &self.identity else {
+            return Err(status::invalid_field(
+                "decoder_link_kind",
+                target.kind.as_str_name(),
+                "this denoiser pool has no link identity (it serves in one process)",
+            ));
+        };
         let gpu = self.stage.link_gpu();
-        let conn = link::Connection::connect(kind, target, host, &self.identity, gpu)
+        let conn = link::Connection::connect(target.kind, at, &target.host, identity, gpu)
             .await
-            .map_err(|e| Status::unavailable(format!("{e:#}")))?;
-        links.insert(address.to_string(), conn.clone());
+            .map_err(|e| status::unreachable("decoder latent link", &target.address, format!("{e:#}")))?;
+        links.insert(target.address.clone(), conn.clone());
         Ok(conn)
     }
 }
@@ -88,95 +188,86 @@ impl DenoiserPool for DenoiserService {
         &self,
         request: Request<pb::DenoiseRequest>,
     ) -> Result<Response<DenoiseStream>, Status> {
-        let r = request.into_inner();
+        let logged_id = request_id_of(&request, &request.get_ref().request_id);
+        let (id, job, target) = job_of(request.into_inner())?;
         if let Some(why) = self.stage.out_of_service() {
-            return Err(Status::unavailable(format!(
-                "this denoiser pool is out of service: {why}"
-            )));
+            return Err(status::out_of_service("denoiser pool", &why));
         }
         if self.busy.swap(true, Ordering::SeqCst) {
-            return Err(Status::resource_exhausted(
-                "this denoiser pool is running another request",
-            ));
+            return Err(status::pool_busy("denoiser pool"));
         }
         self.active.fetch_add(1, Ordering::Relaxed);
         let guard = BusyGuard(Arc::clone(&self.busy), Arc::clone(&self.active));
-        let params = GenerateParams {
-            prompt: r.prompt,
-            negative_prompt: r.negative_prompt,
-            width: r.width as usize,
-            height: r.height as usize,
-            num_frames: r.num_frames as usize,
-            fps: 0,
-            steps: r.steps as usize,
-            guidance_scale: r.guidance_scale,
-            guidance_scale_2: r.guidance_scale_2,
-            seed: r.seed,
-            segment_frames: 0,
-        };
-        let conn = self
-            .link(
-                &r.decoder_link_kind,
-                &r.decoder_link_address,
-                &r.decoder_link_host,
-            )
-            .await?;
+        let conn = self.link(&target).await?;
         let links = Arc::clone(&self.links);
-        let link_address = r.decoder_link_address.clone();
         let (tx, rx) = mpsc::channel::<Result<pb::DenoiseEvent, Status>>(64);
         let stage = Arc::clone(&self.stage);
-        let id = r.request_id;
-        tokio::spawn(async move {
+        let span = tracing::info_span!("denoise", id = %logged_id);
+        let task = async move {
             let _guard = guard;
+            tracing::info!(steps = job.steps, "denoising");
+            // The gateway dropping the stream (cancel, client gone, deadline) stops the loop
+            // before its next transformer block.
+            let interrupted = Arc::new(AtomicBool::new(false));
+            let watch = {
+                let (tx, interrupted) = (tx.clone(), Arc::clone(&interrupted));
+                tokio::spawn(async move {
+                    tx.closed().await;
+                    interrupted.store(true, Ordering::Relaxed);
+                })
+            };
             let progress_tx = tx.clone();
-            let denoise_params = params.clone();
+            let loop_span = tracing::Span::current();
             let loop_result = tokio::task::spawn_blocking(move || {
+                let _entered = loop_span.entered();
+                let send = |e| progress_tx.blocking_send(e).is_ok();
+                send(progress(pb::Phase::Text, 0, 1));
                 let t = Instant::now();
-                let (cond, uncond) = stage.text_states(&denoise_params)?;
+                let (cond, uncond) = stage.text_states(&job)?;
                 let text_ms = ms(t.elapsed());
+                send(progress(pb::Phase::Text, 1, 1));
                 let t = Instant::now();
-                let latent = stage.denoise_latent(&denoise_params, &cond, &uncond, |s| {
-                    let e = event(pb::denoise_event::Event::Progress(pb::Progress {
-                        phase: pb::Phase::Denoise as i32,
-                        done: s.step as u32,
-                        total: s.steps as u32,
-                    }));
+                let latent = stage.denoise_latent(&job, &cond, &uncond, &interrupted, |s| {
                     // A closed stream is the gateway cancelling: stop at this step.
-                    if progress_tx.blocking_send(e).is_ok() {
+                    if send(progress(pb::Phase::Denoise, s.step, s.steps)) {
                         Control::Continue
                     } else {
                         Control::Cancel
                     }
                 });
-                let latent = match latent {
-                    Err(DenoiseError::Cancelled { .. }) => anyhow::bail!("cancelled"),
-                    other => other?,
-                };
                 Ok::<_, anyhow::Error>((latent, text_ms, ms(t.elapsed())))
             })
             .await;
+            watch.abort();
             let (latent, text_ms, denoise_ms) = match loop_result {
-                Ok(Ok(v)) => v,
+                Ok(Ok((Ok(latent), text_ms, denoise_ms))) => (latent, text_ms, denoise_ms),
+                Ok(Ok((Err(DenoiseError::Cancelled { after_step, steps }), _, _))) => {
+                    return tracing::info!(after_step, steps, "cancelled");
+                }
+                Ok(Ok((Err(e), _, _))) => {
+                    tracing::warn!(error = %e, "denoise failed");
+                    let _ = tx.send(Err(status::internal("denoiser", e))).await;
+                    return;
+                }
                 Ok(Err(e)) => {
-                    let _ = tx
-                        .send(Err(Status::internal(format!("denoiser: {e:#}"))))
-                        .await;
+                    tracing::warn!(error = %format!("{e:#}"), "text encoding failed");
+                    let _ = tx.send(Err(status::internal("denoiser", format!("{e:#}")))).await;
                     return;
                 }
                 Err(e) => {
-                    let _ = tx
-                        .send(Err(Status::internal(format!("denoiser task: {e}"))))
-                        .await;
+                    let _ = tx.send(Err(status::internal("denoiser task", e))).await;
                     return;
                 }
             };
             let t = Instant::now();
             match conn.send_latent(&id, &latent).await {
                 Ok(chunks) => {
+                    let send_ms = ms(t.elapsed());
+                    tracing::info!(text_ms, denoise_ms, send_ms, chunks, "latent handed over");
                     let done = pb::Denoised {
                         text_ms,
                         denoise_ms,
-                        send_ms: ms(t.elapsed()),
+                        send_ms,
                         chunks,
                     };
                     let _ = tx
@@ -184,25 +275,42 @@ impl DenoiserPool for DenoiserService {
                         .await;
                 }
                 Err(e) => {
+                    tracing::warn!(error = %format!("{e:#}"), "latent link failed");
                     // The next request reconnects rather than reuse a broken connection.
-                    links.lock().await.remove(&link_address);
+                    links.lock().await.remove(&target.address);
                     let _ = tx
-                        .send(Err(Status::unavailable(format!("latent link: {e:#}"))))
+                        .send(Err(status::unreachable(
+                            "decoder latent link",
+                            &target.address,
+                            format!("{e:#}"),
+                        )))
                         .await;
                 }
             }
-        });
+        };
+        tokio::spawn(task.instrument(span));
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
     }
 }
 
-/// A denoiser pool running in this process.
+/// A denoiser pool running in this process behind its own listener.
 pub struct RunningDenoiser {
     /// Its gRPC address.
     pub addr: SocketAddr,
+    registration: registration::Registered,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RunningDenoiser {
+    /// Leaves the gateway (nothing more is routed here), then stops serving.
+    pub async fn stop(mut self) {
+        self.registration.deregister().await;
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+    }
 }
 
 impl Drop for RunningDenoiser {
@@ -223,16 +331,10 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDen
         tokio::net::TcpListener::bind(addr("pools.denoiser_listen", &cfg.pools.denoiser_listen)?)
             .await?;
     let grpc_addr = listener.local_addr()?;
-    let active = Arc::new(AtomicU32::new(0));
     let health_stage = Arc::clone(&stage);
     let health: registration::Health = Arc::new(move || health_stage.out_of_service());
-    let service = DenoiserService {
-        stage,
-        identity,
-        links: Arc::default(),
-        busy: Arc::new(AtomicBool::new(false)),
-        active: Arc::clone(&active),
-    };
+    let service = DenoiserService::new(stage, Some(identity), None);
+    let active = Arc::clone(&service.active);
     let grpc_task = tokio::spawn(async move {
         let served = tonic::transport::Server::builder()
             .add_service(DenoiserPoolServer::new(service))
@@ -248,17 +350,14 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDen
         link_address: String::new(),
         link_host: String::new(),
         model: model_name(cfg),
-        link_kind: String::new(),
+        link_kind: pb::LinkKind::Unspecified as i32,
     };
-    let reg_task = tokio::spawn(registration::keep_registered(
-        cfg.pools.gateway.clone(),
-        registration,
-        active,
-        health,
-    ));
+    let registration =
+        registration::Registered::start(cfg.pools.gateway.clone(), registration, active, health);
     tracing::info!(%grpc_addr, "denoiser pool up");
     Ok(RunningDenoiser {
         addr: grpc_addr,
-        tasks: vec![grpc_task, reg_task],
+        registration,
+        tasks: vec![grpc_task],
     })
 }

@@ -1,7 +1,9 @@
-//! The pools' side of the latent link, over either transport: the decoder's listener that hands
+//! The pools' side of the latent link, over any transport: the decoder's listener that hands
 //! every arriving chunk to its request, and the denoiser's connections that send a latent one
 //! latent frame per chunk. The transport is the decoder's choice (`pools.link`); it registers
-//! it with the gateway, which passes it to the denoiser with the address.
+//! it with the gateway, which passes it to the denoiser with the address. In `ditstream serve`
+//! both pools live in one process and the chunks are handed over in memory
+//! ([`Connection::InProcess`]): the same requests, the same per-request chunk channels.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -11,6 +13,7 @@ use anyhow::bail;
 use ditstream_common::config::{Config, LinkKind};
 use ditstream_common::link::{ChunkHeader, LatentChunk, LinkDType, LinkError, quic};
 use ditstream_kernels::Tensor;
+use ditstream_proto::v1 as pb;
 use tokio::sync::mpsc;
 
 use crate::roles::addr;
@@ -37,12 +40,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// The wire name of a link kind, as registered with the gateway.
-pub fn kind_name(kind: LinkKind) -> &'static str {
+/// A configured link kind as the pools announce it on the wire.
+pub fn wire_kind(kind: LinkKind) -> pb::LinkKind {
     match kind {
-        LinkKind::Quic => "quic",
-        LinkKind::Ucx => "ucx",
-        LinkKind::Nccl => "nccl",
+        LinkKind::Quic => pb::LinkKind::Quic,
+        LinkKind::Ucx => pb::LinkKind::Ucx,
+        LinkKind::Nccl => pb::LinkKind::Nccl,
     }
 }
 
@@ -217,6 +220,8 @@ fn listen_ucx(
 /// One live connection from a denoiser to a decoder.
 #[derive(Clone)]
 pub enum Connection {
+    /// The decoder in this process: chunks go straight to its requests' channels.
+    InProcess(Pending),
     /// QUIC.
     Quic(quic::Connection),
     /// UCX.
@@ -231,7 +236,7 @@ impl Connection {
     /// Connects to the decoder at `address` with the transport it registered; an NCCL link
     /// sends from GPU `gpu` (where the denoiser's latents are).
     pub async fn connect(
-        kind: &str,
+        kind: pb::LinkKind,
         address: SocketAddr,
         host: &str,
         identity: &quic::Identity,
@@ -239,22 +244,23 @@ impl Connection {
     ) -> anyhow::Result<Connection> {
         let _ = gpu; // only an NCCL link uses it
         match kind {
-            "quic" | "" => Ok(Connection::Quic(
+            pb::LinkKind::Quic => Ok(Connection::Quic(
                 quic::connect(address, host, identity).await?,
             )),
             #[cfg(feature = "ucx")]
-            "ucx" => {
+            pb::LinkKind::Ucx => {
                 use ditstream_common::link::ucx;
                 Ok(Connection::Ucx(
                     ucx::connect(address, &ucx::UcxConfig::default()).await?,
                 ))
             }
             #[cfg(feature = "cuda")]
-            "nccl" => Ok(Connection::Nccl(
+            pb::LinkKind::Nccl => Ok(Connection::Nccl(
                 super::nccl_link::NcclConnection::connect(address, host, identity, gpu).await?,
             )),
             other => bail!(
-                "decoder link kind {other:?}: this binary speaks quic{}{}",
+                "decoder link kind {}: this binary speaks quic{}{} across processes",
+                other.as_str_name(),
                 if cfg!(feature = "ucx") { ", ucx" } else { "" },
                 if cfg!(feature = "cuda") { ", nccl" } else { "" },
             ),
@@ -264,6 +270,7 @@ impl Connection {
     /// Whether the connection can still carry requests.
     pub fn is_open(&self) -> bool {
         match self {
+            Connection::InProcess(_) => true,
             Connection::Quic(c) => c.close_reason().is_none(),
             // A UCX endpoint reports failure on the next send; the caller reconnects then.
             #[cfg(feature = "ucx")]
@@ -290,6 +297,24 @@ impl Connection {
             )?)
         };
         match self {
+            Connection::InProcess(pending) => {
+                for t in 0..frames {
+                    let part = latent.narrow(2, t, 1)?;
+                    let header = ChunkHeader {
+                        request_id: id.to_string(),
+                        chunk_index: t as u32,
+                        first_frame: t as u32,
+                        last: t + 1 == frames,
+                        shape: part.shape().iter().map(|&d| d as u64).collect(),
+                        dtype: LinkDType::F32,
+                        // No bytes travel: the tensor itself is handed over, nothing to check.
+                        checksum: 0,
+                    };
+                    if !deliver(pending, id, Ok(Arrived { header, latent: part })).await {
+                        bail!("request {id} is no longer decoding");
+                    }
+                }
+            }
             Connection::Quic(conn) => {
                 let mut sender = quic::ChunkSender::open(conn).await?;
                 for t in 0..frames {

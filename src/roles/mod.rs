@@ -1,19 +1,18 @@
-//! The disaggregated deployment: `ditstream gateway`, `ditstream denoiser` and `ditstream decoder`
-//! as separate processes (or hosts). The gateway serves clients and routes each request to a free
-//! denoiser pool and the least-loaded decoder instance; the denoiser streams the finished latent,
-//! chunk by chunk, over the latent link to that decoder, and is free for the next request as soon
-//! as the last chunk is handed over, while the decoder is still decoding.
+//! The pools, and the disaggregated deployment's processes: `ditstream gateway` (the
+//! [`crate::gateway`] with its registry), `ditstream denoiser` and `ditstream decoder`, each
+//! its own process (or host). The denoiser streams the finished latent, chunk by chunk, over the
+//! latent link to the decoder the gateway chose, and is free for the next request as soon as the
+//! last chunk is handed over, while the decoder is still decoding. `ditstream serve` runs the
+//! same two pool services in its own process.
 //!
-//! - [`gateway`]: public `VideoService` + `PoolRegistry`, admission, routing, relaying;
 //! - [`denoiser`]: `DenoiserPool` around a [`crate::pipeline::DenoiseStage`];
 //! - [`decoder`]: `DecoderPool` and the latent-link listener around a
 //!   [`crate::pipeline::DecodeStage`];
-//! - [`link`]: the latent link over QUIC or UCX, as the pools use it;
-//! - [`registration`]: how a pool registers and keeps its heartbeat.
+//! - [`link`]: the latent link in process, over QUIC, UCX or NCCL, as the pools use it;
+//! - [`registration`]: how a pool registers, keeps its heartbeat and leaves.
 
 pub mod decoder;
 pub mod denoiser;
-pub mod gateway;
 pub mod link;
 #[cfg(feature = "cuda")]
 pub mod nccl_link;
@@ -21,6 +20,7 @@ pub mod registration;
 
 use std::net::SocketAddr;
 use std::path::Path;
+use std::time::Duration;
 
 use anyhow::Context;
 use ditstream_common::config::Config;
@@ -67,30 +67,37 @@ async fn until_ctrl_c(what: &str, addr: impl std::fmt::Display) -> anyhow::Resul
     tokio::signal::ctrl_c()
         .await
         .context("waiting for Ctrl-C")?;
+    tracing::info!("stopping");
     Ok(())
 }
 
-/// `ditstream gateway`.
+/// `ditstream gateway`: serves until Ctrl-C, then drains (`serving.shutdown_grace_s`).
 pub async fn run_gateway(path: &Path, listen: Option<SocketAddr>) -> anyhow::Result<()> {
     let (cfg, _) = load(path)?;
     let listen = match listen {
         Some(a) => a,
         None => addr("serving.listen", &cfg.serving.listen)?,
     };
-    let gateway = gateway::start(&cfg, listen).await?;
+    let gateway = crate::gateway::start(&cfg, listen).await?;
     // Tests and scripts read the real address (port 0 picks one) from this line.
     println!("gateway listening on {}", gateway.addr);
-    until_ctrl_c("gateway", gateway.addr).await
+    until_ctrl_c("gateway", gateway.addr).await?;
+    gateway
+        .stop(Duration::from_secs(cfg.serving.shutdown_grace_s))
+        .await;
+    Ok(())
 }
 
-/// `ditstream denoiser`.
+/// `ditstream denoiser`: serves until Ctrl-C, then deregisters.
 pub async fn run_denoiser(path: &Path) -> anyhow::Result<()> {
     let (cfg, dir) = load(path)?;
     let pool = denoiser::start(&cfg, &dir).await?;
-    until_ctrl_c("denoiser pool", pool.addr).await
+    until_ctrl_c("denoiser pool", pool.addr).await?;
+    pool.stop().await;
+    Ok(())
 }
 
-/// `ditstream decoder`.
+/// `ditstream decoder`: serves until Ctrl-C, then deregisters.
 pub async fn run_decoder(path: &Path) -> anyhow::Result<()> {
     let (cfg, dir) = load(path)?;
     let pool = decoder::start(&cfg, &dir).await?;
@@ -98,7 +105,9 @@ pub async fn run_decoder(path: &Path) -> anyhow::Result<()> {
         "decoder instance",
         format!("{} (latent link {})", pool.addr, pool.link_addr),
     )
-    .await
+    .await?;
+    pool.stop().await;
+    Ok(())
 }
 
 /// Parses a config address field.

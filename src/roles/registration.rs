@@ -1,9 +1,10 @@
 //! A pool's side of the registry: register with the gateway, then send a heartbeat every second,
 //! registering again if the gateway forgot the pool (it restarted, or dropped the pool after a
-//! pause). Runs until the pool shuts down. A pool that can serve nothing more (a rank thread of
-//! its stage is gone) stops its heartbeats, so the gateway drops it and routes elsewhere.
+//! pause). A pool that can serve nothing more (a rank thread of its stage is gone) stops its
+//! heartbeats, so the gateway drops it and routes elsewhere; a pool that shuts down deregisters,
+//! so the gateway routes nothing more to it at once.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -13,13 +14,76 @@ use ditstream_proto::v1::pool_registry_client::PoolRegistryClient;
 /// Why a pool is out of service, if it is (checked before every heartbeat).
 pub type Health = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 
-/// Keeps the pool registered; `active` is the pool's current request count; `health` says when
-/// it can serve nothing more (then it stops, for good).
-pub async fn keep_registered(
+/// A pool's registration, kept alive in the background until [`Registered::deregister`].
+pub struct Registered {
+    gateway: String,
+    pool_id: Arc<Mutex<Option<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A single Option assignment per critical section: a poisoned lock is still consistent.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Registered {
+    /// Registers with `gateway` and keeps the registration; `active` is the pool's current
+    /// request count; `health` says when it can serve nothing more (then it stops, for good).
+    pub fn start(
+        gateway: String,
+        registration: pb::RegisterRequest,
+        active: Arc<AtomicU32>,
+        health: Health,
+    ) -> Registered {
+        let pool_id = Arc::new(Mutex::new(None));
+        let task = tokio::spawn(keep_registered(
+            gateway.clone(),
+            registration,
+            active,
+            health,
+            Arc::clone(&pool_id),
+        ));
+        Registered {
+            gateway,
+            pool_id,
+            task,
+        }
+    }
+
+    /// Stops the heartbeats and tells the gateway the pool is leaving.
+    pub async fn deregister(&mut self) {
+        self.task.abort();
+        let Some(id) = lock(&self.pool_id).take() else {
+            return;
+        };
+        let left = async {
+            let mut c = PoolRegistryClient::connect(format!("http://{}", self.gateway)).await?;
+            c.deregister(pb::DeregisterRequest {
+                pool_id: id.clone(),
+            })
+            .await?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        };
+        match tokio::time::timeout(Duration::from_secs(5), left).await {
+            Ok(Ok(())) => tracing::info!(gateway = %self.gateway, pool_id = %id, "deregistered"),
+            Ok(Err(e)) => tracing::warn!(gateway = %self.gateway, error = %e, "deregistering failed"),
+            Err(_) => tracing::warn!(gateway = %self.gateway, "deregistering timed out"),
+        }
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn keep_registered(
     gateway: String,
     registration: pb::RegisterRequest,
     active: Arc<AtomicU32>,
     health: Health,
+    shared_id: Arc<Mutex<Option<String>>>,
 ) {
     let mut pool_id: Option<String> = None;
     let mut client: Option<PoolRegistryClient<tonic::transport::Channel>> = None;
@@ -59,6 +123,7 @@ pub async fn keep_registered(
                 pool_id = None;
             }
         }
+        lock(&shared_id).clone_from(&pool_id);
         tokio::time::sleep(Duration::from_millis(if pool_id.is_some() {
             1000
         } else {

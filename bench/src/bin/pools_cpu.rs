@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use ditstream::roles::{decoder, denoiser, gateway, write_certs};
+use ditstream::gateway;
+use ditstream::roles::{decoder, denoiser, write_certs};
 use ditstream_bench::median;
 use ditstream_common::config::Config;
 use ditstream_common::link::LatentChunk;

@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use ditstream::roles::link::{self, Pending};
-use ditstream::roles::{decoder, denoiser, gateway, write_certs};
+use ditstream::gateway;
+use ditstream::roles::{decoder, denoiser, write_certs};
 use ditstream_bench::median;
 use ditstream_common::config::{Config, LinkKind};
 use ditstream_common::link::quic;
@@ -263,7 +264,7 @@ async fn link_latency(
     let (addr, listener) =
         link::listen(&cfg, identity, Arc::clone(&pending), ends.decoder_gpu).await?;
     let conn = link::Connection::connect(
-        link::kind_name(kind),
+        link::wire_kind(kind),
         addr,
         "localhost",
         identity,

@@ -38,6 +38,12 @@ pub enum ModelError {
     /// An op failed (a bug if inputs were checked; carries the op's own message).
     #[error(transparent)]
     Kernel(#[from] ditstream_kernels::KernelError),
+    /// The caller's interrupt asked the forward to stop, before block `block`.
+    #[error("interrupted before transformer block {block}")]
+    Interrupted {
+        /// The first block not run.
+        block: usize,
+    },
 }
 
 impl WanTransformer {

@@ -301,9 +301,25 @@ impl WanTransformer {
         timestep: &Tensor,
         context: &Tensor,
     ) -> Result<Tensor, ModelError> {
+        self.forward_interruptible(x, timestep, context, &|| false)
+    }
+
+    /// [`forward`](Self::forward) that asks `interrupted` before every block and stops with
+    /// [`ModelError::Interrupted`] when it says so: a cancelled request frees the device within
+    /// one block, not one whole forward.
+    pub fn forward_interruptible(
+        &self,
+        x: &Tensor,
+        timestep: &Tensor,
+        context: &Tensor,
+        interrupted: &dyn Fn() -> bool,
+    ) -> Result<Tensor, ModelError> {
         let (tokens, cond) = self.embed(x, timestep, context)?;
         let mut h = tokens;
         for i in 0..self.blocks.len() {
+            if interrupted() {
+                return Err(ModelError::Interrupted { block: i });
+            }
             h = self.block(
                 i,
                 &h,

@@ -1,0 +1,483 @@
+//! The gateway: the only public service and the only admission queue, in every deployment.
+//! `ditstream gateway` runs it in front of pools in other processes (which register through
+//! `PoolRegistry`); `ditstream serve` runs it in front of one denoiser pool and one decoder
+//! instance in the same process ([`Gateway::add_local`]). Either way a request takes the same
+//! path ([`route`]): admission here, a free denoiser and the least-loaded decoder, both streams
+//! relayed to the client, and the denoiser freed for the next request as soon as its latent is
+//! handed over, so decode(N) overlaps denoise(N+1).
+//!
+//! - [`pools`]: the registry, how the gateway reaches a pool, leases;
+//! - [`route`]: one request's life: waiting, routing, relaying, stopping;
+//! - this file: the gRPC services (`VideoService`, `PoolRegistry`), admission and shutdown.
+
+mod pools;
+mod route;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use ditstream_common::config::Config;
+use ditstream_proto::v1 as pb;
+use ditstream_proto::v1::pool_registry_server::{PoolRegistry, PoolRegistryServer};
+use ditstream_proto::v1::video_service_server::{VideoService, VideoServiceServer};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio_stream::Stream;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status};
+
+use crate::cost::CostModel;
+use crate::pipeline::model_name;
+use crate::request::{GenerateParams, RawRequest};
+use crate::roles::decoder::DecoderService;
+use crate::roles::denoiser::DenoiserService;
+use crate::status;
+
+pub use pools::Reach;
+use pools::Registry;
+
+/// Events a client's stream carries.
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateEvent, Status>> + Send>>;
+
+/// A request known to the gateway, queued or running.
+struct Entry {
+    cancel: watch::Sender<bool>,
+    running: bool,
+}
+
+/// What the services share.
+struct Shared {
+    cfg: Config,
+    model: String,
+    cost: CostModel,
+    registry: Mutex<Registry>,
+    /// Woken when a pool registers, frees or leaves.
+    changed: Notify,
+    /// Queued and running requests by id.
+    requests: Mutex<HashMap<String, Entry>>,
+    /// Set by shutdown: nothing more is admitted.
+    draining: AtomicBool,
+    /// Woken when a request ends (shutdown waits on it).
+    ended: Notify,
+    client_send_timeout: Duration,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Each critical section is a few map or field updates: a poisoned lock still holds
+    // consistent data.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Shared {
+    /// (queued, running).
+    fn load(&self) -> (u32, u32) {
+        let requests = lock(&self.requests);
+        let running = requests.values().filter(|e| e.running).count() as u32;
+        (requests.len() as u32 - running, running)
+    }
+
+    fn set_running(&self, id: &str) {
+        if let Some(e) = lock(&self.requests).get_mut(id) {
+            e.running = true;
+        }
+    }
+
+    fn forget_request(&self, id: &str) {
+        lock(&self.requests).remove(id);
+        self.ended.notify_waiters();
+    }
+}
+
+/// The gateway's gRPC services, cheap to clone.
+#[derive(Clone)]
+pub struct Gateway(Arc<Shared>);
+
+impl Gateway {
+    /// A gateway for the model `cfg` serves, with no pools yet.
+    pub fn new(cfg: &Config) -> anyhow::Result<Gateway> {
+        let cost = CostModel::new(
+            cfg,
+            crate::models::transformer_config(cfg).context("the admission cost model")?,
+            &crate::models::vae_config(cfg).context("the admission cost model")?,
+        );
+        Ok(Gateway(Arc::new(Shared {
+            cfg: cfg.clone(),
+            model: model_name(cfg),
+            cost,
+            registry: Mutex::new(Registry::new(Duration::from_secs(
+                cfg.pools.heartbeat_timeout_s,
+            ))),
+            changed: Notify::new(),
+            requests: Mutex::default(),
+            draining: AtomicBool::new(false),
+            ended: Notify::new(),
+            client_send_timeout: Duration::from_secs_f64(cfg.serving.client_send_timeout_s),
+        })))
+    }
+
+    /// Routes to a denoiser pool and a decoder instance in this process (`ditstream serve`):
+    /// never reaped, reached by direct calls, the latent handed over in memory.
+    pub fn add_local(&self, denoiser: Arc<DenoiserService>, decoder: Arc<DecoderService>) {
+        let mut registry = lock(&self.0.registry);
+        registry.add_local(Reach::LocalDenoiser(denoiser));
+        registry.add_local(Reach::LocalDecoder(decoder));
+        drop(registry);
+        self.0.changed.notify_waiters();
+    }
+
+    /// Stops admitting, lets running and queued requests finish for up to `grace`, then cancels
+    /// the rest and waits (briefly) for them to end.
+    pub async fn drain(&self, grace: Duration) {
+        self.0.draining.store(true, Ordering::SeqCst);
+        let (queued, running) = self.0.load();
+        tracing::info!(queued, running, grace_s = grace.as_secs_f64(), "draining");
+        let idle = async {
+            loop {
+                let ended = self.0.ended.notified();
+                if lock(&self.0.requests).is_empty() {
+                    return;
+                }
+                ended.await;
+            }
+        };
+        if tokio::time::timeout(grace, idle).await.is_err() {
+            let requests = lock(&self.0.requests);
+            tracing::warn!(left = requests.len(), "grace over: cancelling");
+            for e in requests.values() {
+                let _ = e.cancel.send(true);
+            }
+        }
+        let idle = async {
+            loop {
+                let ended = self.0.ended.notified();
+                if lock(&self.0.requests).is_empty() {
+                    return;
+                }
+                ended.await;
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(5), idle).await;
+    }
+
+    /// Admission: validation, the cost model, the queue bound. Returns the request's id, its
+    /// queue position, its cancel switch and its validated parameters.
+    fn admit(
+        &self,
+        raw: RawRequest,
+    ) -> Result<(String, u32, watch::Receiver<bool>, GenerateParams), Status> {
+        let shared = &self.0;
+        if shared.draining.load(Ordering::SeqCst) {
+            return Err(status::shutting_down());
+        }
+        let params = raw
+            .validate(&shared.cfg, &shared.model)
+            .map_err(|e| status::invalid(&e))?;
+        shared
+            .cost
+            .admit(&params)
+            .map_err(|e| status::over_budget(&e))?;
+        let mut requests = lock(&shared.requests);
+        let queued = requests.values().filter(|e| !e.running).count();
+        if queued >= shared.cfg.serving.queue_depth {
+            return Err(status::queue_full(shared.cfg.serving.queue_depth));
+        }
+        let id = request_id();
+        let (cancel, cancelled) = watch::channel(false);
+        let position = requests.len() as u32;
+        requests.insert(
+            id.clone(),
+            Entry {
+                cancel,
+                running: false,
+            },
+        );
+        Ok((id, position, cancelled, params))
+    }
+}
+
+impl From<pb::GenerateRequest> for RawRequest {
+    /// The public request in domain terms (the service's one wire → domain conversion).
+    fn from(r: pb::GenerateRequest) -> RawRequest {
+        RawRequest {
+            prompt: r.prompt,
+            negative_prompt: r.negative_prompt,
+            width: r.width,
+            height: r.height,
+            num_frames: r.num_frames,
+            fps: r.fps,
+            steps: r.steps,
+            guidance_scale: r.guidance_scale,
+            guidance_scale_2: r.guidance_scale_2,
+            seed: r.seed,
+            model: r.model,
+            segment_frames: r.segment_frames,
+        }
+    }
+}
+
+/// A fresh request id: 128 random bits, so ids can be neither guessed nor foreseen.
+fn request_id() -> String {
+    format!("req-{:032x}", rand::random::<u128>())
+}
+
+/// The `grpc-timeout` header (e.g. `30S`, `500m`) as a duration, clamped to `max`; `None` when
+/// absent or malformed. Huge values (`18446744073709551615S`) clamp instead of overflowing.
+pub fn grpc_timeout(metadata: &tonic::metadata::MetadataMap, max: Duration) -> Option<Duration> {
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    let d = match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    };
+    Some(d.min(max))
+}
+
+#[tonic::async_trait]
+impl VideoService for Gateway {
+    type GenerateStream = EventStream;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        let max = Duration::from_secs(self.0.cfg.serving.max_deadline_s);
+        let deadline = grpc_timeout(request.metadata(), max).map(|d| Instant::now() + d);
+        let (id, position, cancelled, params) =
+            self.admit(RawRequest::from(request.into_inner()))?;
+        tracing::info!(
+            id,
+            position,
+            width = params.width,
+            height = params.height,
+            frames = params.num_frames,
+            steps = params.steps,
+            "accepted"
+        );
+        let accepted = pb::Accepted {
+            request_id: id.clone(),
+            queue_position: position,
+            width: params.width as u32,
+            height: params.height as u32,
+            num_frames: params.num_frames as u32,
+            fps: params.fps,
+            steps: params.steps as u32,
+            seed: params.seed,
+        };
+        let (tx, mut rx) = mpsc::channel(64);
+        let (end_tx, end_rx) = oneshot::channel();
+        let client = route::Client::new(tx, end_tx, self.0.client_send_timeout);
+        // The stream's last item is the failure status, after everything already queued for the
+        // client: nothing delivered is lost, and the end is never mistaken for success.
+        let stream = async_stream::stream! {
+            while let Some(event) = rx.recv().await {
+                yield Ok(event);
+            }
+            if let Ok(status) = end_rx.await {
+                yield Err(status);
+            }
+        };
+        let shared = Arc::clone(&self.0);
+        tokio::spawn(route::run(
+            shared,
+            route::Admitted {
+                id,
+                params,
+                deadline,
+                cancelled,
+                accepted,
+            },
+            client,
+        ));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<pb::CancelRequest>,
+    ) -> Result<Response<pb::CancelResponse>, Status> {
+        let id = request.into_inner().request_id;
+        let cancelled = lock(&self.0.requests)
+            .get(&id)
+            .is_some_and(|e| e.cancel.send(true).is_ok());
+        tracing::info!(id, cancelled, "cancel");
+        Ok(Response::new(pb::CancelResponse { cancelled }))
+    }
+
+    async fn health(
+        &self,
+        _: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthResponse>, Status> {
+        let (queued, running) = self.0.load();
+        let serving =
+            !self.0.draining.load(Ordering::SeqCst) && lock(&self.0.registry).can_serve();
+        Ok(Response::new(pb::HealthResponse {
+            serving,
+            queued,
+            running,
+        }))
+    }
+
+    async fn list_models(
+        &self,
+        _: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let description = lock(&self.0.registry).describe();
+        Ok(Response::new(pb::ListModelsResponse {
+            models: vec![pb::ModelInfo {
+                name: self.0.model.clone(),
+                description,
+            }],
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl PoolRegistry for Gateway {
+    async fn register(
+        &self,
+        request: Request<pb::RegisterRequest>,
+    ) -> Result<Response<pb::RegisterResponse>, Status> {
+        let r = request.into_inner();
+        let role = pb::PoolRole::try_from(r.role).unwrap_or(pb::PoolRole::Unspecified);
+        if role == pb::PoolRole::Unspecified {
+            return Err(status::invalid_field(
+                "role",
+                r.role,
+                "must be DENOISER or DECODER",
+            ));
+        }
+        if r.model != self.0.model {
+            return Err(status::wrong_model(&r.model, &self.0.model));
+        }
+        let id = lock(&self.0.registry).register(role, r);
+        self.0.changed.notify_waiters();
+        Ok(Response::new(pb::RegisterResponse { pool_id: id }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let known = lock(&self.0.registry).heartbeat(&request.into_inner().pool_id);
+        Ok(Response::new(pb::HeartbeatResponse { known }))
+    }
+
+    async fn deregister(
+        &self,
+        request: Request<pb::DeregisterRequest>,
+    ) -> Result<Response<pb::DeregisterResponse>, Status> {
+        let id = request.into_inner().pool_id;
+        lock(&self.0.registry).forget(&id, "deregistered");
+        self.0.changed.notify_waiters();
+        Ok(Response::new(pb::DeregisterResponse {}))
+    }
+}
+
+/// A gateway serving on a socket in this process.
+pub struct RunningGateway {
+    /// Where clients (and, for `ditstream gateway`, pools) reach it.
+    pub addr: SocketAddr,
+    gateway: Gateway,
+    shutdown: Option<oneshot::Sender<()>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RunningGateway {
+    /// The services, for adding pools.
+    pub fn gateway(&self) -> &Gateway {
+        &self.gateway
+    }
+
+    /// Stops admitting, drains for up to `grace`, cancels the rest, then closes the listener.
+    pub async fn stop(mut self, grace: Duration) {
+        self.gateway.drain(grace).await;
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        let mut tasks = self.tasks.drain(..);
+        // The server ends once its connections close; a client that never reads keeps its
+        // connection, so the wait is bounded.
+        if let Some(server) = tasks.next() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+        }
+        for t in tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for RunningGateway {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Serves `gateway` on `listen`: `VideoService`, and with `registry` the `PoolRegistry` that
+/// pools in other processes register with (its reaper drops pools whose heartbeats stop).
+pub async fn serve(
+    gateway: Gateway,
+    listen: SocketAddr,
+    registry: bool,
+) -> anyhow::Result<RunningGateway> {
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    let addr = listener.local_addr()?;
+    let (tx, rx) = oneshot::channel::<()>();
+    let router = tonic::transport::Server::builder().add_service(
+        VideoServiceServer::new(gateway.clone())
+            .max_decoding_message_size(1 << 20)
+            .max_encoding_message_size(64 << 20),
+    );
+    let router = if registry {
+        router.add_service(PoolRegistryServer::new(gateway.clone()))
+    } else {
+        router
+    };
+    let serve = tokio::spawn(async move {
+        let served = router
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                let _ = rx.await;
+            })
+            .await;
+        if let Err(e) = served {
+            tracing::error!(error = %e, "gRPC server failed");
+        }
+    });
+    let mut tasks = vec![serve];
+    if registry {
+        let shared = Arc::clone(&gateway.0);
+        tasks.push(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                if lock(&shared.registry).reap() {
+                    shared.changed.notify_waiters();
+                }
+            }
+        }));
+    }
+    tracing::info!(%addr, registry, "gateway serving ditstream.v1.VideoService");
+    Ok(RunningGateway {
+        addr,
+        gateway,
+        shutdown: Some(tx),
+        tasks,
+    })
+}
+
+/// `ditstream gateway`'s start: a gateway with the registry, serving on `listen`.
+pub async fn start(cfg: &Config, listen: SocketAddr) -> anyhow::Result<RunningGateway> {
+    serve(Gateway::new(cfg)?, listen, true).await
+}

@@ -1,0 +1,367 @@
+//! One request's life at the gateway, the same in `serve` and in front of remote pools:
+//!
+//! 1. **Waiting** for a free denoiser and a decoder. A cancel, a departed client or the deadline
+//!    ends it here at once, with its slot freed.
+//! 2. **Starting**: the decoder's `Decode` stream first (it must know the request before the
+//!    latent arrives), then the denoiser's `Denoise`. A pool that cannot be reached, or answers
+//!    with a transport failure before the request has started, is dropped from the registry and
+//!    the request routed again: it waits for, or moves to, a live pool.
+//! 3. **Relaying** both streams in the documented order (progress; the init segment just before
+//!    the first media segment; media segments; `Completed`). The denoiser is released the moment
+//!    its latent is handed over. A pool lost now ends the request with UNAVAILABLE naming the
+//!    pool and the reason.
+//!
+//! Every send to the client is bounded by `serving.client_send_timeout_s`: a client that reads
+//! nothing for that long loses its request (its pool streams are dropped, which cancels the work)
+//! and nobody else waits on it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ditstream_proto::v1 as pb;
+use pb::generate_event::Event as G;
+use tokio::sync::mpsc::error::SendTimeoutError;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_stream::StreamExt;
+use tonic::Status;
+
+use super::pools::{LinkTarget, Pool, PoolStream};
+use super::{Shared, lock};
+use crate::pipeline::{DecodeJob, DenoiseJob, ms};
+use crate::request::GenerateParams;
+use crate::status;
+
+/// How long the gateway waits for a decoder to acknowledge a request (its init segment).
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// An admitted request.
+pub struct Admitted {
+    /// Its id.
+    pub id: String,
+    /// What it runs with.
+    pub params: GenerateParams,
+    /// When it must be done.
+    pub deadline: Option<Instant>,
+    /// Set by `Cancel` or shutdown.
+    pub cancelled: watch::Receiver<bool>,
+    /// The client's first event.
+    pub accepted: pb::Accepted,
+}
+
+/// The client's end of a request: a bounded channel of events and, once, the failure status.
+pub struct Client {
+    tx: mpsc::Sender<pb::GenerateEvent>,
+    end: oneshot::Sender<Status>,
+    timeout: Duration,
+}
+
+impl Client {
+    /// `tx` feeds the client's stream; `end` carries its final status.
+    pub fn new(
+        tx: mpsc::Sender<pb::GenerateEvent>,
+        end: oneshot::Sender<Status>,
+        timeout: Duration,
+    ) -> Client {
+        Client { tx, end, timeout }
+    }
+
+    /// Sends one event; fails when the client has gone or has read nothing for the timeout.
+    async fn send(&self, event: G) -> Result<(), Status> {
+        let event = pb::GenerateEvent { event: Some(event) };
+        match self.tx.send_timeout(event, self.timeout).await {
+            Ok(()) => Ok(()),
+            Err(SendTimeoutError::Timeout(_)) => Err(status::client_stalled(self.timeout)),
+            Err(SendTimeoutError::Closed(_)) => Err(status::client_gone()),
+        }
+    }
+}
+
+/// What ends a request from outside: the client leaving, `Cancel`, the deadline.
+async fn stopped(
+    client: &Client,
+    cancel: &mut watch::Receiver<bool>,
+    deadline: Option<Instant>,
+) -> Status {
+    let deadline = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d.into()).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = client.tx.closed() => status::client_gone(),
+        _ = cancel.wait_for(|c| *c) => status::cancelled(),
+        _ = deadline => status::deadline(),
+    }
+}
+
+/// Returns a pool to the registry when dropped, however the request ends.
+struct Lease<'a> {
+    shared: &'a Shared,
+    id: Option<String>,
+}
+
+impl<'a> Lease<'a> {
+    fn new(shared: &'a Shared, pool: &Pool) -> Lease<'a> {
+        Lease {
+            shared,
+            id: Some(pool.id.clone()),
+        }
+    }
+
+    fn release(&mut self) {
+        if let Some(id) = self.id.take() {
+            lock(&self.shared.registry).release(&id);
+            self.shared.changed.notify_waiters();
+        }
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Runs one admitted request to its end, then forgets it.
+pub async fn run(shared: Arc<Shared>, request: Admitted, client: Client) {
+    let id = request.id.clone();
+    let started = Instant::now();
+    let outcome = async {
+        client.send(G::Accepted(request.accepted.clone())).await?;
+        route(&shared, &request, &client).await
+    }
+    .await;
+    shared.forget_request(&id);
+    match outcome {
+        Ok(done) => tracing::info!(
+            id,
+            total_ms = ms(started.elapsed()),
+            frames = done.frames,
+            segments = done.segments,
+            "completed"
+        ),
+        Err(status) => {
+            tracing::info!(id, code = ?status.code(), message = status.message(), "ended early");
+            let _ = client.end.send(status);
+        }
+    }
+}
+
+/// A request's two pool streams, once both have started.
+struct Started<'a> {
+    denoiser: Pool,
+    decoder: Pool,
+    denoiser_lease: Lease<'a>,
+    _decoder_lease: Lease<'a>,
+    denoise: PoolStream<pb::DenoiseEvent>,
+    decode: PoolStream<pb::DecodeEvent>,
+    init: pb::InitSegment,
+}
+
+async fn route(
+    shared: &Shared,
+    request: &Admitted,
+    client: &Client,
+) -> Result<pb::Completed, Status> {
+    let accepted = Instant::now();
+    let deadline = request.deadline;
+    let mut cancel = request.cancelled.clone();
+    let mut s = loop {
+        let changed = shared.changed.notified();
+        let acquired = lock(&shared.registry).acquire();
+        let Some((denoiser, decoder)) = acquired else {
+            tokio::select! {
+                _ = changed => {}
+                // Pools in other processes may have come back without a wake-up reaching us.
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                status = stopped(client, &mut cancel, deadline) => return Err(status),
+            }
+            continue;
+        };
+        let start = start(shared, request, denoiser, decoder);
+        tokio::select! {
+            started = start => match started? {
+                Some(s) => break s,
+                None => continue,
+            },
+            status = stopped(client, &mut cancel, deadline) => return Err(status),
+        }
+    };
+    shared.set_running(&request.id);
+    let queue_ms = ms(accepted.elapsed());
+    tracing::info!(
+        id = request.id,
+        denoiser = s.denoiser.reach.address(),
+        decoder = s.decoder.reach.address(),
+        queue_ms,
+        "routed"
+    );
+
+    let mut timings = pb::Timings {
+        queue_ms,
+        ..Default::default()
+    };
+    let mut init = Some(s.init.clone());
+    let (mut denoised, mut decoded) = (false, None::<pb::Decoded>);
+    let lost = |pool: &Pool, e: Status| {
+        lock(&shared.registry).forget(&pool.id, e.message());
+        status::from_pool(pool.what(), pool.reach.address(), e)
+    };
+    while !(denoised && decoded.is_some()) {
+        tokio::select! {
+            event = s.denoise.next(), if !denoised => match event {
+                Some(Ok(pb::DenoiseEvent { event: Some(e) })) => match e {
+                    pb::denoise_event::Event::Progress(p) => client.send(G::Progress(p)).await?,
+                    pb::denoise_event::Event::Denoised(d) => {
+                        timings.text_ms = d.text_ms;
+                        timings.denoise_ms = d.denoise_ms;
+                        denoised = true;
+                        // The latent is handed over: the denoiser takes its next request now.
+                        s.denoiser_lease.release();
+                    }
+                },
+                Some(Ok(pb::DenoiseEvent { event: None })) => {}
+                Some(Err(e)) => return Err(lost(&s.denoiser, e)),
+                None => {
+                    let what = s.denoiser.what();
+                    return Err(status::pool_ended(what, s.denoiser.reach.address(), "its latent"));
+                }
+            },
+            event = s.decode.next() => match event {
+                Some(Ok(pb::DecodeEvent { event: Some(e) })) => match e {
+                    pb::decode_event::Event::MediaSegment(m) => {
+                        if let Some(i) = init.take() {
+                            client.send(G::InitSegment(i)).await?;
+                        }
+                        client.send(G::MediaSegment(m)).await?;
+                        if timings.first_segment_ms == 0.0 {
+                            timings.first_segment_ms = ms(accepted.elapsed());
+                        }
+                    }
+                    pb::decode_event::Event::Progress(p) => client.send(G::Progress(p)).await?,
+                    pb::decode_event::Event::Decoded(d) => {
+                        timings.decode_ms = d.decode_ms;
+                        timings.encode_ms = d.encode_ms;
+                        decoded = Some(d);
+                    }
+                    // A second init segment is not part of the protocol.
+                    pb::decode_event::Event::InitSegment(_) => {}
+                },
+                Some(Ok(pb::DecodeEvent { event: None })) => {}
+                Some(Err(e)) => return Err(lost(&s.decoder, e)),
+                None => {
+                    let what = s.decoder.what();
+                    return Err(status::pool_ended(what, s.decoder.reach.address(), "its last segment"));
+                }
+            },
+            status = stopped(client, &mut cancel, deadline) => return Err(status),
+        }
+    }
+    timings.total_ms = ms(accepted.elapsed());
+    let d = decoded.unwrap_or_default();
+    let completed = pb::Completed {
+        timings: Some(timings),
+        frames: d.frames,
+        segments: d.segments,
+    };
+    client.send(G::Completed(completed)).await?;
+    Ok(completed)
+}
+
+/// Opens the request's streams on `decoder` and `denoiser`. `Ok(None)` when a pool turned out
+/// to be unreachable (it is dropped; route again); `Err` when a pool refused the request.
+async fn start<'a>(
+    shared: &'a Shared,
+    request: &Admitted,
+    denoiser: Pool,
+    decoder: Pool,
+) -> Result<Option<Started<'a>>, Status> {
+    let denoiser_lease = Lease::new(shared, &denoiser);
+    let decoder_lease = Lease::new(shared, &decoder);
+    let (id, p) = (&request.id, &request.params);
+    let unreachable = |pool: &Pool, e: Status| -> Result<Option<Started<'a>>, Status> {
+        if status::is_unreachable(&e) {
+            tracing::warn!(id, pool_id = %pool.id, error = e.message(), "pool unreachable; routing again");
+            lock(&shared.registry).forget(&pool.id, e.message());
+            shared.changed.notify_waiters();
+            Ok(None)
+        } else {
+            Err(e)
+        }
+    };
+    let mut decode = match decoder.reach.decode(id, decode_request(id, p)).await {
+        Ok(s) => s,
+        Err(e) => return unreachable(&decoder, e),
+    };
+    // The decoder answers with the init segment once the request is registered with its link.
+    let init = match tokio::time::timeout(START_TIMEOUT, decode.next()).await {
+        Ok(Some(Ok(pb::DecodeEvent {
+            event: Some(pb::decode_event::Event::InitSegment(i)),
+        }))) => i,
+        Ok(Some(Err(e))) => return unreachable(&decoder, e),
+        Ok(_) => {
+            let e = status::pool_ended(decoder.what(), decoder.reach.address(), "its init segment");
+            return unreachable(&decoder, e);
+        }
+        Err(_) => {
+            let e = status::unreachable(
+                decoder.what(),
+                decoder.reach.address(),
+                format!("no init segment within {} s", START_TIMEOUT.as_secs()),
+            );
+            return unreachable(&decoder, e);
+        }
+    };
+    let denoise = match denoiser
+        .reach
+        .denoise(id, denoise_request(id, p, &decoder.link))
+        .await
+    {
+        Ok(s) => s,
+        Err(e) => return unreachable(&denoiser, e),
+    };
+    Ok(Some(Started {
+        denoiser,
+        decoder,
+        denoiser_lease,
+        _decoder_lease: decoder_lease,
+        denoise,
+        decode,
+        init,
+    }))
+}
+
+/// The denoiser's half of a request on the wire (the gateway's one domain → wire conversion for
+/// each pool).
+fn denoise_request(id: &str, p: &GenerateParams, link: &LinkTarget) -> pb::DenoiseRequest {
+    let job = DenoiseJob::of(p);
+    pb::DenoiseRequest {
+        request_id: id.to_string(),
+        prompt: job.prompt,
+        negative_prompt: job.negative_prompt,
+        width: job.width as u32,
+        height: job.height as u32,
+        num_frames: job.num_frames as u32,
+        steps: job.steps as u32,
+        guidance_scale: job.guidance_scale,
+        guidance_scale_2: job.guidance_scale_2,
+        seed: job.seed,
+        decoder_link_address: link.address.clone(),
+        decoder_link_host: link.host.clone(),
+        decoder_link_kind: link.kind as i32,
+    }
+}
+
+/// The decoder's half of a request on the wire.
+fn decode_request(id: &str, p: &GenerateParams) -> pb::DecodeRequest {
+    let job = DecodeJob::of(p);
+    pb::DecodeRequest {
+        request_id: id.to_string(),
+        width: job.width as u32,
+        height: job.height as u32,
+        num_frames: job.num_frames as u32,
+        fps: job.fps,
+        segment_frames: job.segment_frames as u32,
+    }
+}

@@ -1,0 +1,123 @@
+//! Every gRPC status the service sends, built here and nowhere else, so a code means one thing
+//! across the gateway and the pools (and matches what `video.proto` documents):
+//!
+//! | code | when |
+//! |---|---|
+//! | INVALID_ARGUMENT | the request breaks a limit (names the field, the value and the rule) |
+//! | RESOURCE_EXHAUSTED | the queue is full; the request's estimated cost exceeds the devices; a pool is busy |
+//! | CANCELLED | `Cancel`, the client went away, or it read nothing for the send timeout |
+//! | DEADLINE_EXCEEDED | the request's deadline passed, queued or running |
+//! | UNAVAILABLE | shutting down; a pool was lost mid-request, out of service, or unreachable |
+//! | ALREADY_EXISTS | a pool is asked twice for one request |
+//! | FAILED_PRECONDITION | a pool registers for another model |
+//! | INTERNAL | a model, encoder or link failed; the message says where |
+
+use std::time::Duration;
+
+use tonic::{Code, Status};
+
+use crate::cost::OverBudget;
+use crate::request::InvalidRequest;
+
+/// The request breaks a limit.
+pub fn invalid(e: &InvalidRequest) -> Status {
+    Status::invalid_argument(e.to_string())
+}
+
+/// An internal request field is out of range (a pool checking what the gateway sent).
+pub fn invalid_field(field: &str, value: impl std::fmt::Display, rule: &str) -> Status {
+    Status::invalid_argument(format!("{field} = {value}: {rule}"))
+}
+
+/// The request needs more than the serving devices have.
+pub fn over_budget(e: &OverBudget) -> Status {
+    Status::resource_exhausted(e.to_string())
+}
+
+/// Admission refused: `depth` requests wait already.
+pub fn queue_full(depth: usize) -> Status {
+    Status::resource_exhausted(format!(
+        "the queue is full ({depth} requests waiting, serving.queue_depth); retry later"
+    ))
+}
+
+/// A pool asked for a second request while it runs one.
+pub fn pool_busy(what: &str) -> Status {
+    Status::resource_exhausted(format!("this {what} is running another request"))
+}
+
+/// The server stops admitting.
+pub fn shutting_down() -> Status {
+    Status::unavailable("the server is shutting down")
+}
+
+/// `Cancel` named the request.
+pub fn cancelled() -> Status {
+    Status::cancelled("the request was cancelled")
+}
+
+/// The client closed its stream.
+pub fn client_gone() -> Status {
+    Status::cancelled("the client went away")
+}
+
+/// The client left its stream unread for the send timeout.
+pub fn client_stalled(timeout: Duration) -> Status {
+    Status::cancelled(format!(
+        "the client read nothing for {:.1} s (serving.client_send_timeout_s): its request was dropped",
+        timeout.as_secs_f64()
+    ))
+}
+
+/// The deadline passed.
+pub fn deadline() -> Status {
+    Status::deadline_exceeded("the request's deadline passed")
+}
+
+/// A pool cannot serve at all (a rank thread of its stage is gone).
+pub fn out_of_service(what: &str, why: &str) -> Status {
+    Status::unavailable(format!("this {what} is out of service: {why}"))
+}
+
+/// A pool could not be reached or answered with a transport failure.
+pub fn unreachable(what: &str, address: &str, why: impl std::fmt::Display) -> Status {
+    Status::unavailable(format!("{what} at {address} is unreachable: {why}"))
+}
+
+/// What a client sees when a pool's stream fails mid-request: transport failures (the process
+/// died, the connection broke; tonic reports those as UNKNOWN, UNAVAILABLE or CANCELLED) become
+/// UNAVAILABLE naming the pool and the reason; a pool's own documented answer passes through.
+pub fn from_pool(what: &str, address: &str, status: Status) -> Status {
+    match status.code() {
+        Code::Unknown | Code::Unavailable | Code::Cancelled | Code::Aborted => Status::unavailable(
+            format!("{what} at {address} was lost mid-request: {}", status.message()),
+        ),
+        _ => status,
+    }
+}
+
+/// A pool's stream ended without the event that finishes its part.
+pub fn pool_ended(what: &str, address: &str, missing: &str) -> Status {
+    Status::unavailable(format!("{what} at {address} ended its stream before {missing}"))
+}
+
+/// Whether a failure to start work on a pool means the pool is gone (route the request to
+/// another) rather than a refusal of this request.
+pub fn is_unreachable(status: &Status) -> bool {
+    matches!(status.code(), Code::Unknown | Code::Unavailable)
+}
+
+/// A pool is asked twice for one request.
+pub fn duplicate(id: &str) -> Status {
+    Status::already_exists(format!("request {id} is already decoding here"))
+}
+
+/// A pool registers for another model.
+pub fn wrong_model(sent: &str, served: &str) -> Status {
+    Status::failed_precondition(format!("model = {sent:?}: this gateway serves {served:?}"))
+}
+
+/// A stage or link failed; `what` says where.
+pub fn internal(what: &str, e: impl std::fmt::Display) -> Status {
+    Status::internal(format!("{what}: {e}"))
+}

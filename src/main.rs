@@ -82,11 +82,14 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // A server logs its requests; the client and `plan` print their own output and only warn.
-    let default_level = if matches!(cli.command, Command::Serve { .. }) {
-        "info"
-    } else {
-        "warn"
+    // Servers (serve, the gateway, the pools) log admission, routing, completion and failure;
+    // the client and `plan` print their own output and only warn.
+    let default_level = match cli.command {
+        Command::Serve { .. }
+        | Command::Gateway { .. }
+        | Command::Denoiser { .. }
+        | Command::Decoder { .. } => "info",
+        Command::Plan { .. } | Command::Generate(_) | Command::Certs { .. } => "warn",
     };
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -382,12 +382,12 @@ async fn a_decoder_killed_mid_request_fails_that_request_only() {
             Err(s) => break s,
         }
     };
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     assert!(
-        matches!(
-            status.code(),
-            tonic::Code::Unavailable | tonic::Code::Internal | tonic::Code::Unknown
-        ),
-        "{status:?}"
+        status.message().starts_with("decoder instance at 127.0.0.1:")
+            && status.message().contains("was lost mid-request"),
+        "{}",
+        status.message()
     );
     d.spawn_pool("decoder");
     let events = run(&mut client, "after", Instant::now()).await.unwrap();
@@ -396,6 +396,73 @@ async fn a_decoder_killed_mid_request_fails_that_request_only() {
         "{:?}",
         events.last()
     );
+}
+
+/// kill -9 of the denoiser mid-denoise: that request ends UNAVAILABLE naming the pool; the
+/// request queued behind it is not failed but waits for a live pool, and completes as soon as a
+/// new denoiser registers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denoiser_killed_mid_request_fails_that_request_and_the_queued_one_waits() {
+    let mut d = Deployment::start("denoiser-killed");
+    d.ready().await;
+    let mut client = d.client().await;
+    let long = |prompt: &str| pb::GenerateRequest {
+        prompt: prompt.into(),
+        seed: Some(4),
+        steps: Some(100),
+        ..Default::default()
+    };
+    let mut doomed = client.generate(long("doomed")).await.unwrap().into_inner();
+    loop {
+        match doomed.message().await.unwrap().and_then(|e| e.event) {
+            Some(E::Progress(p)) if p.phase == pb::Phase::Denoise as i32 => break,
+            Some(_) => continue,
+            None => panic!("the stream ended before denoising"),
+        }
+    }
+    let mut queued = client
+        .generate(pb::GenerateRequest {
+            steps: Some(3),
+            ..long("queued behind")
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(E::Accepted(a)) = queued.message().await.unwrap().and_then(|e| e.event) else {
+        panic!("no Accepted");
+    };
+    assert_eq!(a.queue_position, 1);
+    d.pools.remove(0); // the denoiser, SIGKILL
+    let status = loop {
+        match doomed.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the request completed although its denoiser died"),
+            Err(s) => break s,
+        }
+    };
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(
+        status.message().starts_with("denoiser pool at 127.0.0.1:")
+            && status.message().contains("was lost mid-request"),
+        "{}",
+        status.message()
+    );
+    // The queued request is still waiting, not failed.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let h = client.health(pb::HealthRequest {}).await.unwrap().into_inner();
+    assert_eq!((h.serving, h.queued, h.running), (false, 1, 0), "{h:?}");
+    let revived = Instant::now();
+    d.spawn_pool("denoiser");
+    let mut last = None;
+    loop {
+        match queued.message().await {
+            Ok(Some(e)) => last = e.event,
+            Ok(None) => break,
+            Err(s) => panic!("the queued request failed: {s:?}"),
+        }
+    }
+    assert!(matches!(last, Some(E::Completed(_))), "{last:?}");
+    println!("queued request done {:?} after the new denoiser started", revived.elapsed());
 }
 
 /// The same deployment over the UCX latent link (host memory, tcp/sm/self transports): the

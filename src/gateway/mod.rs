@@ -40,6 +40,9 @@ use crate::status;
 pub use pools::Reach;
 use pools::Registry;
 
+/// Events buffered for a client that has not read them yet.
+const CLIENT_BUFFER: usize = 16;
+
 /// Events a client's stream carries.
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateEvent, Status>> + Send>>;
 
@@ -273,7 +276,10 @@ impl VideoService for Gateway {
             steps: params.steps as u32,
             seed: params.seed,
         };
-        let (tx, mut rx) = mpsc::channel(64);
+        // A few events of slack for a client that reads: progress is small, and segments are
+        // bounded in count here and in bytes by HTTP/2 flow control below; a client that stops
+        // reading fills this quickly and then loses its request after the send timeout.
+        let (tx, mut rx) = mpsc::channel(CLIENT_BUFFER);
         let (end_tx, end_rx) = oneshot::channel();
         let client = route::Client::new(tx, end_tx, self.0.client_send_timeout);
         // The stream's last item is the failure status, after everything already queued for the

@@ -81,9 +81,15 @@ pub struct DenoiserService {
     in_process: Option<Pending>,
     /// Open latent-link connections, by decoder link address.
     links: Arc<tokio::sync::Mutex<HashMap<String, link::Connection>>>,
-    busy: Arc<AtomicBool>,
+    /// One loop at a time: a request holds the permit until its work has stopped.
+    free: Arc<tokio::sync::Semaphore>,
     active: Arc<AtomicU32>,
 }
+
+/// How long a request waits for the previous one to wind down. The gateway sends the next
+/// request as soon as it drops the last one's stream; that loop stops within one transformer
+/// block, so a longer wait means the pool is really busy.
+const WIND_DOWN: std::time::Duration = std::time::Duration::from_secs(30);
 
 type DenoiseStream = Pin<Box<dyn Stream<Item = Result<pb::DenoiseEvent, Status>> + Send>>;
 
@@ -100,11 +106,10 @@ fn progress(phase: pb::Phase, done: usize, total: usize) -> Result<pb::DenoiseEv
 }
 
 /// Frees the pool when the request ends, however it ends.
-struct BusyGuard(Arc<AtomicBool>, Arc<AtomicU32>);
+struct BusyGuard(tokio::sync::OwnedSemaphorePermit, Arc<AtomicU32>);
 
 impl Drop for BusyGuard {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::SeqCst);
         self.1.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -132,7 +137,7 @@ impl DenoiserService {
             identity,
             in_process,
             links: Arc::default(),
-            busy: Arc::new(AtomicBool::new(false)),
+            free: Arc::new(tokio::sync::Semaphore::new(1)),
             active: Arc::new(AtomicU32::new(0)),
         }
     }
@@ -193,11 +198,12 @@ impl DenoiserPool for DenoiserService {
         if let Some(why) = self.stage.out_of_service() {
             return Err(status::out_of_service("denoiser pool", &why));
         }
-        if self.busy.swap(true, Ordering::SeqCst) {
-            return Err(status::pool_busy("denoiser pool"));
-        }
+        let permit = tokio::time::timeout(WIND_DOWN, Arc::clone(&self.free).acquire_owned())
+            .await
+            .map_err(|_| status::pool_busy("denoiser pool"))?
+            .map_err(|_| status::pool_busy("denoiser pool"))?;
         self.active.fetch_add(1, Ordering::Relaxed);
-        let guard = BusyGuard(Arc::clone(&self.busy), Arc::clone(&self.active));
+        let guard = BusyGuard(permit, Arc::clone(&self.active));
         let conn = self.link(&target).await?;
         let links = Arc::clone(&self.links);
         let (tx, rx) = mpsc::channel::<Result<pb::DenoiseEvent, Status>>(64);

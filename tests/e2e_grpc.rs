@@ -260,6 +260,33 @@ async fn events_arrive_in_order_and_form_a_playable_mp4() {
     server.stop().await.unwrap();
 }
 
+/// The embedded default's video for one seed, pinned: CRC-32 of the MP4 that `ditstream generate`
+/// wrote for this request before the service layer was rebuilt around the gateway (commit
+/// 13f2c8e's engine) and after it, byte for byte the same on the build machine (x86-64; the f32
+/// reference ops pick their GEMM kernels by CPU features, so another instruction set may round
+/// differently). `pools_e2e.rs` checks the pools against `serve`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_default_video_is_pinned() {
+    let cfg = ditstream::serve::load_config(None).unwrap();
+    let (server, mut client) = server(cfg).await;
+    let req = pb::GenerateRequest {
+        width: Some(64),
+        height: Some(48),
+        num_frames: Some(9),
+        steps: Some(3),
+        ..request("a pinned fox", 7)
+    };
+    let (events, status) = collect(&mut client, req).await;
+    assert!(status.is_none(), "{status:?}");
+    let mp4 = mp4_of(&events);
+    assert_eq!(
+        (mp4.len(), crc32fast::hash(&mp4)),
+        (6332, 0x1881_c0d1),
+        "the embedded default's video changed"
+    );
+    server.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamed_segments_equal_the_non_streamed_encode() {
     let cfg = config("openh264", 4);

@@ -105,12 +105,15 @@ fn progress(phase: pb::Phase, done: usize, total: usize) -> Result<pb::DenoiseEv
     }))
 }
 
-/// Frees the pool when the request ends, however it ends.
-struct BusyGuard(tokio::sync::OwnedSemaphorePermit, Arc<AtomicU32>);
+/// Frees the pool when the request ends, however it ends (the permit goes with it).
+struct BusyGuard {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    active: Arc<AtomicU32>,
+}
 
 impl Drop for BusyGuard {
     fn drop(&mut self) {
-        self.1.fetch_sub(1, Ordering::Relaxed);
+        self.active.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -203,7 +206,10 @@ impl DenoiserPool for DenoiserService {
             .map_err(|_| status::pool_busy("denoiser pool"))?
             .map_err(|_| status::pool_busy("denoiser pool"))?;
         self.active.fetch_add(1, Ordering::Relaxed);
-        let guard = BusyGuard(permit, Arc::clone(&self.active));
+        let guard = BusyGuard {
+            _permit: permit,
+            active: Arc::clone(&self.active),
+        };
         let conn = self.link(&target).await?;
         let links = Arc::clone(&self.links);
         let (tx, rx) = mpsc::channel::<Result<pb::DenoiseEvent, Status>>(64);

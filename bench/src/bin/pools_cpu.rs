@@ -1,12 +1,18 @@
-//! The disaggregated pipeline on the CPU, measured against the sequential one:
-//! - back-to-back throughput: K requests submitted at once to `serve`'s single engine (denoise then
-//!   decode, one request after the other) and to a gateway with one denoiser pool and one decoder
-//!   instance (the denoiser takes request N+1 as soon as N's latent is handed over);
+//! The request pipeline on the CPU:
+//! - back-to-back throughput: K requests submitted at once to `serve` (the gateway with its
+//!   denoiser pool and decoder instance in one process, in-process latent link) and to a gateway
+//!   with one denoiser pool and one decoder instance talking gRPC and QUIC over loopback. Either
+//!   way the denoiser takes request N+1 as soon as N's latent is handed over, so decode(N)
+//!   overlaps denoise(N+1). Steady state is the rate at which requests complete after the first
+//!   (K − 1 requests over the time from the first completion to the last), against 1/T_denoise
+//!   with T_denoise (text + loop) of one request measured alone just before;
 //! - time to first segment after the denoising loop ends (first segment − queue − text − denoise);
 //! - per-chunk latency of each latent-link backend on loopback, for one 480p latent frame.
 //!
 //! `cargo run --release -p ditstream-bench --bin pools_cpu [--features ucx] -- --requests 4`
-//! Pools and engine share the machine's cores here, so this shows the mechanism, not GPU numbers.
+//! Pools and denoiser share the machine's cores here: steady state reaches 1/T_denoise only where
+//! decoding a request takes less than denoising one (pick `--steps`, `--width`, `--height`,
+//! `--frames` so), the work a GPU pair splits.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -30,13 +36,26 @@ struct Args {
     /// Chunks timed per link backend.
     #[arg(long, default_value_t = 50)]
     chunks: usize,
+    /// Denoising steps per request.
+    #[arg(long, default_value_t = 8)]
+    steps: usize,
+    /// Video width.
+    #[arg(long, default_value_t = 256)]
+    width: usize,
+    /// Video height.
+    #[arg(long, default_value_t = 160)]
+    height: usize,
+    /// Video frames (4k+1).
+    #[arg(long, default_value_t = 17)]
+    frames: usize,
 }
 
-fn config(gateway: &str) -> anyhow::Result<Config> {
+fn config(args: &Args, gateway: &str) -> anyhow::Result<Config> {
     let yaml = format!(
-        "model:\n  preset: tiny\nsampler:\n  steps: 8\n  shift: 3.0\nserving:\n  width: 256\n  height: 160\n  \
-         num_frames: 17\n  queue_depth: 64\npools:\n  gateway: {gateway}\n  tls_ca: certs/ca.pem\n  \
-         tls_cert: certs/pool.pem\n  tls_key: certs/pool-key.pem\n"
+        "model:\n  preset: tiny\nsampler:\n  steps: {}\n  shift: 3.0\nserving:\n  width: {}\n  height: {}\n  \
+         num_frames: {}\n  queue_depth: 64\npools:\n  gateway: {gateway}\n  tls_ca: certs/ca.pem\n  \
+         tls_cert: certs/pool.pem\n  tls_key: certs/pool-key.pem\n",
+        args.steps, args.width, args.height, args.frames
     );
     let cfg = Config::parse(&yaml, "<bench>")?;
     cfg.validate(None)?;
@@ -45,8 +64,10 @@ fn config(gateway: &str) -> anyhow::Result<Config> {
 
 /// What one request reported.
 struct Outcome {
-    /// Gateway/engine timings.
+    /// The gateway's timings.
     timings: pb::Timings,
+    /// When it completed, from the submission of the batch.
+    done: Duration,
 }
 
 async fn run_all(addr: &str, k: usize) -> anyhow::Result<(Duration, Vec<Outcome>)> {
@@ -68,6 +89,7 @@ async fn run_all(addr: &str, k: usize) -> anyhow::Result<(Duration, Vec<Outcome>
                 if let Some(pb::generate_event::Event::Completed(done)) = e.event {
                     return Ok::<_, anyhow::Error>(Outcome {
                         timings: done.timings.unwrap_or_default(),
+                        done: start.elapsed(),
                     });
                 }
             }
@@ -81,10 +103,26 @@ async fn run_all(addr: &str, k: usize) -> anyhow::Result<(Duration, Vec<Outcome>
     Ok((start.elapsed(), out))
 }
 
-fn summary(name: &str, k: usize, elapsed: Duration, outcomes: &[Outcome]) -> (f64, f64) {
+/// Text + denoise of one request run alone (after a warm-up), seconds.
+async fn alone(addr: &str) -> anyhow::Result<f64> {
+    run_all(addr, 1).await?; // warm-up (weights, caches)
+    let (_, one) = run_all(addr, 1).await?;
+    let t = &one[0].timings;
+    Ok((t.text_ms + t.denoise_ms) / 1e3)
+}
+
+/// Prints one run's line; returns its steady-state rate × T_denoise (alone).
+fn summary(name: &str, k: usize, elapsed: Duration, t_alone: f64, outcomes: &[Outcome]) -> f64 {
+    let mut done: Vec<f64> = outcomes.iter().map(|o| o.done.as_secs_f64()).collect();
+    done.sort_by(f64::total_cmp);
+    let steady = (k - 1) as f64 / (done[k - 1] - done[0]);
     let denoise: Vec<f64> = outcomes
         .iter()
-        .map(|o| o.timings.denoise_ms + o.timings.text_ms)
+        .map(|o| (o.timings.denoise_ms + o.timings.text_ms) / 1e3)
+        .collect();
+    let decode: Vec<f64> = outcomes
+        .iter()
+        .map(|o| (o.timings.decode_ms + o.timings.encode_ms) / 1e3)
         .collect();
     let after: Vec<f64> = outcomes
         .iter()
@@ -95,16 +133,32 @@ fn summary(name: &str, k: usize, elapsed: Duration, outcomes: &[Outcome]) -> (f6
                 - o.timings.denoise_ms
         })
         .collect();
-    let t_denoise = median(&denoise).unwrap_or(0.0) / 1e3;
-    let throughput = k as f64 / elapsed.as_secs_f64();
+    // All were accepted at once: request i held the denoiser from queue_ms to the end of its
+    // loop. Busy time over the span from the first start to the last end is 1.0 exactly when
+    // the denoiser never waited (every decode overlapped the next denoise).
+    let spans: Vec<(f64, f64)> = outcomes
+        .iter()
+        .map(|o| {
+            let t = &o.timings;
+            (t.queue_ms, t.queue_ms + t.text_ms + t.denoise_ms)
+        })
+        .collect();
+    let first = spans.iter().map(|s| s.0).fold(f64::INFINITY, f64::min);
+    let last = spans.iter().map(|s| s.1).fold(0.0, f64::max);
+    let busy = spans.iter().map(|s| s.1 - s.0).sum::<f64>() / (last - first);
     println!(
-        "{name:<12} {k} requests in {:.2} s: {throughput:.3} req/s; T_denoise {t_denoise:.2} s → {:.2} × 1/T_denoise; \
-         first segment {:.0} ms after the loop ends (median)",
+        "{name:<6} {k} requests in {:.2} s; steady state {steady:.3} req/s = {:.2} × 1/T_denoise \
+         (T_denoise alone {t_alone:.2} s), {:.2} × 1/T_denoise of the run; denoiser busy {busy:.3} \
+         of its span; in the run: text + denoise {:.2} s, decode + encode {:.2} s (medians); first \
+         segment {:.0} ms after the loop ends",
         elapsed.as_secs_f64(),
-        throughput * t_denoise,
+        steady * t_alone,
+        steady * median(&denoise).unwrap_or(0.0),
+        median(&denoise).unwrap_or(0.0),
+        median(&decode).unwrap_or(0.0),
         median(&after).unwrap_or(0.0),
     );
-    (throughput, t_denoise)
+    steady * t_alone
 }
 
 /// One-way latency of one chunk over QUIC on loopback (same clock on both ends).
@@ -177,17 +231,17 @@ async fn main() -> anyhow::Result<()> {
         &["localhost".to_string(), "127.0.0.1".to_string()],
     )?;
 
-    // Sequential: one engine, denoise then decode per request.
-    let cfg = config("127.0.0.1:1")?;
-    let serve = ditstream::serve::start(cfg, "127.0.0.1:0".parse()?).await?;
-    run_all(&serve.addr.to_string(), 1).await?; // warm-up (weights, caches)
-    let (elapsed, outcomes) = run_all(&serve.addr.to_string(), args.requests).await?;
-    let (seq, _) = summary("sequential", args.requests, elapsed, &outcomes);
+    // serve: the gateway and both pools in one process.
+    let serve = ditstream::serve::start(config(&args, "127.0.0.1:1")?, "127.0.0.1:0".parse()?).await?;
+    let addr = serve.addr.to_string();
+    let t_alone = alone(&addr).await?;
+    let (elapsed, outcomes) = run_all(&addr, args.requests).await?;
+    summary("serve", args.requests, elapsed, t_alone, &outcomes);
     serve.stop().await?;
 
-    // Pools: gateway + one denoiser pool + one decoder instance, QUIC link.
-    let gw = gateway::start(&config("127.0.0.1:1")?, "127.0.0.1:0".parse()?).await?;
-    let cfg = config(&gw.addr.to_string())?;
+    // Pools: gateway + one denoiser pool + one decoder instance, gRPC and QUIC over loopback.
+    let gw = gateway::start(&config(&args, "127.0.0.1:1")?, "127.0.0.1:0".parse()?).await?;
+    let cfg = config(&args, &gw.addr.to_string())?;
     let _dn = denoiser::start(&cfg, Path::new(&dir)).await?;
     let _dc = decoder::start(&cfg, Path::new(&dir)).await?;
     let addr = gw.addr.to_string();
@@ -200,10 +254,9 @@ async fn main() -> anyhow::Result<()> {
     {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    run_all(&addr, 1).await?; // warm-up
+    let t_alone = alone(&addr).await?;
     let (elapsed, outcomes) = run_all(&addr, args.requests).await?;
-    let (pools, _) = summary("pools", args.requests, elapsed, &outcomes);
-    println!("pools / sequential throughput: {:.2}×", pools / seq);
+    summary("pools", args.requests, elapsed, t_alone, &outcomes);
 
     // Latent link, one 480p latent frame [1, 16, 1, 60, 104] f32 (399 KB).
     let values: Vec<f32> = (0..16 * 60 * 104)

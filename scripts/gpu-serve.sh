@@ -20,7 +20,8 @@
 # (the device runner's output folder) when set, else /tmp/ditstream-gpu. Exits non-zero if any step
 # failed (the table is printed anyway).
 # Knobs: REQUESTS (6), STEPS (4), LINK (quic), LATENCY_LINKS (quic,ucx,nccl), SKIP_TEST=1,
-# SKIP_BENCH=1.
+# SKIP_BENCH=1, ONE_GPU=1 (a 1-GPU machine, nvidia-h200: the tests require 1 GPU, so the 2-GPU
+# ones skip; the benchmark runs `serve` alone, no pools, links quic and ucx only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +30,13 @@ REQUESTS=${REQUESTS:-6}
 STEPS=${STEPS:-4}
 LINK=${LINK:-quic}
 LATENCY_LINKS=${LATENCY_LINKS:-quic,ucx,nccl}
+REQUIRE=2
+BENCH_ARGS=()
+if [ "${ONE_GPU:-0}" = 1 ]; then
+  REQUIRE=1
+  LATENCY_LINKS=quic,ucx
+  BENCH_ARGS=(--skip-pools --decoder-gpu 0)
+fi
 mkdir -p "$LOGS"
 
 # Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
@@ -56,17 +64,17 @@ for bin in target/gpu/gpu_serving target/gpu/nccl_link target/gpu/pools_gpu; do
 done
 
 if [ "${SKIP_TEST:-0}" != 1 ]; then
-  step "serving tests on GPUs (DITSTREAM_REQUIRE_GPUS=2)"
+  step "serving tests on GPUs (DITSTREAM_REQUIRE_GPUS=$REQUIRE)"
   start=$(date +%s%N)
-  DITSTREAM_REQUIRE_GPUS=2 timeout 200 target/gpu/gpu_serving --test-threads=1 --nocapture \
+  DITSTREAM_REQUIRE_GPUS=$REQUIRE timeout 200 target/gpu/gpu_serving --test-threads=1 --nocapture \
     > "$LOGS/gpu_serving.log" 2>&1
   rc=$?
   echo "exit $rc after $(( ($(date +%s%N) - start) / 1000000 )) ms"
   grep -E "^test |panicked|SERVEPARITY|test result|serve on the GPU" "$LOGS/gpu_serving.log" | head -n 40
   [ "$rc" -eq 0 ] || { echo "serving tests FAILED (exit $rc)"; tail -n 30 "$LOGS/gpu_serving.log"; status=1; }
 
-  step "NCCL latent link test (DITSTREAM_REQUIRE_GPUS=2)"
-  DITSTREAM_REQUIRE_GPUS=2 timeout 120 target/gpu/nccl_link --nocapture > "$LOGS/nccl_link.log" 2>&1
+  step "NCCL latent link test (DITSTREAM_REQUIRE_GPUS=$REQUIRE)"
+  DITSTREAM_REQUIRE_GPUS=$REQUIRE timeout 120 target/gpu/nccl_link --nocapture > "$LOGS/nccl_link.log" 2>&1
   rc=$?
   grep -E "^test |panicked|test result" "$LOGS/nccl_link.log"
   [ "$rc" -eq 0 ] || { echo "NCCL link test FAILED (exit $rc)"; tail -n 30 "$LOGS/nccl_link.log"; status=1; }
@@ -76,7 +84,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   step "pools benchmark: target/gpu/pools_gpu --requests $REQUESTS --steps $STEPS --link $LINK --latency-links $LATENCY_LINKS"
   start=$(date +%s%N)
   timeout 380 target/gpu/pools_gpu --requests "$REQUESTS" --steps "$STEPS" --link "$LINK" \
-    --latency-links "$LATENCY_LINKS" \
+    --latency-links "$LATENCY_LINKS" "${BENCH_ARGS[@]}" \
     > "$LOGS/pools_gpu.log" 2> "$LOGS/pools_gpu.err"
   rc=$?
   echo "exit $rc after $(( ($(date +%s%N) - start) / 1000000 )) ms"

@@ -17,7 +17,6 @@ mod norm;
 mod random; // random-weight models drawn on the device
 mod rope;
 mod softmax; // T5 attention: relative-position bias + mask + softmax
-mod ulysses;
 
 pub use attention::{AttentionOptions, attention, lse_combine, lse_merge_pair};
 pub use conv::{
@@ -36,10 +35,6 @@ pub use norm::{
 pub use random::random_normal;
 pub use rope::{apply_rope, rope_band_dims, rope_tables_3d};
 pub use softmax::position_bias_softmax;
-pub use ulysses::{
-    ulysses_pack_heads, ulysses_pack_qkv, ulysses_pack_seq, ulysses_unpack_heads,
-    ulysses_unpack_qkv, ulysses_unpack_seq,
-};
 
 use crate::{Device, KernelError, Result, Tensor};
 

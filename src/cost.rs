@@ -119,7 +119,7 @@ impl CostModel {
 
     /// The transformer's tokens for a request: latent frames × (H/16) × (W/16).
     fn tokens(&self, p: &GenerateParams) -> f64 {
-        let (lt, lh, lw) = crate::pipeline::latent_grid(p.num_frames, p.height, p.width);
+        let (lt, lh, lw) = ditstream_common::mesh::latent_grid(p.num_frames, p.height, p.width);
         let [pt, ph, pw] = self.dit.patch_size;
         ((lt / pt.max(1)) * (lh / ph.max(1)) * (lw / pw.max(1))) as f64
     }
@@ -150,8 +150,8 @@ impl CostModel {
         let f = self.dit.ffn_dim as f64;
         let dit_bytes =
             branches * (tokens / self.denoiser_ranks) * (10.0 * d + 2.0 * f) * self.value_bytes;
-        let vae_bytes = 4.0 * pixels * self.vae_base_dim as f64 * 6.0 * self.value_bytes
-            / self.vae_ranks;
+        let vae_bytes =
+            4.0 * pixels * self.vae_base_dim as f64 * 6.0 * self.value_bytes / self.vae_ranks;
         Estimate {
             seconds,
             bytes_per_rank: dit_bytes.max(vae_bytes),
@@ -218,7 +218,11 @@ mod tests {
     fn the_1_3b_forward_matches_the_reference_table() {
         // reference/wan.md §5: 1.3B at 480p 81 frames (32,760 tokens) is 283 TFLOP a forward.
         let cfg = Config::parse("model: {preset: wan2.1-t2v-1.3b}\n", "<t>").unwrap();
-        let m = CostModel::new(&cfg, WanConfig::preset(Preset::Wan21T2v1_3b), &VaeConfig::wan21());
+        let m = CostModel::new(
+            &cfg,
+            WanConfig::preset(Preset::Wan21T2v1_3b),
+            &VaeConfig::wan21(),
+        );
         let tf = m.forward_flops(32_760.0) / 1e12;
         assert!((tf - 283.0).abs() < 2.0, "{tf} TFLOP");
         let p = params(&cfg, 832, 480, 81, 1);
@@ -233,12 +237,14 @@ mod tests {
         assert!(ok.seconds < 60.0, "{ok:?}");
         let big = m.admit(&params(&cfg, 1920, 1920, 241, 100)).unwrap_err();
         assert!(
-            big.to_string().contains("serving.admission.device_memory_gib"),
+            big.to_string()
+                .contains("serving.admission.device_memory_gib"),
             "{big}"
         );
         let slow = m.admit(&params(&cfg, 1280, 720, 81, 8)).unwrap_err();
         assert!(
-            slow.to_string().contains("serving.admission.max_request_s = 1800 s"),
+            slow.to_string()
+                .contains("serving.admission.max_request_s = 1800 s"),
             "{slow}"
         );
     }

@@ -2,6 +2,7 @@
 //! checked. The gRPC layer converts to and from this; nothing below it sees wire types.
 
 use ditstream_common::config::Config;
+use ditstream_decoder::stage::MAX_SEGMENT_FRAMES;
 
 /// A validated request.
 #[derive(Debug, Clone, PartialEq)]
@@ -89,9 +90,6 @@ pub const DEFAULT_NEGATIVE_PROMPT: &str = "Bright tones, overexposed, static, bl
 paintings, images, static, overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra \
 fingers, poorly drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, fused fingers, still picture, \
 messy background, three legs, many people in the background, walking backwards";
-
-/// Largest segment the server builds (frames); longer ones only delay the first picture.
-pub const MAX_SEGMENT_FRAMES: u32 = 64;
 
 impl RawRequest {
     /// Fills defaults from `cfg` and checks every limit. `model_name` is the served model.

@@ -13,9 +13,9 @@ use ditstream_common::config::Config;
 
 use crate::gateway::{Gateway, RunningGateway};
 use crate::pipeline::Pipeline;
-use crate::roles::decoder::DecoderService;
-use crate::roles::denoiser::DenoiserService;
-use crate::roles::link::Pending;
+use ditstream_common::link::pool::Pending;
+use ditstream_decoder::service::DecoderService;
+use ditstream_denoiser::service::DenoiserService;
 
 /// The embedded default: CPU, the built-in tiny model (configs/cpu-tiny.yaml, compiled in).
 pub const EMBEDDED_CONFIG: &str = include_str!("../configs/cpu-tiny.yaml");

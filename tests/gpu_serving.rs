@@ -193,10 +193,12 @@ mod gpu {
 
     use std::sync::atomic::AtomicBool;
 
-    use ditstream::pipeline::{DecodeJob, DecodeStage, DenoiseJob, DenoiseStage, Pipeline};
+    use ditstream::pipeline::{Pipeline, decode_job, denoise_job};
     use ditstream::request::{GenerateParams, RawRequest};
     use ditstream_common::config::Config;
+    use ditstream_decoder::stage::DecodeStage;
     use ditstream_denoiser::denoise::Control;
+    use ditstream_denoiser::stage::DenoiseStage;
     use ditstream_kernels::{Device, Tensor};
     use ditstream_proto::v1 as pb;
     use ditstream_proto::v1::generate_event::Event as E;
@@ -231,9 +233,15 @@ mod gpu {
     }
 
     fn latent(stage: &DenoiseStage, p: &GenerateParams) -> Vec<f32> {
-        let (cond, uncond) = stage.text_states(&DenoiseJob::of(p)).unwrap();
+        let (cond, uncond) = stage.text_states(&denoise_job(p)).unwrap();
         let latent = stage
-            .denoise_latent(&DenoiseJob::of(p), &cond, &uncond, &AtomicBool::new(false), |_| Control::Continue)
+            .denoise_latent(
+                &denoise_job(p),
+                &cond,
+                &uncond,
+                &AtomicBool::new(false),
+                |_| Control::Continue,
+            )
             .unwrap();
         assert_eq!(
             latent.device(),
@@ -290,9 +298,7 @@ mod gpu {
             .unwrap()
             .into_inner();
         assert!(
-            models.models[0]
-                .description
-                .contains("= 1 ranks on cuda:0"),
+            models.models[0].description.contains("= 1 ranks on cuda:0"),
             "{models:?}"
         );
         let request = pb::GenerateRequest {
@@ -331,11 +337,9 @@ mod gpu {
         let gpu = std::sync::Arc::new(gpu);
         let again = {
             let (gpu, p) = (std::sync::Arc::clone(&gpu), p.clone());
-            tokio::task::spawn_blocking(move || {
-                gpu.render_streamed(&p).unwrap()
-            })
-            .await
-            .unwrap()
+            tokio::task::spawn_blocking(move || gpu.render_streamed(&p).unwrap())
+                .await
+                .unwrap()
         };
         assert!(
             served == again,
@@ -353,8 +357,8 @@ mod gpu {
                 latent_bound(),
             );
             let cpu_latent = Tensor::from_vec(want, &[1, 16, 3, 6, 8]).unwrap();
-            let mut on_cpu = cpu.decode_stage().start(&DecodeJob::of(&p)).unwrap();
-            let mut on_gpu = gpu.decode_stage().start(&DecodeJob::of(&p)).unwrap();
+            let mut on_cpu = cpu.decode_stage().start(&decode_job(&p)).unwrap();
+            let mut on_gpu = gpu.decode_stage().start(&decode_job(&p)).unwrap();
             let mut worst = 0f64;
             for t in 0..3 {
                 let chunk = cpu_latent.narrow(2, t, 1).unwrap();
@@ -410,14 +414,20 @@ mod gpu {
             );
             // A cancel after step 1 ends every rank (agreed), and the next request runs on the
             // same communicators with the same result.
-            let (cond, uncond) = stage.text_states(&DenoiseJob::of(&p)).unwrap();
-            let cancelled = stage.denoise_latent(&DenoiseJob::of(&p), &cond, &uncond, &AtomicBool::new(false), |s| {
-                if s.step == 1 {
-                    Control::Cancel
-                } else {
-                    Control::Continue
-                }
-            });
+            let (cond, uncond) = stage.text_states(&denoise_job(&p)).unwrap();
+            let cancelled = stage.denoise_latent(
+                &denoise_job(&p),
+                &cond,
+                &uncond,
+                &AtomicBool::new(false),
+                |s| {
+                    if s.step == 1 {
+                        Control::Cancel
+                    } else {
+                        Control::Continue
+                    }
+                },
+            );
             assert!(cancelled.is_err());
             assert_eq!(
                 latent(&stage, &p),
@@ -453,7 +463,10 @@ mod gpu {
         assert_eq!(two.connections(), 1);
         let p = params(&cfg, 5);
         let latent = ditstream_denoiser::denoise::initial_noise([1, 16, 3, 6, 8], 5).unwrap();
-        let (mut a, mut b) = (one.start(&DecodeJob::of(&p)).unwrap(), two.start(&DecodeJob::of(&p)).unwrap());
+        let (mut a, mut b) = (
+            one.start(&decode_job(&p)).unwrap(),
+            two.start(&decode_job(&p)).unwrap(),
+        );
         let mut worst = 0f64;
         for t in 0..3 {
             let chunk = latent.narrow(2, t, 1).unwrap();

@@ -121,7 +121,11 @@ async fn a_queued_cancel_ends_its_stream_within_a_second() {
         .expect("the queued stream ends within 1 s of its Cancel");
     assert_eq!(status.expect("a status").code(), Code::Cancelled);
     assert!(t.elapsed() < Duration::from_secs(1));
-    assert_eq!(health(&mut client).await, (0, 1), "only the running one is left");
+    assert_eq!(
+        health(&mut client).await,
+        (0, 1),
+        "only the running one is left"
+    );
     assert!(cancel(&mut client, &running_id).await);
     server.stop().await.unwrap();
 }
@@ -202,7 +206,8 @@ async fn a_client_that_never_reads_loses_its_request_and_delays_nobody() {
         ..request("one frame", 3)
     };
     let t = Instant::now();
-    let (events, status) = finish(&mut client.generate(one_frame()).await.unwrap().into_inner()).await;
+    let (events, status) =
+        finish(&mut client.generate(one_frame()).await.unwrap().into_inner()).await;
     assert!(status.is_none() && matches!(events.last(), Some(E::Completed(_))));
     let alone = t.elapsed();
 
@@ -210,11 +215,15 @@ async fn a_client_that_never_reads_loses_its_request_and_delays_nobody() {
     let (_response, _conn) = never_reading_client(server.addr, long()).await;
     let t = Instant::now();
     while health(&mut client).await.1 == 0 {
-        assert!(t.elapsed() < Duration::from_secs(10), "the stalled request never started");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the stalled request never started"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let t = Instant::now();
-    let (events, status) = finish(&mut client.generate(one_frame()).await.unwrap().into_inner()).await;
+    let (events, status) =
+        finish(&mut client.generate(one_frame()).await.unwrap().into_inner()).await;
     let behind = t.elapsed();
     println!("1-frame request alone {alone:?}, behind a client that never reads {behind:?}");
     assert!(status.is_none(), "{status:?}");
@@ -223,7 +232,11 @@ async fn a_client_that_never_reads_loses_its_request_and_delays_nobody() {
         behind < alone + Duration::from_secs(4),
         "behind a client that never reads, a 1-frame request took {behind:?} (alone {alone:?})"
     );
-    assert_eq!(health(&mut client).await, (0, 0), "the stalled request was dropped");
+    assert_eq!(
+        health(&mut client).await,
+        (0, 0),
+        "the stalled request was dropped"
+    );
     server.stop().await.unwrap();
 }
 
@@ -237,7 +250,14 @@ async fn an_absurd_grpc_timeout_is_clamped_not_a_panic() {
     assert!(status.is_none(), "{status:?}");
     assert!(matches!(events.last(), Some(E::Completed(_))));
     // The server is still up and serves the next request.
-    let (events, status) = finish(&mut client.generate(request("next", 3)).await.unwrap().into_inner()).await;
+    let (events, status) = finish(
+        &mut client
+            .generate(request("next", 3))
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await;
     assert!(status.is_none() && matches!(events.last(), Some(E::Completed(_))));
     server.stop().await.unwrap();
 }
@@ -281,7 +301,14 @@ async fn a_request_beyond_the_devices_is_refused_at_admission_naming_the_limit()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_come_in_the_documented_order() {
     let (server, mut client) = server().await;
-    let (events, status) = finish(&mut client.generate(request("order", 3)).await.unwrap().into_inner()).await;
+    let (events, status) = finish(
+        &mut client
+            .generate(request("order", 3))
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await;
     assert!(status.is_none(), "{status:?}");
     // Accepted, text progress, denoise progress, then (init before any media) decode, Completed.
     let kind = |e: &E| match e {
@@ -295,10 +322,18 @@ async fn events_come_in_the_documented_order() {
     };
     let mut kinds: Vec<&str> = events.iter().map(kind).collect();
     kinds.dedup();
-    assert_eq!(kinds[..4], ["accepted", "text", "denoise", "init"], "{kinds:?}");
+    assert_eq!(
+        kinds[..4],
+        ["accepted", "text", "denoise", "init"],
+        "{kinds:?}"
+    );
     assert_eq!(kinds.last(), Some(&"completed"));
     let first_media = kinds.iter().position(|k| *k == "media").unwrap();
-    assert!(kinds[first_media..].iter().all(|k| ["media", "decode", "completed"].contains(k)));
+    assert!(
+        kinds[first_media..]
+            .iter()
+            .all(|k| ["media", "decode", "completed"].contains(k))
+    );
     let ids: Vec<String> = events
         .iter()
         .filter_map(|e| match e {
@@ -309,4 +344,34 @@ async fn events_come_in_the_documented_order() {
     // 128 random bits, hex.
     assert_eq!(ids[0].len(), "req-".len() + 32, "{}", ids[0]);
     server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_refuses_new_work_drains_then_ends_the_rest_unavailable() {
+    let mut cfg = config();
+    cfg.serving.shutdown_grace_s = 1;
+    let server = start(cfg, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let addr = server.addr;
+    let mut client = VideoServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let mut running = client.generate(long()).await.unwrap().into_inner();
+    until_denoising(&mut running).await;
+    let t = Instant::now();
+    let stopping = tokio::spawn(server.stop());
+    // While draining, nothing new is admitted.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let refused = match client.generate(request("too late", 3)).await {
+        Ok(s) => finish(&mut s.into_inner()).await.1.expect("refused"),
+        Err(s) => s,
+    };
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains("shutting down"), "{refused:?}");
+    // The running request outlives the 1 s grace, so it is ended, with the reason.
+    let (_, status) = finish(&mut running).await;
+    let status = status.expect("ended");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("shutting down"), "{status:?}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    stopping.await.unwrap().unwrap();
 }

@@ -11,10 +11,11 @@
 
 use std::sync::atomic::AtomicBool;
 
-use ditstream::pipeline::{DecodeJob, DenoiseJob, DenoiseStage};
+use ditstream::pipeline::{decode_job, denoise_job};
 use ditstream::request::RawRequest;
 use ditstream_common::config::Config;
 use ditstream_denoiser::denoise::Control;
+use ditstream_denoiser::stage::DenoiseStage;
 
 fn config(parallel: &str) -> Config {
     let yaml = format!(
@@ -34,9 +35,15 @@ fn every_mesh_gives_the_single_rank_latent() {
         ..RawRequest::default()
     };
     let params = raw.validate(&cfg, "tiny").unwrap();
-    let (cond, uncond) = single.text_states(&DenoiseJob::of(&params)).unwrap();
+    let (cond, uncond) = single.text_states(&denoise_job(&params)).unwrap();
     let want = single
-        .denoise_latent(&DenoiseJob::of(&params), &cond, &uncond, &AtomicBool::new(false), |_| Control::Continue)
+        .denoise_latent(
+            &denoise_job(&params),
+            &cond,
+            &uncond,
+            &AtomicBool::new(false),
+            |_| Control::Continue,
+        )
         .unwrap()
         .to_vec_f32()
         .unwrap();
@@ -53,10 +60,16 @@ fn every_mesh_gives_the_single_rank_latent() {
         assert!(stage.mesh().world_size() > 1);
         let mut steps = Vec::new();
         let got = stage
-            .denoise_latent(&DenoiseJob::of(&params), &cond, &uncond, &AtomicBool::new(false), |s| {
-                steps.push(s.step);
-                Control::Continue
-            })
+            .denoise_latent(
+                &denoise_job(&params),
+                &cond,
+                &uncond,
+                &AtomicBool::new(false),
+                |s| {
+                    steps.push(s.step);
+                    Control::Continue
+                },
+            )
             .unwrap()
             .to_vec_f32()
             .unwrap();
@@ -89,14 +102,20 @@ fn a_cancel_on_rank_zero_stops_every_rank() {
         ..RawRequest::default()
     };
     let params = raw.validate(&cfg, "tiny").unwrap();
-    let (cond, uncond) = stage.text_states(&DenoiseJob::of(&params)).unwrap();
-    let err = stage.denoise_latent(&DenoiseJob::of(&params), &cond, &uncond, &AtomicBool::new(false), |s| {
-        if s.step == 2 {
-            Control::Cancel
-        } else {
-            Control::Continue
-        }
-    });
+    let (cond, uncond) = stage.text_states(&denoise_job(&params)).unwrap();
+    let err = stage.denoise_latent(
+        &denoise_job(&params),
+        &cond,
+        &uncond,
+        &AtomicBool::new(false),
+        |s| {
+            if s.step == 2 {
+                Control::Cancel
+            } else {
+                Control::Continue
+            }
+        },
+    );
     assert!(
         matches!(
             err,
@@ -107,7 +126,13 @@ fn a_cancel_on_rank_zero_stops_every_rank() {
     // And the stage is usable again at once (an agreed cancel leaves the communicators intact).
     assert!(
         stage
-            .denoise_latent(&DenoiseJob::of(&params), &cond, &uncond, &AtomicBool::new(false), |_| Control::Continue)
+            .denoise_latent(
+                &denoise_job(&params),
+                &cond,
+                &uncond,
+                &AtomicBool::new(false),
+                |_| Control::Continue
+            )
             .is_ok()
     );
 }
@@ -204,15 +229,21 @@ fn the_mesh_keeps_its_communicators_across_requests() {
         ..RawRequest::default()
     };
     let params = raw.validate(&cfg, "tiny").unwrap();
-    let (cond, uncond) = stage.text_states(&DenoiseJob::of(&params)).unwrap();
+    let (cond, uncond) = stage.text_states(&denoise_job(&params)).unwrap();
     let run = |cancel_at: Option<usize>| {
-        stage.denoise_latent(&DenoiseJob::of(&params), &cond, &uncond, &AtomicBool::new(false), |s| {
-            if Some(s.step) == cancel_at {
-                Control::Cancel
-            } else {
-                Control::Continue
-            }
-        })
+        stage.denoise_latent(
+            &denoise_job(&params),
+            &cond,
+            &uncond,
+            &AtomicBool::new(false),
+            |s| {
+                if Some(s.step) == cancel_at {
+                    Control::Cancel
+                } else {
+                    Control::Continue
+                }
+            },
+        )
     };
     let first = run(None).unwrap().to_vec_f32().unwrap();
     assert!(run(Some(1)).is_err());
@@ -226,7 +257,7 @@ fn the_mesh_keeps_its_communicators_across_requests() {
 
 #[test]
 fn a_sharded_vae_instance_decodes_interleaved_requests() {
-    use ditstream::pipeline::DecodeStage;
+    use ditstream_decoder::stage::DecodeStage;
     let cfg = config("  parallel_vae_size: 2\n  parallel_vae_split_dim: width\n");
     let sharded = DecodeStage::from_config(&cfg).unwrap();
     let single = DecodeStage::from_config(&config("  parallel_vae_size: 1\n")).unwrap();
@@ -240,7 +271,7 @@ fn a_sharded_vae_instance_decodes_interleaved_requests() {
     let latent = |seed| ditstream_denoiser::denoise::initial_noise([1, 16, 3, 6, 8], seed).unwrap();
     let (a, b) = (latent(1), latent(2));
     let decode_alone = |latent: &ditstream_kernels::Tensor| {
-        let mut s = single.start(&DecodeJob::of(&params)).unwrap();
+        let mut s = single.start(&decode_job(&params)).unwrap();
         (0..3)
             .map(|t| {
                 s.decode(&latent.narrow(2, t, 1).unwrap())
@@ -252,8 +283,8 @@ fn a_sharded_vae_instance_decodes_interleaved_requests() {
     };
     let (want_a, want_b) = (decode_alone(&a), decode_alone(&b));
     // Two requests' chunks alternate on one instance: each keeps its own causal caches.
-    let mut sa = sharded.start(&DecodeJob::of(&params)).unwrap();
-    let mut sb = sharded.start(&DecodeJob::of(&params)).unwrap();
+    let mut sa = sharded.start(&decode_job(&params)).unwrap();
+    let mut sb = sharded.start(&decode_job(&params)).unwrap();
     for t in 0..3 {
         let got_a = sa
             .decode(&a.narrow(2, t, 1).unwrap())

@@ -15,9 +15,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ditstream::roles::link::{self, Delivery, Pending};
-use ditstream::roles::nccl_link::NcclConnection;
 use ditstream_common::config::Config;
+use ditstream_common::link::nccl::NcclConnection;
+use ditstream_common::link::pool::{self as link, Delivery, Pending};
 use ditstream_common::link::quic::PoolCa;
 use ditstream_common::link::{ChunkHeader, LinkDType};
 use ditstream_kernels::{DType, Device, Tensor};

@@ -384,7 +384,9 @@ async fn a_decoder_killed_mid_request_fails_that_request_only() {
     };
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     assert!(
-        status.message().starts_with("decoder instance at 127.0.0.1:")
+        status
+            .message()
+            .starts_with("decoder instance at 127.0.0.1:")
             && status.message().contains("was lost mid-request"),
         "{}",
         status.message()
@@ -449,7 +451,11 @@ async fn a_denoiser_killed_mid_request_fails_that_request_and_the_queued_one_wai
     );
     // The queued request is still waiting, not failed.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let h = client.health(pb::HealthRequest {}).await.unwrap().into_inner();
+    let h = client
+        .health(pb::HealthRequest {})
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!((h.serving, h.queued, h.running), (false, 1, 0), "{h:?}");
     let revived = Instant::now();
     d.spawn_pool("denoiser");
@@ -462,7 +468,10 @@ async fn a_denoiser_killed_mid_request_fails_that_request_and_the_queued_one_wai
         }
     }
     assert!(matches!(last, Some(E::Completed(_))), "{last:?}");
-    println!("queued request done {:?} after the new denoiser started", revived.elapsed());
+    println!(
+        "queued request done {:?} after the new denoiser started",
+        revived.elapsed()
+    );
 }
 
 /// The same deployment over the UCX latent link (host memory, tcp/sm/self transports): the

@@ -477,6 +477,17 @@ impl Default for ServingConfig {
     }
 }
 
+/// Parses an address-valued config key, naming the key when it is not an address.
+pub fn socket_addr(key: &'static str, value: &str) -> Result<std::net::SocketAddr, ConfigError> {
+    value.parse().map_err(|_| {
+        invalid(
+            key,
+            format!("{value:?}"),
+            "must be an address like 127.0.0.1:50051",
+        )
+    })
+}
+
 /// A validated size as a count; negative values (rejected by validation) count as 0.
 fn count(size: i64) -> usize {
     usize::try_from(size).unwrap_or(0)
@@ -498,6 +509,20 @@ impl Config {
             origin: origin.to_string(),
             message: e.to_string(),
         })
+    }
+
+    /// The model name the config serves: the preset, or the checkpoint folder's name.
+    pub fn model_name(&self) -> String {
+        match (&self.model.checkpoint, self.model.weights) {
+            (Some(dir), WeightSource::Checkpoint) => dir.file_name().map_or_else(
+                || dir.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            ),
+            _ => self
+                .model
+                .preset
+                .map_or_else(|| "?".to_string(), |p| p.name().to_string()),
+        }
     }
 
     /// The denoiser pool's world size the config describes: cfg × tp × cp × ulysses.

@@ -1,9 +1,20 @@
 //! Pieces every ditstream pool shares: the YAML config and its validation, the device mesh,
-//! collectives over mesh groups (CPU threads and NCCL) and tensors through them, rendezvous, and
-//! tracing setup.
+//! collectives over mesh groups (CPU threads and NCCL) and tensors through them, the persistent
+//! rank threads of a multi-rank stage (`ranks`), rendezvous, the latent link between pools
+//! (`link`), a pool's registration with the gateway (`registration`), and every gRPC status the
+//! service sends (`status`).
 
 pub mod collectives;
 pub mod config;
+pub mod devices;
 pub mod link;
 pub mod mesh;
+pub mod ranks;
+pub mod registration;
 pub mod rendezvous;
+pub mod status;
+
+/// Milliseconds of a duration, as the timings report them.
+pub fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}

@@ -310,10 +310,16 @@ pub struct VideoShape {
     pub frames: usize,
 }
 
+/// Latent frames, height and width of a video of `num_frames` frames of `height`×`width` pixels
+/// under the Wan 2.1 VAE (8×8 spatial, 4× temporal, causal: frame 0 alone, then 4 per latent frame).
+pub fn latent_grid(num_frames: usize, height: usize, width: usize) -> (usize, usize, usize) {
+    ((num_frames.max(1) - 1) / 4 + 1, height / 8, width / 8)
+}
+
 impl VideoShape {
-    /// Latent grid `(frames, height, width)` of the Wan 2.1 VAE (8×8 spatial, 4× temporal, causal).
+    /// Latent grid `(frames, height, width)` of the Wan 2.1 VAE (see [`latent_grid`]).
     pub fn latent_grid(&self) -> (usize, usize, usize) {
-        ((self.frames - 1) / 4 + 1, self.height / 8, self.width / 8)
+        latent_grid(self.frames, self.height, self.width)
     }
 
     /// DiT tokens after 1×2×2 patchification.

@@ -67,7 +67,10 @@ fn an_interrupt_mid_step_is_a_cancel_after_the_steps_taken() {
         guidance_scale: 1.0,
         guidance_scale_2: None,
     };
-    let experts = Experts { high: &m, low: None };
+    let experts = Experts {
+        high: &m,
+        low: None,
+    };
     // Blocks asked: 4 per step; say yes in the second step's third block.
     let asked = Cell::new(0);
     let steps_seen = Cell::new(0);

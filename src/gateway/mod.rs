@@ -2,12 +2,12 @@
 //! `ditstream gateway` runs it in front of pools in other processes (which register through
 //! `PoolRegistry`); `ditstream serve` runs it in front of one denoiser pool and one decoder
 //! instance in the same process ([`Gateway::add_local`]). Either way a request takes the same
-//! path ([`route`]): admission here, a free denoiser and the least-loaded decoder, both streams
+//! path (`route.rs`): admission here, a free denoiser and the least-loaded decoder, both streams
 //! relayed to the client, and the denoiser freed for the next request as soon as its latent is
 //! handed over, so decode(N) overlaps denoise(N+1).
 //!
-//! - [`pools`]: the registry, how the gateway reaches a pool, leases;
-//! - [`route`]: one request's life: waiting, routing, relaying, stopping;
+//! - `pools.rs`: the registry, how the gateway reaches a pool, leases;
+//! - `route.rs`: one request's life: waiting, routing, relaying, stopping;
 //! - this file: the gRPC services (`VideoService`, `PoolRegistry`), admission and shutdown.
 
 mod pools;
@@ -29,13 +29,13 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::cost::CostModel;
-use crate::pipeline::model_name;
 use crate::request::{GenerateParams, RawRequest};
-use crate::roles::decoder::DecoderService;
-use crate::roles::denoiser::DenoiserService;
-use crate::status;
+use ditstream_common::status;
+use ditstream_decoder::service::DecoderService;
+use ditstream_denoiser::service::DenoiserService;
 
 pub use pools::Reach;
 use pools::Registry;
@@ -46,9 +46,20 @@ const CLIENT_BUFFER: usize = 16;
 /// Events a client's stream carries.
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateEvent, Status>> + Send>>;
 
+/// What ends a request from the gateway's side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// Nothing: it runs.
+    No,
+    /// `Cancel` named it.
+    Cancelled,
+    /// The server is shutting down and the grace is over.
+    ShuttingDown,
+}
+
 /// A request known to the gateway, queued or running.
 struct Entry {
-    cancel: watch::Sender<bool>,
+    stop: watch::Sender<Stop>,
     running: bool,
 }
 
@@ -104,12 +115,13 @@ impl Gateway {
     pub fn new(cfg: &Config) -> anyhow::Result<Gateway> {
         let cost = CostModel::new(
             cfg,
-            crate::models::transformer_config(cfg).context("the admission cost model")?,
-            &crate::models::vae_config(cfg).context("the admission cost model")?,
+            ditstream_denoiser::models::transformer_config(cfg)
+                .context("the admission cost model")?,
+            &ditstream_decoder::models::vae_config(cfg).context("the admission cost model")?,
         );
         Ok(Gateway(Arc::new(Shared {
             cfg: cfg.clone(),
-            model: model_name(cfg),
+            model: cfg.model_name(),
             cost,
             registry: Mutex::new(Registry::new(Duration::from_secs(
                 cfg.pools.heartbeat_timeout_s,
@@ -151,7 +163,7 @@ impl Gateway {
             let requests = lock(&self.0.requests);
             tracing::warn!(left = requests.len(), "grace over: cancelling");
             for e in requests.values() {
-                let _ = e.cancel.send(true);
+                let _ = e.stop.send(Stop::ShuttingDown);
             }
         }
         let idle = async {
@@ -171,7 +183,7 @@ impl Gateway {
     fn admit(
         &self,
         raw: RawRequest,
-    ) -> Result<(String, u32, watch::Receiver<bool>, GenerateParams), Status> {
+    ) -> Result<(String, u32, watch::Receiver<Stop>, GenerateParams), Status> {
         let shared = &self.0;
         if shared.draining.load(Ordering::SeqCst) {
             return Err(status::shutting_down());
@@ -189,16 +201,16 @@ impl Gateway {
             return Err(status::queue_full(shared.cfg.serving.queue_depth));
         }
         let id = request_id();
-        let (cancel, cancelled) = watch::channel(false);
+        let (stop, stopped) = watch::channel(Stop::No);
         let position = requests.len() as u32;
         requests.insert(
             id.clone(),
             Entry {
-                cancel,
+                stop,
                 running: false,
             },
         );
-        Ok((id, position, cancelled, params))
+        Ok((id, position, stopped, params))
     }
 }
 
@@ -255,8 +267,7 @@ impl VideoService for Gateway {
     ) -> Result<Response<EventStream>, Status> {
         let max = Duration::from_secs(self.0.cfg.serving.max_deadline_s);
         let deadline = grpc_timeout(request.metadata(), max).map(|d| Instant::now() + d);
-        let (id, position, cancelled, params) =
-            self.admit(RawRequest::from(request.into_inner()))?;
+        let (id, position, stop, params) = self.admit(RawRequest::from(request.into_inner()))?;
         tracing::info!(
             id,
             position,
@@ -293,17 +304,21 @@ impl VideoService for Gateway {
             }
         };
         let shared = Arc::clone(&self.0);
-        tokio::spawn(route::run(
-            shared,
-            route::Admitted {
-                id,
-                params,
-                deadline,
-                cancelled,
-                accepted,
-            },
-            client,
-        ));
+        let span = tracing::info_span!("request", id = %id);
+        tokio::spawn(
+            route::run(
+                shared,
+                route::Admitted {
+                    id,
+                    params,
+                    deadline,
+                    stop,
+                    accepted,
+                },
+                client,
+            )
+            .instrument(span),
+        );
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -314,7 +329,7 @@ impl VideoService for Gateway {
         let id = request.into_inner().request_id;
         let cancelled = lock(&self.0.requests)
             .get(&id)
-            .is_some_and(|e| e.cancel.send(true).is_ok());
+            .is_some_and(|e| e.stop.send(Stop::Cancelled).is_ok());
         tracing::info!(id, cancelled, "cancel");
         Ok(Response::new(pb::CancelResponse { cancelled }))
     }
@@ -324,8 +339,7 @@ impl VideoService for Gateway {
         _: Request<pb::HealthRequest>,
     ) -> Result<Response<pb::HealthResponse>, Status> {
         let (queued, running) = self.0.load();
-        let serving =
-            !self.0.draining.load(Ordering::SeqCst) && lock(&self.0.registry).can_serve();
+        let serving = !self.0.draining.load(Ordering::SeqCst) && lock(&self.0.registry).can_serve();
         Ok(Response::new(pb::HealthResponse {
             serving,
             queued,

@@ -16,9 +16,9 @@ use ditstream_proto::v1::denoiser_pool_server::DenoiserPool;
 use tokio_stream::Stream;
 use tonic::{Request, Status};
 
-use crate::roles::decoder::DecoderService;
-use crate::roles::denoiser::DenoiserService;
-use crate::status;
+use ditstream_common::status;
+use ditstream_decoder::service::DecoderService;
+use ditstream_denoiser::service::DenoiserService;
 
 /// A pool's stream of events.
 pub type PoolStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -78,8 +78,12 @@ impl Reach {
                     .await?;
                 Ok(Box::pin(stream.into_inner()))
             }
-            Reach::LocalDenoiser(service) => Ok(service.denoise(with_id(r, id)).await?.into_inner()),
-            Reach::LocalDecoder(_) => Err(status::internal("routing", "a decoder asked to denoise")),
+            Reach::LocalDenoiser(service) => {
+                Ok(service.denoise(with_id(r, id)).await?.into_inner())
+            }
+            Reach::LocalDecoder(_) => {
+                Err(status::internal("routing", "a decoder asked to denoise"))
+            }
         }
     }
 
@@ -99,7 +103,9 @@ impl Reach {
                 Ok(Box::pin(stream.into_inner()))
             }
             Reach::LocalDecoder(service) => Ok(service.decode(with_id(r, id)).await?.into_inner()),
-            Reach::LocalDenoiser(_) => Err(status::internal("routing", "a denoiser asked to decode")),
+            Reach::LocalDenoiser(_) => {
+                Err(status::internal("routing", "a denoiser asked to decode"))
+            }
         }
     }
 }
@@ -159,7 +165,13 @@ impl Registry {
         }
     }
 
-    fn insert(&mut self, role: pb::PoolRole, reach: Reach, link: LinkTarget, remote: bool) -> String {
+    fn insert(
+        &mut self,
+        role: pb::PoolRole,
+        reach: Reach,
+        link: LinkTarget,
+        remote: bool,
+    ) -> String {
         let name = if role == pb::PoolRole::Denoiser {
             "denoiser"
         } else {
@@ -293,7 +305,10 @@ impl Registry {
                 .filter(|p| p.role == role && matches!(p.reach, Reach::Remote(_)))
                 .count()
         };
-        let (denoisers, decoders) = (remote(pb::PoolRole::Denoiser), remote(pb::PoolRole::Decoder));
+        let (denoisers, decoders) = (
+            remote(pb::PoolRole::Denoiser),
+            remote(pb::PoolRole::Decoder),
+        );
         if denoisers + decoders > 0 || parts.is_empty() {
             parts.push(format!(
                 "{denoisers} denoiser pool(s), {decoders} decoder instance(s) registered"

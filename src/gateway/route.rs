@@ -26,10 +26,11 @@ use tokio_stream::StreamExt;
 use tonic::Status;
 
 use super::pools::{LinkTarget, Pool, PoolStream};
-use super::{Shared, lock};
-use crate::pipeline::{DecodeJob, DenoiseJob, ms};
+use super::{Shared, Stop, lock};
+use ditstream_common::{ms, status};
+
+use crate::pipeline::{decode_job, denoise_job};
 use crate::request::GenerateParams;
-use crate::status;
 
 /// How long the gateway waits for a decoder to acknowledge a request (its init segment).
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -43,7 +44,7 @@ pub struct Admitted {
     /// When it must be done.
     pub deadline: Option<Instant>,
     /// Set by `Cancel` or shutdown.
-    pub cancelled: watch::Receiver<bool>,
+    pub stop: watch::Receiver<Stop>,
     /// The client's first event.
     pub accepted: pb::Accepted,
 }
@@ -79,7 +80,7 @@ impl Client {
 /// What ends a request from outside: the client leaving, `Cancel`, the deadline.
 async fn stopped(
     client: &Client,
-    cancel: &mut watch::Receiver<bool>,
+    stop: &mut watch::Receiver<Stop>,
     deadline: Option<Instant>,
 ) -> Status {
     let deadline = async {
@@ -90,7 +91,10 @@ async fn stopped(
     };
     tokio::select! {
         _ = client.tx.closed() => status::client_gone(),
-        _ = cancel.wait_for(|c| *c) => status::cancelled(),
+        s = stop.wait_for(|s| *s != Stop::No) => match s.map(|s| *s) {
+            Ok(Stop::ShuttingDown) => status::shutting_down(),
+            _ => status::cancelled(),
+        },
         _ = deadline => status::deadline(),
     }
 }
@@ -166,7 +170,7 @@ async fn route(
 ) -> Result<pb::Completed, Status> {
     let accepted = Instant::now();
     let deadline = request.deadline;
-    let mut cancel = request.cancelled.clone();
+    let mut cancel = request.stop.clone();
     let mut s = loop {
         let changed = shared.changed.notified();
         let acquired = lock(&shared.registry).acquire();
@@ -335,7 +339,7 @@ async fn start<'a>(
 /// The denoiser's half of a request on the wire (the gateway's one domain → wire conversion for
 /// each pool).
 fn denoise_request(id: &str, p: &GenerateParams, link: &LinkTarget) -> pb::DenoiseRequest {
-    let job = DenoiseJob::of(p);
+    let job = denoise_job(p);
     pb::DenoiseRequest {
         request_id: id.to_string(),
         prompt: job.prompt,
@@ -355,7 +359,7 @@ fn denoise_request(id: &str, p: &GenerateParams, link: &LinkTarget) -> pb::Denoi
 
 /// The decoder's half of a request on the wire.
 fn decode_request(id: &str, p: &GenerateParams) -> pb::DecodeRequest {
-    let job = DecodeJob::of(p);
+    let job = decode_job(p);
     pb::DecodeRequest {
         request_id: id.to_string(),
         width: job.width as u32,

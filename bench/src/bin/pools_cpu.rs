@@ -20,11 +20,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use ditstream::gateway;
-use ditstream::roles::{decoder, denoiser, write_certs};
+use ditstream::roles::write_certs;
 use ditstream_bench::median;
 use ditstream_common::config::Config;
 use ditstream_common::link::LatentChunk;
 use ditstream_common::link::quic;
+use ditstream_decoder::service as decoder;
+use ditstream_denoiser::service as denoiser;
 use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::video_service_client::VideoServiceClient;
 
@@ -232,7 +234,8 @@ async fn main() -> anyhow::Result<()> {
     )?;
 
     // serve: the gateway and both pools in one process.
-    let serve = ditstream::serve::start(config(&args, "127.0.0.1:1")?, "127.0.0.1:0".parse()?).await?;
+    let serve =
+        ditstream::serve::start(config(&args, "127.0.0.1:1")?, "127.0.0.1:0".parse()?).await?;
     let addr = serve.addr.to_string();
     let t_alone = alone(&addr).await?;
     let (elapsed, outcomes) = run_all(&addr, args.requests).await?;

@@ -17,7 +17,7 @@
 //! - per latent-link kind in `--latency-links`: one 480p latent frame [1, 16, 1, 60, 104] f32 per
 //!   request (send → delivered to the decoder's request, median of `--chunks`), and a whole 480p
 //!   81-frame latent (21 chunks: first and last chunk delivered), through the pools' own link code
-//!   (`ditstream::roles::link`), so a new kind in `pools.link` is measured by naming it.
+//!   (`ditstream_common::link::pool`), so a new kind in `pools.link` is measured by naming it.
 //!
 //! Model: `--preset` (Wan2.1-T2V-1.3B) with random weights in bf16, the umT5-XXL text encoder at
 //! its real size (drawn on the GPU). Each request has its own prompt and seed.
@@ -31,12 +31,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use ditstream::roles::link::{self, Pending};
 use ditstream::gateway;
-use ditstream::roles::{decoder, denoiser, write_certs};
+use ditstream::roles::write_certs;
 use ditstream_bench::median;
 use ditstream_common::config::{Config, LinkKind};
+use ditstream_common::link::pool::{self as link, Pending};
 use ditstream_common::link::quic;
+use ditstream_decoder::service as decoder;
+use ditstream_denoiser::service as denoiser;
 use ditstream_kernels::Tensor;
 use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::video_service_client::VideoServiceClient;
@@ -370,10 +372,7 @@ async fn main() -> anyhow::Result<()> {
         let cfg = args.config(args.denoiser_gpu, "127.0.0.1:1", &args.link)?;
         let t = Instant::now();
         let serve = ditstream::serve::start(cfg, "127.0.0.1:0".parse()?).await?;
-        println!(
-            "serve        built in {:.1} s",
-            t.elapsed().as_secs_f64()
-        );
+        println!("serve        built in {:.1} s", t.elapsed().as_secs_f64());
         let addr = serve.addr.to_string();
         // Warm-up: every kernel compiled and every GEMM planned at these shapes, VAE included.
         run_all(&addr, "warm-up", 1, Some(1)).await?;

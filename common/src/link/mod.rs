@@ -5,11 +5,14 @@
 //!
 //! The wire framing here is shared by the transports: the byte streams of [`quic`] carry it whole;
 //! UCX (`ucx`, behind the `ucx` feature) moves the same header and payload as messages; the NCCL
-//! link (the root package's `roles::nccl_link`) sends the framed header over QUIC and the payload
+//! link ([`nccl`], behind the `cuda` feature) sends the framed header over QUIC and the payload
 //! GPU to GPU:
 //!
 //! `b"DSLC" | u32 header_len | header | u64 payload_len | payload`, integers little-endian.
 
+#[cfg(feature = "cuda")]
+pub mod nccl;
+pub mod pool;
 pub mod quic;
 #[cfg(feature = "ucx")]
 pub mod ucx;

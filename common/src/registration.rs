@@ -1,15 +1,26 @@
-//! A pool's side of the registry: register with the gateway, then send a heartbeat every second,
+//! A pool's side of the gateway protocol: register with the gateway, then send a heartbeat every second,
 //! registering again if the gateway forgot the pool (it restarted, or dropped the pool after a
 //! pause). A pool that can serve nothing more (a rank thread of its stage is gone) stops its
 //! heartbeats, so the gateway drops it and routes elsewhere; a pool that shuts down deregisters,
 //! so the gateway routes nothing more to it at once.
 
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::pool_registry_client::PoolRegistryClient;
+
+/// The id the gateway put in a pool call's metadata (`x-request-id`), or `fallback` (the request's
+/// own field), for the pool's logs.
+pub fn request_id_of<T>(request: &tonic::Request<T>, fallback: &str) -> String {
+    request
+        .metadata()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or(fallback)
+        .to_string()
+}
 
 /// Why a pool is out of service, if it is (checked before every heartbeat).
 pub type Health = Arc<dyn Fn() -> Option<String> + Send + Sync>;
@@ -66,7 +77,9 @@ impl Registered {
         };
         match tokio::time::timeout(Duration::from_secs(5), left).await {
             Ok(Ok(())) => tracing::info!(gateway = %self.gateway, pool_id = %id, "deregistered"),
-            Ok(Err(e)) => tracing::warn!(gateway = %self.gateway, error = %e, "deregistering failed"),
+            Ok(Err(e)) => {
+                tracing::warn!(gateway = %self.gateway, error = %e, "deregistering failed")
+            }
             Err(_) => tracing::warn!(gateway = %self.gateway, "deregistering timed out"),
         }
     }

@@ -25,12 +25,11 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 
-use crate::pipeline::{DecodeJob, DecodeStage, model_name};
-use crate::request::MAX_SEGMENT_FRAMES;
-use crate::roles::denoiser::request_id_of;
-use crate::roles::link::{self, Pending};
-use crate::roles::{addr, link_identity, registration};
-use crate::status;
+use ditstream_common::config::socket_addr;
+use ditstream_common::link::pool::{self as link, Pending};
+use ditstream_common::{registration, status};
+
+use crate::stage::{DecodeJob, DecodeStage, MAX_SEGMENT_FRAMES};
 
 /// How long a request may wait for its next latent chunk before the decode fails.
 const CHUNK_TIMEOUT: Duration = Duration::from_secs(300);
@@ -44,11 +43,19 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 fn job_of(r: pb::DecodeRequest) -> Result<(String, DecodeJob), Status> {
     for (field, side) in [("width", r.width), ("height", r.height)] {
         if side == 0 || side % 16 != 0 {
-            return Err(status::invalid_field(field, side, "must be a positive multiple of 16"));
+            return Err(status::invalid_field(
+                field,
+                side,
+                "must be a positive multiple of 16",
+            ));
         }
     }
     if r.num_frames % 4 != 1 {
-        return Err(status::invalid_field("num_frames", r.num_frames, "must be 4k+1"));
+        return Err(status::invalid_field(
+            "num_frames",
+            r.num_frames,
+            "must be 4k+1",
+        ));
     }
     if r.fps == 0 {
         return Err(status::invalid_field("fps", 0, "must be at least 1"));
@@ -111,7 +118,7 @@ impl DecoderPool for DecoderService {
         &self,
         request: Request<pb::DecodeRequest>,
     ) -> Result<Response<DecodeStream>, Status> {
-        let logged_id = request_id_of(&request, &request.get_ref().request_id);
+        let logged_id = registration::request_id_of(&request, &request.get_ref().request_id);
         let (id, job) = job_of(request.into_inner())?;
         if let Some(why) = self.stage.out_of_service() {
             return Err(status::out_of_service("decoder instance", &why));
@@ -238,13 +245,15 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDec
     let build = cfg.clone();
     let stage =
         Arc::new(tokio::task::spawn_blocking(move || DecodeStage::from_config(&build)).await??);
-    let identity = link_identity(cfg, config_dir)?;
+    let identity = link::identity(cfg, config_dir)?;
     let pending: Pending = Arc::default();
     let (link_addr, link_task) =
         link::listen(cfg, &identity, Arc::clone(&pending), stage.link_gpu()).await?;
-    let listener =
-        tokio::net::TcpListener::bind(addr("pools.decoder_listen", &cfg.pools.decoder_listen)?)
-            .await?;
+    let listener = tokio::net::TcpListener::bind(socket_addr(
+        "pools.decoder_listen",
+        &cfg.pools.decoder_listen,
+    )?)
+    .await?;
     let grpc_addr = listener.local_addr()?;
     let health_stage = Arc::clone(&stage);
     let health: registration::Health = Arc::new(move || health_stage.out_of_service());
@@ -264,7 +273,7 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDec
         address: grpc_addr.to_string(),
         link_address: link_addr.to_string(),
         link_host: cfg.pools.link_host.clone(),
-        model: model_name(cfg),
+        model: cfg.model_name(),
         link_kind: link::wire_kind(cfg.pools.link) as i32,
     };
     let registration =

@@ -1,7 +1,6 @@
-//! Where a stage's ranks run and the models they run there: the devices that `serving.device` and
-//! `serving.gpus` name, checked against this build and this machine; the compute dtype
-//! (`model.dtype`); and the models the config names (a diffusers checkpoint folder, or seeded
-//! random weights of a preset), one copy per device, shared by the ranks of one device.
+//! The models a denoiser pool runs, built from the config: the transformer(s) (a diffusers
+//! checkpoint folder, or seeded random weights of a preset), one copy per device, shared by the
+//! ranks of one device; and the text encoder on rank 0's device.
 //!
 //! Random weights of a real-size preset are drawn ahead on every host core (one tensor per task:
 //! drawing is per tensor and single-threaded, about a minute per billion weights on one core) and
@@ -12,16 +11,14 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use ditstream_common::config::{Config, DeviceKind, Dtype, Preset, WeightSource as SourceKind};
-use ditstream_decoder::vae::{VaeConfig, WanVaeDecoder};
-use ditstream_denoiser::model::{WanConfig, WanTransformer};
-use ditstream_denoiser::text::{PromptTokenizer, T5Config, T5Encoder, TextEncoder, WAN_MAX_LEN};
+use ditstream_common::config::{Config, Preset, WeightSource as SourceKind};
+use ditstream_common::devices::{WEIGHT_SEED, check_random_on, distinct, dtype, on_each, per_rank};
 use ditstream_kernels::weights::DrawnWeights;
 use ditstream_kernels::{DType, Device};
 
-/// Seed of every random weight (the tiny model's and the random real-size presets'): fixed, so
-/// every process of a deployment (gateway, denoiser and decoder pools) serves the same model.
-const WEIGHT_SEED: u64 = 0;
+use crate::model::{WanConfig, WanTransformer};
+use crate::text::{PromptTokenizer, T5Config, T5Encoder, TextEncoder, WAN_MAX_LEN};
+
 /// Seed of Wan2.2-A14B's low-noise expert with random weights (another model than the high one).
 const LOW_EXPERT_SEED: u64 = 1;
 /// Boundary ratio of Wan2.2-T2V-A14B (its `model_index.json`): the low-noise expert takes the
@@ -31,58 +28,7 @@ const A14B_BOUNDARY_RATIO: f64 = 0.875;
 /// The built-in tokenizer (209 tokens; the one `TextEncoder::tiny` embeds), which the random
 /// real-size text encoder uses too: without a checkpoint there is no umT5 tokenizer.
 const BUILT_IN_TOKENIZER_JSON: &[u8] =
-    include_bytes!("../denoiser/tests/fixtures/text_umt5/tokenizer/tokenizer.json");
-
-/// The compute dtype the config names (weights and activations are stored in it; maths in f32).
-pub fn dtype(cfg: &Config) -> DType {
-    match cfg.model.dtype {
-        Dtype::F32 => DType::F32,
-        Dtype::Bf16 => DType::BF16,
-    }
-}
-
-/// The device of each of `ranks` ranks: the CPU for every rank, or with `device: cuda` the GPUs
-/// of `serving.gpus` (one each; see [`Config::rank_gpus`]), checked to exist. `what` names the
-/// ranks' owner in errors ("the denoiser mesh", "a decoder instance").
-pub fn rank_devices(cfg: &Config, what: &str, ranks: usize) -> anyhow::Result<Vec<Device>> {
-    match cfg.serving.device {
-        DeviceKind::Cpu => Ok(vec![Device::Cpu; ranks]),
-        DeviceKind::Cuda => {
-            let gpus = cfg.rank_gpus(what, ranks)?;
-            check_gpus(cfg, &gpus)?;
-            Ok(gpus.into_iter().map(Device::Cuda).collect())
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn check_gpus(cfg: &Config, gpus: &[usize]) -> anyhow::Result<()> {
-    let listed = if cfg.serving.gpus.is_empty() {
-        format!("serving.gpus (unset, so {gpus:?})")
-    } else {
-        format!("serving.gpus = {:?}", cfg.serving.gpus)
-    };
-    let count = ditstream_kernels::cuda::cuda_device_count()
-        .with_context(|| format!("serving.device = cuda: {listed} cannot be opened"))?;
-    if let Some(missing) = gpus.iter().find(|&&g| g >= count) {
-        bail!(
-            "{listed}: GPU {missing} does not exist; this machine has {count} CUDA device(s){}",
-            match count {
-                0 => String::new(),
-                n => format!(" (ordinals 0..={})", n - 1),
-            }
-        );
-    }
-    Ok(())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn check_gpus(_: &Config, _: &[usize]) -> anyhow::Result<()> {
-    bail!(
-        "serving.device = cuda: this binary was built without CUDA; build it with \
-         `--features cuda` (scripts/build-gpu-serve.sh) or set `device: cpu`"
-    )
-}
+    include_bytes!("../tests/fixtures/text_umt5/tokenizer/tokenizer.json");
 
 /// The transformer(s) one device runs: Wan 2.1's one, or Wan2.2-A14B's two experts.
 pub struct DenoiserModels {
@@ -192,75 +138,11 @@ pub fn transformer_config(cfg: &Config) -> anyhow::Result<WanConfig> {
     let m = &cfg.model;
     match (m.weights, &m.checkpoint, m.preset) {
         (SourceKind::Random, _, Some(preset)) => Ok(WanConfig::preset(preset)),
-        (SourceKind::Checkpoint, Some(dir), _) => Ok(WanConfig::from_dir(&dir.join("transformer"))?),
-        _ => bail!("model: validation should have refused this combination"),
-    }
-}
-
-/// The VAE the config serves: the tiny one, Wan 2.1's, or the checkpoint's `vae/config.json`.
-pub fn vae_config(cfg: &Config) -> anyhow::Result<VaeConfig> {
-    let m = &cfg.model;
-    match (m.weights, &m.checkpoint, m.preset) {
-        (SourceKind::Random, _, Some(Preset::Tiny)) => Ok(tiny_vae_config()),
-        (SourceKind::Random, _, Some(preset @ Preset::Wan22Ti2v5b)) => bail!(
-            "model.preset = {preset}: its VAE is the Wan 2.2 VAE (z 48), which is not \
-             built yet; the decoder runs the Wan 2.1 VAE (z 16)"
-        ),
-        (SourceKind::Random, _, Some(_)) => Ok(VaeConfig::wan21()),
         (SourceKind::Checkpoint, Some(dir), _) => {
-            Ok(VaeConfig::from_file(&dir.join("vae").join("config.json"))?)
+            Ok(WanConfig::from_dir(&dir.join("transformer"))?)
         }
         _ => bail!("model: validation should have refused this combination"),
     }
-}
-
-/// One VAE decoder per rank, on the rank's device; ranks that share a device share one.
-pub fn vae_decoders(cfg: &Config, devices: &[Device]) -> anyhow::Result<Vec<Arc<WanVaeDecoder>>> {
-    let dtype = dtype(cfg);
-    let m = &cfg.model;
-    let distinct = distinct(devices);
-    let copies = match (m.weights, &m.checkpoint, m.preset) {
-        (SourceKind::Random, _, Some(preset)) => {
-            check_random_on(preset, devices)?;
-            let config = vae_config(cfg)?;
-            let drawn = DrawnWeights::draw(WEIGHT_SEED, |ws| {
-                WanVaeDecoder::from_weights_on(config.clone(), ws, Device::Cpu, dtype).map(drop)
-            })?;
-            on_each(&distinct, |device| {
-                Ok(WanVaeDecoder::from_weights_on(
-                    config.clone(),
-                    &drawn,
-                    device,
-                    dtype,
-                )?)
-            })?
-        }
-        (SourceKind::Checkpoint, Some(dir), _) => on_each(&distinct, |device| {
-            Ok(WanVaeDecoder::load_on(&dir.join("vae"), device, dtype)?)
-        })?,
-        _ => bail!("model: validation should have refused this combination"),
-    };
-    Ok(per_rank(devices, &distinct, copies))
-}
-
-/// The built-in tiny model's VAE: the Wan 2.1 VAE topology at base width 16 (the real one is 96),
-/// so decoding a short clip takes seconds on two cores.
-fn tiny_vae_config() -> VaeConfig {
-    VaeConfig {
-        base_dim: 16,
-        ..VaeConfig::wan21()
-    }
-}
-
-/// Random weights of a real-size preset need a GPU: the CPU reference would take minutes per step.
-fn check_random_on(preset: Preset, devices: &[Device]) -> anyhow::Result<()> {
-    if preset != Preset::Tiny && devices.contains(&Device::Cpu) {
-        bail!(
-            "model.preset = {preset} with random weights: the CPU backend only runs `tiny` this \
-             way; set `serving.device: cuda`, or point model.checkpoint at a checkpoint"
-        );
-    }
-    Ok(())
 }
 
 /// The boundary ratio of a Wan2.2-A14B checkpoint's low-noise expert (`transformer_2/` and the
@@ -286,57 +168,10 @@ fn low_expert_boundary(dir: &Path) -> anyhow::Result<Option<f64>> {
     Ok(Some(boundary))
 }
 
-/// The distinct devices of `devices`, in first-seen order.
-fn distinct(devices: &[Device]) -> Vec<Device> {
-    let mut out: Vec<Device> = Vec::new();
-    for d in devices {
-        if !out.contains(d) {
-            out.push(*d);
-        }
-    }
-    out
-}
-
-/// Builds one value per device, each on its own thread (uploads to several GPUs overlap).
-fn on_each<T: Send>(
-    devices: &[Device],
-    build: impl Fn(Device) -> anyhow::Result<T> + Sync,
-) -> anyhow::Result<Vec<T>> {
-    if let [only] = devices {
-        return Ok(vec![build(*only)?]);
-    }
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = devices
-            .iter()
-            .map(|&device| {
-                let build = &build;
-                scope.spawn(move || build(device).with_context(|| format!("building on {device}")))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a model-building thread panicked")))
-            })
-            .collect()
-    })
-}
-
-/// Rank r gets the copy built for its device.
-fn per_rank<T>(devices: &[Device], distinct: &[Device], copies: Vec<T>) -> Vec<Arc<T>> {
-    let copies: Vec<Arc<T>> = copies.into_iter().map(Arc::new).collect();
-    devices
-        .iter()
-        .map(|d| {
-            let i = distinct.iter().position(|x| x == d).unwrap_or(0); // every device is in `distinct`
-            Arc::clone(&copies[i])
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+
     use ditstream_kernels::Tensor;
     use ditstream_kernels::weights::RandomWeights;
 
@@ -370,37 +205,6 @@ mod tests {
         let e = denoiser_models(&cfg, &[Device::Cpu]).err().unwrap();
         assert!(
             format!("{e:#}").contains("the CPU backend only runs `tiny` this way"),
-            "{e:#}"
-        );
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    #[test]
-    fn cuda_without_the_feature_is_a_clear_error() {
-        let cfg =
-            Config::parse("model:\n  preset: tiny\nserving:\n  device: cuda\n", "<t>").unwrap();
-        let e = rank_devices(&cfg, "the denoiser mesh", 1).unwrap_err();
-        assert!(
-            format!("{e:#}").starts_with(
-                "serving.device = cuda: this binary was built without CUDA; build it with \
-                 `--features cuda`"
-            ),
-            "{e:#}"
-        );
-    }
-
-    #[test]
-    fn too_few_listed_gpus_name_the_list() {
-        let cfg = Config::parse(
-            "model:\n  preset: tiny\nserving:\n  device: cuda\n  gpus: [0]\n",
-            "<t>",
-        )
-        .unwrap();
-        let e = rank_devices(&cfg, "the denoiser mesh", 2).unwrap_err();
-        assert!(
-            format!("{e:#}").starts_with(
-                "serving.gpus = [0]: lists 1 GPU(s) but the denoiser mesh has 2 ranks"
-            ),
             "{e:#}"
         );
     }

@@ -9,14 +9,13 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
+use crate::config::{Config, LinkKind};
+use crate::link::{ChunkHeader, LatentChunk, LinkDType, LinkError, quic};
 use anyhow::bail;
-use ditstream_common::config::{Config, LinkKind};
-use ditstream_common::link::{ChunkHeader, LatentChunk, LinkDType, LinkError, quic};
 use ditstream_kernels::Tensor;
 use ditstream_proto::v1 as pb;
+use std::path::Path;
 use tokio::sync::mpsc;
-
-use crate::roles::addr;
 
 /// A verified chunk as the decoder consumes it: its header and its latent frames, on the host
 /// (QUIC, UCX) or already on the decoder's GPU (NCCL).
@@ -38,6 +37,16 @@ pub type Pending = Arc<Mutex<HashMap<String, mpsc::Sender<Delivery>>>>;
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Each critical section is one map operation: a poisoned lock still holds a consistent map.
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The pools' TLS identity for the latent link, from the config's PEM files (relative paths are
+/// relative to the config file's folder).
+pub fn identity(cfg: &Config, config_dir: &Path) -> anyhow::Result<quic::Identity> {
+    use anyhow::Context;
+    let p = &cfg.pools;
+    let path = |s: &str| config_dir.join(s);
+    quic::Identity::from_pem_files(&path(&p.tls_cert), &path(&p.tls_key), &path(&p.tls_ca))
+        .context("pools.tls_*: run `ditstream certs --out certs` to make a development set")
 }
 
 /// A configured link kind as the pools announce it on the wire.
@@ -96,9 +105,9 @@ impl ChunkStream for quic::ChunkReceiver {
 }
 
 #[cfg(feature = "ucx")]
-impl ChunkStream for ditstream_common::link::ucx::ChunkReceiver {
+impl ChunkStream for crate::link::ucx::ChunkReceiver {
     async fn next(&mut self) -> Result<Option<Arrived>, LinkError> {
-        ditstream_common::link::ucx::ChunkReceiver::next(self)
+        crate::link::ucx::ChunkReceiver::next(self)
             .await?
             .map(host_arrived)
             .transpose()
@@ -144,7 +153,7 @@ pub async fn listen(
     pending: Pending,
     gpu: usize,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let at = addr("pools.link_listen", &cfg.pools.link_listen)?;
+    let at = crate::config::socket_addr("pools.link_listen", &cfg.pools.link_listen)?;
     let nccl = match cfg.pools.link {
         LinkKind::Ucx => return listen_ucx(at, pending),
         LinkKind::Quic => false,
@@ -178,7 +187,7 @@ pub async fn listen(
 
 #[cfg(feature = "cuda")]
 async fn serve_nccl(conn: quinn::Connection, gpu: usize, pending: Pending) {
-    super::nccl_link::serve(conn, gpu, pending).await;
+    super::nccl::serve(conn, gpu, pending).await;
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -192,7 +201,7 @@ fn listen_ucx(
     at: SocketAddr,
     pending: Pending,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    use ditstream_common::link::ucx;
+    use crate::link::ucx;
     let listener = ucx::listen(at, &ucx::UcxConfig::default())?;
     let bound = listener.local_addr();
     let task = tokio::spawn(async move {
@@ -226,10 +235,10 @@ pub enum Connection {
     Quic(quic::Connection),
     /// UCX.
     #[cfg(feature = "ucx")]
-    Ucx(ditstream_common::link::ucx::Connection),
+    Ucx(crate::link::ucx::Connection),
     /// NCCL, with QUIC beside it for headers.
     #[cfg(feature = "cuda")]
-    Nccl(super::nccl_link::NcclConnection),
+    Nccl(super::nccl::NcclConnection),
 }
 
 impl Connection {
@@ -249,14 +258,14 @@ impl Connection {
             )),
             #[cfg(feature = "ucx")]
             pb::LinkKind::Ucx => {
-                use ditstream_common::link::ucx;
+                use crate::link::ucx;
                 Ok(Connection::Ucx(
                     ucx::connect(address, &ucx::UcxConfig::default()).await?,
                 ))
             }
             #[cfg(feature = "cuda")]
             pb::LinkKind::Nccl => Ok(Connection::Nccl(
-                super::nccl_link::NcclConnection::connect(address, host, identity, gpu).await?,
+                super::nccl::NcclConnection::connect(address, host, identity, gpu).await?,
             )),
             other => bail!(
                 "decoder link kind {}: this binary speaks quic{}{} across processes",
@@ -310,7 +319,16 @@ impl Connection {
                         // No bytes travel: the tensor itself is handed over, nothing to check.
                         checksum: 0,
                     };
-                    if !deliver(pending, id, Ok(Arrived { header, latent: part })).await {
+                    if !deliver(
+                        pending,
+                        id,
+                        Ok(Arrived {
+                            header,
+                            latent: part,
+                        }),
+                    )
+                    .await
+                    {
                         bail!("request {id} is no longer decoding");
                     }
                 }
@@ -324,7 +342,7 @@ impl Connection {
             }
             #[cfg(feature = "ucx")]
             Connection::Ucx(conn) => {
-                let mut sender = ditstream_common::link::ucx::ChunkSender::open(conn);
+                let mut sender = crate::link::ucx::ChunkSender::open(conn);
                 for t in 0..frames {
                     sender.send(chunk(t)?).await?;
                 }
@@ -345,8 +363,8 @@ mod tests {
 
     use std::time::Duration;
 
-    use ditstream_common::link::quic::PoolCa;
-    use ditstream_common::link::write_chunk;
+    use crate::link::quic::PoolCa;
+    use crate::link::write_chunk;
 
     use super::*;
 

@@ -25,9 +25,9 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
+use crate::collectives::CommWorld;
+use crate::collectives::cpu::{CpuRank, CpuWorld};
 use anyhow::{Context, anyhow, bail};
-use ditstream_common::collectives::CommWorld;
-use ditstream_common::collectives::cpu::{CpuRank, CpuWorld};
 
 /// How the ranks of a group join a fresh communicator world.
 pub trait Backend: Send + Sync + 'static {
@@ -70,11 +70,11 @@ pub struct Nccl {
 
 #[cfg(feature = "cuda")]
 impl Backend for Nccl {
-    type World = ditstream_common::collectives::nccl::NcclWorld;
-    type Ticket = ditstream_common::collectives::nccl::NcclId;
+    type World = crate::collectives::nccl::NcclWorld;
+    type Ticket = crate::collectives::nccl::NcclId;
 
     fn tickets(&self, ranks: usize) -> anyhow::Result<Vec<Self::Ticket>> {
-        let id = ditstream_common::collectives::nccl::NcclId::new()?;
+        let id = crate::collectives::nccl::NcclId::new()?;
         Ok(vec![id; ranks])
     }
 
@@ -83,7 +83,7 @@ impl Backend for Nccl {
             .gpus
             .get(rank)
             .with_context(|| format!("rank {rank} has no GPU in {:?}", self.gpus))?;
-        Ok(ditstream_common::collectives::nccl::NcclWorld::init(
+        Ok(crate::collectives::nccl::NcclWorld::init(
             gpu,
             rank,
             ranks,
@@ -411,8 +411,8 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ditstream_common::collectives::cpu::CpuComm;
-    use ditstream_common::collectives::{Communicator, ReduceOp};
+    use crate::collectives::cpu::CpuComm;
+    use crate::collectives::{Communicator, ReduceOp};
 
     /// Each rank adds its input over the group; rank 1 can be told to fail or panic.
     struct Summer {

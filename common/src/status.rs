@@ -16,11 +16,8 @@ use std::time::Duration;
 
 use tonic::{Code, Status};
 
-use crate::cost::OverBudget;
-use crate::request::InvalidRequest;
-
-/// The request breaks a limit.
-pub fn invalid(e: &InvalidRequest) -> Status {
+/// The request breaks a limit (`e` names the field, the value and the rule).
+pub fn invalid(e: &impl std::fmt::Display) -> Status {
     Status::invalid_argument(e.to_string())
 }
 
@@ -29,8 +26,8 @@ pub fn invalid_field(field: &str, value: impl std::fmt::Display, rule: &str) -> 
     Status::invalid_argument(format!("{field} = {value}: {rule}"))
 }
 
-/// The request needs more than the serving devices have.
-pub fn over_budget(e: &OverBudget) -> Status {
+/// The request needs more than the serving devices have (`e` names the estimate and the limit).
+pub fn over_budget(e: &impl std::fmt::Display) -> Status {
     Status::resource_exhausted(e.to_string())
 }
 
@@ -89,16 +86,21 @@ pub fn unreachable(what: &str, address: &str, why: impl std::fmt::Display) -> St
 /// UNAVAILABLE naming the pool and the reason; a pool's own documented answer passes through.
 pub fn from_pool(what: &str, address: &str, status: Status) -> Status {
     match status.code() {
-        Code::Unknown | Code::Unavailable | Code::Cancelled | Code::Aborted => Status::unavailable(
-            format!("{what} at {address} was lost mid-request: {}", status.message()),
-        ),
+        Code::Unknown | Code::Unavailable | Code::Cancelled | Code::Aborted => {
+            Status::unavailable(format!(
+                "{what} at {address} was lost mid-request: {}",
+                status.message()
+            ))
+        }
         _ => status,
     }
 }
 
 /// A pool's stream ended without the event that finishes its part.
 pub fn pool_ended(what: &str, address: &str, missing: &str) -> Status {
-    Status::unavailable(format!("{what} at {address} ended its stream before {missing}"))
+    Status::unavailable(format!(
+        "{what} at {address} ended its stream before {missing}"
+    ))
 }
 
 /// Whether a failure to start work on a pool means the pool is gone (route the request to

@@ -1,39 +1,17 @@
-//! The pools, and the disaggregated deployment's processes: `ditstream gateway` (the
-//! [`crate::gateway`] with its registry), `ditstream denoiser` and `ditstream decoder`, each
-//! its own process (or host). The denoiser streams the finished latent, chunk by chunk, over the
-//! latent link to the decoder the gateway chose, and is free for the next request as soon as the
-//! last chunk is handed over, while the decoder is still decoding. `ditstream serve` runs the
-//! same two pool services in its own process.
-//!
-//! - [`denoiser`]: `DenoiserPool` around a [`crate::pipeline::DenoiseStage`];
-//! - [`decoder`]: `DecoderPool` and the latent-link listener around a
-//!   [`crate::pipeline::DecodeStage`];
-//! - [`link`]: the latent link in process, over QUIC, UCX or NCCL, as the pools use it;
-//! - [`registration`]: how a pool registers, keeps its heartbeat and leaves.
-
-pub mod decoder;
-pub mod denoiser;
-pub mod link;
-#[cfg(feature = "cuda")]
-pub mod nccl_link;
-pub mod registration;
+//! The disaggregated deployment's processes: `ditstream gateway` (the [`crate::gateway`] with
+//! its registry), `ditstream denoiser` (`ditstream_denoiser::service`) and `ditstream decoder`
+//! (`ditstream_decoder::service`), each its own process (or host), and `ditstream certs`. Each
+//! runs until Ctrl-C, then leaves cleanly: the gateway drains, a pool deregisters.
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use ditstream_common::config::Config;
-use ditstream_common::link::quic::{Identity, PoolCa};
-
-/// The pools' TLS identity for the latent link, from the config's PEM files (relative paths are
-/// relative to the config file's folder).
-pub fn link_identity(cfg: &Config, config_dir: &Path) -> anyhow::Result<Identity> {
-    let p = &cfg.pools;
-    let path = |s: &str| config_dir.join(s);
-    Identity::from_pem_files(&path(&p.tls_cert), &path(&p.tls_key), &path(&p.tls_ca))
-        .context("pools.tls_*: run `ditstream certs --out certs` to make a development set")
-}
+use ditstream_common::config::{Config, socket_addr};
+use ditstream_common::link::quic::PoolCa;
+use ditstream_decoder::service as decoder;
+use ditstream_denoiser::service as denoiser;
 
 /// `ditstream certs`: a fresh pool CA and one certificate for `hosts`, written as `ca.pem`,
 /// `pool.pem` and `pool-key.pem` under `out`.
@@ -76,7 +54,7 @@ pub async fn run_gateway(path: &Path, listen: Option<SocketAddr>) -> anyhow::Res
     let (cfg, _) = load(path)?;
     let listen = match listen {
         Some(a) => a,
-        None => addr("serving.listen", &cfg.serving.listen)?,
+        None => socket_addr("serving.listen", &cfg.serving.listen)?,
     };
     let gateway = crate::gateway::start(&cfg, listen).await?;
     // Tests and scripts read the real address (port 0 picks one) from this line.
@@ -108,11 +86,4 @@ pub async fn run_decoder(path: &Path) -> anyhow::Result<()> {
     .await?;
     pool.stop().await;
     Ok(())
-}
-
-/// Parses a config address field.
-pub fn addr(key: &str, value: &str) -> anyhow::Result<SocketAddr> {
-    value
-        .parse()
-        .with_context(|| format!("{key} = {value:?}: not an address"))
 }

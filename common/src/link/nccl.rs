@@ -34,17 +34,15 @@ use std::borrow::{Borrow, BorrowMut};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use ditstream_common::collectives::CommWorld;
-use ditstream_common::collectives::nccl::{NcclComm, NcclId, NcclWorld};
-use ditstream_common::collectives::wire::TensorWire;
-use ditstream_common::link::quic::{self, Identity};
-use ditstream_common::link::{
-    ChunkHeader, LinkDType, LinkError, read_frame_head, write_frame_head,
-};
+use crate::collectives::CommWorld;
+use crate::collectives::nccl::{NcclComm, NcclId, NcclWorld};
+use crate::collectives::wire::TensorWire;
+use crate::link::quic::{self, Identity};
+use crate::link::{ChunkHeader, LinkDType, LinkError, read_frame_head, write_frame_head};
 use ditstream_kernels::{DType, Device, Tensor};
 use tokio::sync::{Mutex, oneshot};
 
-use super::link::{Arrived, ChunkStream, Pending, pump};
+use super::pool::{Arrived, ChunkStream, Pending, pump};
 
 const HELLO: &[u8; 4] = b"NCCL";
 const DENOISER_RANK: usize = 0;

@@ -1,4 +1,4 @@
-//! One denoiser pool: `DenoiserPool.Denoise` around a [`DenoiseStage`], one request at a time
+//! One denoiser pool's service: `DenoiserPool.Denoise` around a [`DenoiseStage`], one request at a time
 //! (the pool's devices run one denoise loop). Text encoding and the loop, with progress streamed
 //! back, then the latent sent over the latent link to the decoder the gateway named, one latent
 //! frame per chunk, so the decoder starts on the first while the rest are in flight. The pool is
@@ -18,7 +18,6 @@ use std::time::Instant;
 
 use ditstream_common::config::Config;
 use ditstream_common::link::quic::Identity;
-use ditstream_denoiser::denoise::{Control, DenoiseError};
 use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::denoiser_pool_server::{DenoiserPool, DenoiserPoolServer};
 use tokio::sync::mpsc;
@@ -27,10 +26,12 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-use crate::pipeline::{DenoiseJob, DenoiseStage, ms, model_name};
-use crate::roles::link::{self, Pending};
-use crate::roles::{addr, link_identity, registration};
-use crate::status;
+use ditstream_common::config::socket_addr;
+use ditstream_common::link::pool::{self as link, Pending};
+use ditstream_common::{ms, registration, status};
+
+use crate::denoise::{Control, DenoiseError};
+use crate::stage::{DenoiseJob, DenoiseStage};
 
 /// Where a request's latent goes, as the gateway named it.
 struct LinkTarget {
@@ -44,11 +45,19 @@ fn job_of(r: pb::DenoiseRequest) -> Result<(String, DenoiseJob, LinkTarget), Sta
     let sides = [("width", r.width), ("height", r.height)];
     for (field, side) in sides {
         if side == 0 || side % 16 != 0 {
-            return Err(status::invalid_field(field, side, "must be a positive multiple of 16"));
+            return Err(status::invalid_field(
+                field,
+                side,
+                "must be a positive multiple of 16",
+            ));
         }
     }
     if r.num_frames % 4 != 1 {
-        return Err(status::invalid_field("num_frames", r.num_frames, "must be 4k+1"));
+        return Err(status::invalid_field(
+            "num_frames",
+            r.num_frames,
+            "must be 4k+1",
+        ));
     }
     if r.steps == 0 {
         return Err(status::invalid_field("steps", 0, "must be at least 1"));
@@ -117,16 +126,6 @@ impl Drop for BusyGuard {
     }
 }
 
-/// The id the gateway put in the metadata (or the request's own), for the logs.
-pub fn request_id_of<T>(request: &Request<T>, fallback: &str) -> String {
-    request
-        .metadata()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or(fallback)
-        .to_string()
-}
-
 impl DenoiserService {
     /// The service over `stage`; the latent goes out over QUIC/UCX/NCCL with `identity`, or to
     /// the decoder in this process through `in_process`.
@@ -182,7 +181,9 @@ impl DenoiserService {
         let gpu = self.stage.link_gpu();
         let conn = link::Connection::connect(target.kind, at, &target.host, identity, gpu)
             .await
-            .map_err(|e| status::unreachable("decoder latent link", &target.address, format!("{e:#}")))?;
+            .map_err(|e| {
+                status::unreachable("decoder latent link", &target.address, format!("{e:#}"))
+            })?;
         links.insert(target.address.clone(), conn.clone());
         Ok(conn)
     }
@@ -196,7 +197,7 @@ impl DenoiserPool for DenoiserService {
         &self,
         request: Request<pb::DenoiseRequest>,
     ) -> Result<Response<DenoiseStream>, Status> {
-        let logged_id = request_id_of(&request, &request.get_ref().request_id);
+        let logged_id = registration::request_id_of(&request, &request.get_ref().request_id);
         let (id, job, target) = job_of(request.into_inner())?;
         if let Some(why) = self.stage.out_of_service() {
             return Err(status::out_of_service("denoiser pool", &why));
@@ -263,7 +264,9 @@ impl DenoiserPool for DenoiserService {
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(error = %format!("{e:#}"), "text encoding failed");
-                    let _ = tx.send(Err(status::internal("denoiser", format!("{e:#}")))).await;
+                    let _ = tx
+                        .send(Err(status::internal("denoiser", format!("{e:#}"))))
+                        .await;
                     return;
                 }
                 Err(e) => {
@@ -338,10 +341,12 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDen
     let build = cfg.clone();
     let stage =
         Arc::new(tokio::task::spawn_blocking(move || DenoiseStage::from_config(&build)).await??);
-    let identity = Arc::new(link_identity(cfg, config_dir)?);
-    let listener =
-        tokio::net::TcpListener::bind(addr("pools.denoiser_listen", &cfg.pools.denoiser_listen)?)
-            .await?;
+    let identity = Arc::new(link::identity(cfg, config_dir)?);
+    let listener = tokio::net::TcpListener::bind(socket_addr(
+        "pools.denoiser_listen",
+        &cfg.pools.denoiser_listen,
+    )?)
+    .await?;
     let grpc_addr = listener.local_addr()?;
     let health_stage = Arc::clone(&stage);
     let health: registration::Health = Arc::new(move || health_stage.out_of_service());
@@ -361,7 +366,7 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDen
         address: grpc_addr.to_string(),
         link_address: String::new(),
         link_host: String::new(),
-        model: model_name(cfg),
+        model: cfg.model_name(),
         link_kind: pb::LinkKind::Unspecified as i32,
     };
     let registration =

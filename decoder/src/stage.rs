@@ -1,0 +1,538 @@
+//! A decoder instance's stage: the VAE (one rank, or a parallel-VAE instance of several) and the
+//! H.264 encoder, built once from the config, decoding any number of requests' latents chunk by
+//! chunk into fragmented-MP4 segments ([`DecodeStage`], [`DecodeSession`]), and the request it
+//! runs ([`DecodeJob`]).
+//!
+//! Ranks. One rank runs on the calling thread. Several run on persistent rank threads
+//! ([`ditstream_common::ranks`]), one per rank, each with its own model copy on its own GPU (on
+//! the CPU the ranks share one copy), over communicators formed once when the stage is built:
+//! NCCL with `device: cuda`, the in-process backend on the CPU.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use ditstream_common::collectives::CommWorld;
+#[cfg(feature = "cuda")]
+use ditstream_common::collectives::DEFAULT_TIMEOUT;
+use ditstream_common::collectives::cpu::CpuComm;
+use ditstream_common::collectives::wire::TensorWire;
+use ditstream_common::config::{Config, DeviceKind, EncoderKind, VaeSplitDim};
+use ditstream_common::devices::{self, first_gpu};
+use ditstream_common::ms;
+use ditstream_common::ranks::{GroupStatus, RankGroup, RankState, Ranks, Threads};
+use ditstream_kernels::{Device, Tensor};
+
+use crate::encode::{
+    EncoderBackend, MediaSegment, OpenH264Options, RgbFrame, SegmentPlan, SegmentWriter,
+    VideoParams, X264Options, encode_single_fragment, vae_output_to_rgb,
+};
+use crate::models;
+use crate::parallel::{ParallelDecodeStream, ParallelVaeDecoder};
+use crate::vae::{DecodeStream, WanVaeDecoder};
+
+/// Largest segment the server builds (frames); longer ones only delay the first picture.
+pub const MAX_SEGMENT_FRAMES: u32 = 64;
+
+/// What a decoder instance runs for one request: the latent's video size and how to cut it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeJob {
+    /// Video width in pixels.
+    pub width: usize,
+    /// Video height in pixels.
+    pub height: usize,
+    /// Video frames (4k+1).
+    pub num_frames: usize,
+    /// Frames per second of the output.
+    pub fps: u32,
+    /// Frames per media segment after the first.
+    pub segment_frames: usize,
+}
+
+impl DecodeJob {
+    /// The latent grid it decodes.
+    pub fn latent_grid(&self) -> (usize, usize, usize) {
+        ditstream_common::mesh::latent_grid(self.num_frames, self.height, self.width)
+    }
+}
+
+/// The decoder pool's half: VAE and H.264 encoder.
+pub struct DecodeStage {
+    encoder: EncoderBackend,
+    /// Latent channels the VAE decodes.
+    z_dim: usize,
+    /// Rank r's device.
+    devices: Vec<Device>,
+    /// Rank 0's VAE, for the unsharded reference decode ([`DecodeStage::render_whole`]).
+    whole: Arc<WanVaeDecoder>,
+    vae: VaeRanks,
+}
+
+/// Who decodes.
+enum VaeRanks {
+    /// One rank: any number of requests decode at once on the calling threads.
+    Single(Arc<WanVaeDecoder>),
+    /// A parallel-VAE instance of persistent rank threads; one chunk at a time (the lock), so
+    /// every rank sees every request's steps in the same order. Its status is readable while a
+    /// chunk holds the lock.
+    Sharded(Mutex<Sharded>, Arc<GroupStatus>),
+}
+
+/// A parallel-VAE instance and its session numbering.
+struct Sharded {
+    ranks: Box<dyn Ranks<VaeJob, VaeOut>>,
+    next_session: u64,
+}
+
+/// One step of one request on every rank of a parallel-VAE instance.
+enum VaeJob {
+    /// A request starts: a stream for its whole latent of this size.
+    Start {
+        session: u64,
+        latent_height: usize,
+        latent_width: usize,
+    },
+    /// The next latent chunk [1, C, n, h, w] (host or device): every rank decodes its band, rank 0
+    /// gathers the frames.
+    Chunk { session: u64, latent: Tensor },
+    /// The request ended: its streams go.
+    End { session: u64 },
+}
+
+/// A rank's answer to a [`VaeJob`].
+enum VaeOut {
+    /// Done: rank 0's gathered video chunk [1, 3, F, H, W] on the host, or nothing.
+    Done(Option<Tensor>),
+    /// Refused before any communication (the instance is as it was).
+    Refused(anyhow::Error),
+    /// Failed while communicating: the instance must form fresh communicators.
+    Failed(anyhow::Error),
+}
+
+/// One rank of a parallel-VAE instance.
+struct VaeRank<C> {
+    vae: Arc<WanVaeDecoder>,
+    split: VaeSplitDim,
+    decoder: Option<ParallelVaeDecoder<C>>,
+    streams: std::collections::HashMap<u64, ParallelDecodeStream>,
+}
+
+impl<C> VaeRank<C> {
+    /// Rank r's state: the VAE copy of rank r, not yet connected.
+    fn for_ranks(copies: &[Arc<WanVaeDecoder>], split: VaeSplitDim) -> Vec<Self> {
+        copies
+            .iter()
+            .map(|vae| VaeRank {
+                vae: Arc::clone(vae),
+                split,
+                decoder: None,
+                streams: Default::default(),
+            })
+            .collect()
+    }
+}
+
+impl<W> RankState<W> for VaeRank<W::Comm>
+where
+    W: CommWorld,
+    W::Comm: TensorWire + Send + 'static,
+{
+    type Job = VaeJob;
+    type Out = VaeOut;
+
+    fn connect(&mut self, world: &W) -> anyhow::Result<()> {
+        let all: Vec<usize> = (0..world.world_size()).collect();
+        let comm = world
+            .split(&[all])?
+            .context("every rank is in the instance's one group")?;
+        self.decoder = Some(ParallelVaeDecoder::new(
+            Arc::clone(&self.vae),
+            comm,
+            self.split,
+        ));
+        Ok(())
+    }
+
+    fn disconnect(&mut self) {
+        self.streams.clear();
+        self.decoder = None;
+    }
+
+    fn failed(out: &VaeOut) -> bool {
+        matches!(out, VaeOut::Failed(_))
+    }
+
+    fn run(&mut self, job: VaeJob) -> VaeOut {
+        let Some(decoder) = self.decoder.as_mut() else {
+            return VaeOut::Refused(anyhow::anyhow!("this VAE rank is not connected"));
+        };
+        match job {
+            VaeJob::Start {
+                session,
+                latent_height,
+                latent_width,
+            } => match decoder.new_stream(latent_height, latent_width) {
+                Ok(stream) => {
+                    self.streams.insert(session, stream);
+                    VaeOut::Done(None)
+                }
+                Err(e) => VaeOut::Refused(e.into()),
+            },
+            VaeJob::Chunk { session, latent } => {
+                let Some(stream) = self.streams.get_mut(&session) else {
+                    return VaeOut::Refused(anyhow::anyhow!("no VAE stream for session {session}"));
+                };
+                let mut step = || -> anyhow::Result<Option<Tensor>> {
+                    let band = stream.band_of(&latent)?;
+                    let frames = decoder.decode_chunk(stream, &band)?;
+                    // Gathered device to device to rank 0, then to the host for encoding.
+                    match decoder.gather_frames(stream, &frames)? {
+                        Some(video) => Ok(Some(video.to_device(Device::Cpu)?)),
+                        None => Ok(None),
+                    }
+                };
+                match step() {
+                    Ok(video) => VaeOut::Done(video),
+                    Err(e) => VaeOut::Failed(e),
+                }
+            }
+            VaeJob::End { session } => {
+                self.streams.remove(&session);
+                VaeOut::Done(None)
+            }
+        }
+    }
+}
+
+impl Sharded {
+    /// Runs `job(rank)` on every rank; rank 0's output, or the first error.
+    fn step(&mut self, job: impl Fn() -> VaeJob) -> anyhow::Result<Option<Tensor>> {
+        let jobs = (0..self.ranks.size()).map(|_| job()).collect();
+        let replies = self.ranks.run(jobs)?;
+        let mut first = None;
+        let mut error = None;
+        for (rank, reply) in self.ranks.replies(&replies).into_iter().enumerate() {
+            match reply {
+                Ok(VaeOut::Done(video)) if rank == 0 => first = video,
+                Ok(VaeOut::Done(_)) => {}
+                Ok(VaeOut::Refused(e) | VaeOut::Failed(e)) => {
+                    error.get_or_insert(e.context(format!("VAE rank {rank}")));
+                }
+                Err(panicked) => {
+                    error.get_or_insert(anyhow::anyhow!("VAE rank {rank}: {panicked}"));
+                }
+            }
+        }
+        match error {
+            Some(e) => Err(e),
+            None => Ok(first),
+        }
+    }
+}
+
+/// One request's decode state: the VAE's causal caches and the segment writer.
+pub struct DecodeSession<'a> {
+    stage: &'a DecodeStage,
+    vae: SessionVae,
+    writer: SegmentWriter,
+    latent_frames: usize,
+    latent_frames_done: usize,
+    latent_size: (usize, usize),
+    /// Video frames decoded so far.
+    pub frames: u32,
+    /// Segments produced so far.
+    pub segments: u32,
+    /// VAE time so far.
+    pub decode_ms: f64,
+    /// Colour conversion, encoding and muxing time so far.
+    pub encode_ms: f64,
+}
+
+/// A request's VAE state: one stream, or a session on a parallel-VAE instance (its streams live
+/// on the rank threads), started under the instance's `connections` count.
+enum SessionVae {
+    Single(DecodeStream),
+    Sharded { session: u64, connections: u64 },
+}
+
+impl DecodeStage {
+    /// Builds the VAE on the devices the config names, forms a parallel-VAE instance's
+    /// communicators, and checks the encoder backend.
+    pub fn from_config(cfg: &Config) -> anyhow::Result<DecodeStage> {
+        let vae_ranks = cfg.vae_layout().size();
+        let devices = devices::rank_devices(cfg, "a decoder instance", vae_ranks)?;
+        let copies = models::vae_decoders(cfg, &devices)?;
+        let z_dim = copies[0].config().z_dim;
+        let encoder = match cfg.serving.encoder {
+            EncoderKind::Openh264 => EncoderBackend::OpenH264(OpenH264Options::default()),
+            EncoderKind::X264 => EncoderBackend::X264(X264Options::default()),
+        };
+        // Fail at start-up, not on the first request, when the backend is not in this build.
+        encoder
+            .open(VideoParams {
+                width: 16,
+                height: 16,
+                fps: 16,
+            })
+            .with_context(|| format!("serving.encoder = {:?}", cfg.serving.encoder))?;
+        let vae = if vae_ranks == 1 {
+            VaeRanks::Single(Arc::clone(&copies[0]))
+        } else {
+            let split = cfg.parallel_config.parallel_vae_split_dim;
+            let ranks: Box<dyn Ranks<VaeJob, VaeOut>> = match cfg.serving.device {
+                DeviceKind::Cpu => Box::new(RankGroup::<Threads, VaeRank<CpuComm>>::start(
+                    "vae",
+                    Threads,
+                    VaeRank::for_ranks(&copies, split),
+                )?),
+                #[cfg(feature = "cuda")]
+                DeviceKind::Cuda => Box::new(RankGroup::<
+                    ditstream_common::ranks::Nccl,
+                    VaeRank<ditstream_common::collectives::nccl::NcclComm>,
+                >::start(
+                    "vae",
+                    ditstream_common::ranks::Nccl {
+                        gpus: devices::gpu_ordinals(&devices)?,
+                        timeout: DEFAULT_TIMEOUT,
+                    },
+                    VaeRank::for_ranks(&copies, split),
+                )?),
+                #[cfg(not(feature = "cuda"))]
+                DeviceKind::Cuda => {
+                    bail!("serving.device = cuda: this binary was built without CUDA")
+                }
+            };
+            let status = ranks.status();
+            VaeRanks::Sharded(
+                Mutex::new(Sharded {
+                    ranks,
+                    next_session: 0,
+                }),
+                status,
+            )
+        };
+        tracing::info!(vae_ranks, devices = ?devices, "decoder stage ready");
+        Ok(DecodeStage {
+            encoder,
+            z_dim,
+            devices,
+            whole: Arc::clone(&copies[0]),
+            vae,
+        })
+    }
+
+    /// Latent channels the VAE decodes.
+    pub fn latent_channels(&self) -> usize {
+        self.z_dim
+    }
+
+    /// How many times a parallel-VAE instance's communicators have been formed: 1 after
+    /// start-up, one more before the first request after each failed one; 0 for a single rank.
+    pub fn connections(&self) -> u64 {
+        match &self.vae {
+            VaeRanks::Single(_) => 0,
+            VaeRanks::Sharded(_, status) => status.connections(),
+        }
+    }
+
+    /// Why the stage can serve nothing more, if it cannot (a rank thread is gone). Never waits
+    /// for a chunk in progress.
+    pub fn out_of_service(&self) -> Option<String> {
+        match &self.vae {
+            VaeRanks::Single(_) => None,
+            VaeRanks::Sharded(_, status) => status.out_of_service().map(str::to_string),
+        }
+    }
+
+    /// Rank r's device.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// Rank 0's GPU (0 on the CPU): where an NCCL latent link receives chunks.
+    pub fn link_gpu(&self) -> usize {
+        first_gpu(&self.devices)
+    }
+
+    /// Starts a request's decode; the init segment is ready at once.
+    pub fn start(&self, p: &DecodeJob) -> anyhow::Result<DecodeSession<'_>> {
+        let (lt, lh, lw) = p.latent_grid();
+        let vae = match &self.vae {
+            VaeRanks::Single(vae) => SessionVae::Single(vae.new_stream(lh, lw)?),
+            VaeRanks::Sharded(sharded, _) => {
+                let mut sharded = lock(sharded);
+                let session = sharded.next_session;
+                sharded.next_session += 1;
+                sharded.step(|| VaeJob::Start {
+                    session,
+                    latent_height: lh,
+                    latent_width: lw,
+                })?;
+                SessionVae::Sharded {
+                    session,
+                    connections: sharded.ranks.connections(),
+                }
+            }
+        };
+        Ok(DecodeSession {
+            stage: self,
+            vae,
+            writer: SegmentWriter::new(&self.encoder, video_params(p), segment_plan(p)?)?,
+            latent_frames: lt,
+            latent_frames_done: 0,
+            latent_size: (lh, lw),
+            frames: 0,
+            segments: 0,
+            decode_ms: 0.0,
+            encode_ms: 0.0,
+        })
+    }
+
+    /// The non-streamed path, for reference: the whole latent decoded at once, unsharded, on the
+    /// first rank's device, then every frame encoded into a single-fragment MP4 with the same
+    /// keyframes. Streaming must produce the same pictures.
+    pub fn render_whole(&self, p: &DecodeJob, latent: &Tensor) -> anyhow::Result<Vec<u8>> {
+        let frames = to_rgb(&self.whole.decode(latent)?)?;
+        Ok(encode_single_fragment(
+            &self.encoder,
+            video_params(p),
+            segment_plan(p)?,
+            &frames,
+        )?)
+    }
+}
+
+impl DecodeSession<'_> {
+    /// The init segment (`ftyp` + `moov`) and its MIME type with codecs.
+    pub fn init_segment(&self) -> (Vec<u8>, String) {
+        (self.writer.init_segment().to_vec(), self.writer.mime_type())
+    }
+
+    /// Decodes the next latent frames [1, C, n, h, w] (host or device) into video frames
+    /// [1, 3, F, H, W] on the host, in [−1, 1], without encoding them (the VAE caches advance).
+    pub fn decode(&mut self, latent: &Tensor) -> anyhow::Result<Tensor> {
+        let s = latent.shape();
+        let n = s.get(2).copied().unwrap_or(0);
+        let (lh, lw) = self.latent_size;
+        if s.len() != 5 || s[0] != 1 || s[1] != self.stage.z_dim || s[3] != lh || s[4] != lw {
+            bail!(
+                "latent chunk shape {s:?}: this request's latent is [1, {}, n, {lh}, {lw}]",
+                self.stage.z_dim
+            );
+        }
+        if n == 0 || self.latent_frames_done + n > self.latent_frames {
+            bail!(
+                "latent frames {}..{} exceed the request's {} latent frames",
+                self.latent_frames_done,
+                self.latent_frames_done + n,
+                self.latent_frames
+            );
+        }
+        let t = Instant::now();
+        let video = match (&mut self.vae, &self.stage.vae) {
+            (SessionVae::Single(stream), VaeRanks::Single(vae)) => {
+                vae.decode_chunk(stream, latent)?.to_device(Device::Cpu)?
+            }
+            (
+                SessionVae::Sharded {
+                    session,
+                    connections,
+                },
+                VaeRanks::Sharded(sharded, _),
+            ) => {
+                let mut sharded = lock(sharded);
+                if !sharded.ranks.is_connected() || sharded.ranks.connections() != *connections {
+                    bail!(
+                        "the decoder instance failed on another request and its ranks were \
+                         re-formed: this request's decode state is gone"
+                    );
+                }
+                let session = *session;
+                sharded
+                    .step(|| VaeJob::Chunk {
+                        session,
+                        latent: latent.clone(),
+                    })?
+                    .context("rank 0 of a VAE instance always receives the frames")?
+            }
+            _ => bail!("a decode session of another stage"),
+        };
+        self.decode_ms += ms(t.elapsed());
+        self.latent_frames_done += n;
+        Ok(video)
+    }
+
+    /// Decodes the next latent frames [1, C, n, h, w] and encodes the frames; returns the segments
+    /// they completed (after the last latent frame, the final segment too).
+    pub fn push(&mut self, latent: &Tensor) -> anyhow::Result<Vec<MediaSegment>> {
+        let video = self.decode(latent)?;
+        let t = Instant::now();
+        let rgb = to_rgb(&video)?;
+        let mut ready: Vec<MediaSegment> = Vec::new();
+        for frame in &rgb {
+            ready.extend(self.writer.push_frame(frame)?);
+        }
+        if self.is_done() {
+            ready.extend(self.writer.finish()?);
+        }
+        self.encode_ms += ms(t.elapsed());
+        self.frames += rgb.len() as u32;
+        self.segments += ready.len() as u32;
+        Ok(ready)
+    }
+
+    /// Whether every latent frame has been decoded.
+    pub fn is_done(&self) -> bool {
+        self.latent_frames_done == self.latent_frames
+    }
+}
+
+impl Drop for DecodeSession<'_> {
+    fn drop(&mut self) {
+        let (SessionVae::Sharded { session, .. }, VaeRanks::Sharded(sharded, _)) =
+            (&self.vae, &self.stage.vae)
+        else {
+            return;
+        };
+        let session = *session;
+        let mut sharded = lock(sharded);
+        // Only a connected instance still holds the session's streams (a reconnection dropped them).
+        if sharded.ranks.is_connected()
+            && let Err(e) = sharded.step(|| VaeJob::End { session })
+        {
+            tracing::warn!(error = %format!("{e:#}"), session, "ending a VAE session failed");
+        }
+    }
+}
+
+fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The guarded values are rank groups and session counters, whose state stays consistent across a panic in a
+    // caller (every field update is a single assignment).
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn video_params(p: &DecodeJob) -> VideoParams {
+    VideoParams {
+        width: p.width as u32,
+        height: p.height as u32,
+        fps: p.fps,
+    }
+}
+
+/// Frame 0 alone (the first picture leaves as soon as latent frame 0 is decoded), then
+/// `segment_frames` each.
+fn segment_plan(p: &DecodeJob) -> anyhow::Result<SegmentPlan> {
+    Ok(SegmentPlan::new(1, p.segment_frames as u32)?)
+}
+
+/// VAE output [1, 3, F, H, W] in [−1, 1] (any device) → RGB frames.
+pub fn to_rgb(video: &Tensor) -> anyhow::Result<Vec<RgbFrame>> {
+    let s = video.shape();
+    Ok(vae_output_to_rgb(
+        &video.to_vec_f32()?,
+        s[1],
+        s[2],
+        s[3],
+        s[4],
+    )?)
+}

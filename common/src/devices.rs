@@ -23,17 +23,40 @@ pub fn dtype(cfg: &Config) -> DType {
 }
 
 /// The device of each of `ranks` ranks: the CPU for every rank, or with `device: cuda` the GPUs
-/// of `serving.gpus` (one each; see [`Config::rank_gpus`]), checked to exist. `what` names the
-/// ranks' owner in errors ("the denoiser mesh", "a decoder instance").
+/// of `serving.gpus` (one each; see [`Config::rank_gpus`]), checked to exist, with the CUDA
+/// backend set up as the config's `cuda:` section says. `what` names the ranks' owner in errors
+/// ("the denoiser mesh", "a decoder instance").
 pub fn rank_devices(cfg: &Config, what: &str, ranks: usize) -> anyhow::Result<Vec<Device>> {
     match cfg.serving.device {
         DeviceKind::Cpu => Ok(vec![Device::Cpu; ranks]),
         DeviceKind::Cuda => {
             let gpus = cfg.rank_gpus(what, ranks)?;
             check_gpus(cfg, &gpus)?;
+            configure_cuda(cfg)?;
             Ok(gpus.into_iter().map(Device::Cuda).collect())
         }
     }
+}
+
+/// The CUDA backend's settings from `cuda:` (the environment overriding each), fixed for the
+/// process before its first kernel; both stages of `serve` ask for the same.
+#[cfg(feature = "cuda")]
+fn configure_cuda(cfg: &Config) -> anyhow::Result<()> {
+    use ditstream_kernels::cuda::{CudaConfig, CudnnSearch, ensure_cuda_config};
+    let c = &cfg.cuda;
+    let search = match c.cudnn_search {
+        crate::config::CudnnSearch::Find => CudnnSearch::Find,
+        crate::config::CudnnSearch::Heuristic => CudnnSearch::Heuristic,
+    };
+    let settings =
+        CudaConfig::resolve(c.kernel_cache.clone(), c.include_dir.clone(), Some(search))?;
+    ensure_cuda_config(settings).context("cuda: settings")?;
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn configure_cuda(_: &Config) -> anyhow::Result<()> {
+    Ok(())
 }
 
 #[cfg(feature = "cuda")]

@@ -17,7 +17,7 @@ use ditstream_common::collectives::CommWorld;
 use ditstream_common::collectives::DEFAULT_TIMEOUT;
 use ditstream_common::collectives::cpu::CpuComm;
 use ditstream_common::collectives::wire::TensorWire;
-use ditstream_common::config::{Config, DeviceKind, SamplerConfig};
+use ditstream_common::config::{AttentionBackend, Config, DeviceKind, SamplerConfig};
 use ditstream_common::devices::{self, first_gpu};
 use ditstream_common::mesh::Mesh;
 use ditstream_common::ranks::{GroupStatus, RankGroup, RankState, Ranks, Threads};
@@ -72,6 +72,8 @@ pub struct DenoiseStage {
     devices: Vec<Device>,
     /// The transformer's `in_channels`.
     latent_channels: usize,
+    /// `attention.backend`.
+    attention: AttentionBackend,
     ranks: DenoiseRanks,
 }
 
@@ -112,12 +114,18 @@ struct DenoiseRank<C> {
     models: Arc<DenoiserModels>,
     device: Device,
     mesh: Mesh,
+    attention: AttentionBackend,
     comms: Option<MeshComms<C>>,
 }
 
 impl<C> DenoiseRank<C> {
     /// Rank r's state: the model copy and device of rank r, not yet connected.
-    fn for_ranks(copies: &[Arc<DenoiserModels>], devices: &[Device], mesh: Mesh) -> Vec<Self> {
+    fn for_ranks(
+        copies: &[Arc<DenoiserModels>],
+        devices: &[Device],
+        mesh: Mesh,
+        attention: AttentionBackend,
+    ) -> Vec<Self> {
         copies
             .iter()
             .zip(devices)
@@ -125,6 +133,7 @@ impl<C> DenoiseRank<C> {
                 models: Arc::clone(models),
                 device,
                 mesh,
+                attention,
                 comms: None,
             })
             .collect()
@@ -170,18 +179,39 @@ where
             high: &self.models.high,
             low: self.models.low.as_ref().map(|(m, b)| (m, *b)),
         };
-        parallel::denoise(
-            experts,
-            comms,
-            &r.params,
-            r.noise.clone(),
-            &cond,
-            Some(&uncond),
-            |step| match &job.progress {
-                Some(caller) => ask(caller, step),
-                None => Control::Continue,
-            },
-        )
+        with_attention(self.attention, || {
+            parallel::denoise(
+                experts,
+                comms,
+                &r.params,
+                r.noise.clone(),
+                &cond,
+                Some(&uncond),
+                |step| match &job.progress {
+                    Some(caller) => ask(caller, step),
+                    None => Control::Continue,
+                },
+            )
+        })
+    }
+}
+
+/// Runs `f` with the CUDA attention kernel `attention.backend` names for the calls it makes on
+/// this thread (the CPU has one attention kernel).
+fn with_attention<T>(backend: AttentionBackend, f: impl FnOnce() -> T) -> T {
+    #[cfg(feature = "cuda")]
+    {
+        use ditstream_kernels::cuda::{AttentionKernel, with_attention_kernel};
+        let kernel = match backend {
+            AttentionBackend::Auto => AttentionKernel::Auto,
+            AttentionBackend::Portable => AttentionKernel::Portable,
+        };
+        with_attention_kernel(kernel, f)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = backend;
+        f()
     }
 }
 
@@ -229,7 +259,7 @@ impl DenoiseStage {
                 DeviceKind::Cpu => Box::new(RankGroup::<Threads, DenoiseRank<CpuComm>>::start(
                     "denoise",
                     Threads,
-                    DenoiseRank::for_ranks(&copies, &devices, mesh),
+                    DenoiseRank::for_ranks(&copies, &devices, mesh, cfg.attention.backend),
                 )?),
                 #[cfg(feature = "cuda")]
                 DeviceKind::Cuda => Box::new(RankGroup::<
@@ -241,7 +271,7 @@ impl DenoiseStage {
                         gpus: devices::gpu_ordinals(&devices)?,
                         timeout: DEFAULT_TIMEOUT,
                     },
-                    DenoiseRank::for_ranks(&copies, &devices, mesh),
+                    DenoiseRank::for_ranks(&copies, &devices, mesh, cfg.attention.backend),
                 )?),
                 #[cfg(not(feature = "cuda"))]
                 DeviceKind::Cuda => {
@@ -255,6 +285,7 @@ impl DenoiseStage {
         Ok(DenoiseStage {
             text,
             sampler: cfg.sampler.clone(),
+            attention: cfg.attention.backend,
             mesh,
             devices,
             latent_channels,
@@ -343,15 +374,18 @@ impl DenoiseStage {
                     high: &models.high,
                     low: models.low.as_ref().map(|(m, b)| (m, *b)),
                 };
-                denoise_interruptible(
-                    experts,
-                    &params,
-                    noise,
-                    &to_device(cond)?,
-                    Some(&to_device(uncond)?),
-                    &|| interrupted.load(Ordering::Relaxed),
-                    on_step,
-                )
+                let (cond, uncond) = (to_device(cond)?, to_device(uncond)?);
+                with_attention(self.attention, || {
+                    denoise_interruptible(
+                        experts,
+                        &params,
+                        noise,
+                        &cond,
+                        Some(&uncond),
+                        &|| interrupted.load(Ordering::Relaxed),
+                        on_step,
+                    )
+                })
             }
             DenoiseRanks::Mesh(group, _) => {
                 let request = Arc::new(DenoiseRequest {

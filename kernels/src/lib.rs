@@ -10,7 +10,8 @@
 //! - `cuda` (feature `cuda`): the GPU backend's device layer: contexts, the per-device stream, NVRTC
 //!   compilation with a CUBIN cache, cuBLASLt plans, device storage.
 //! - [`weights`]: checkpoints (safetensors, sharded or not) and seeded random weights, by name.
-//! - [`testing`]: approximate-equality helpers shared by the unit tests here and the model crates.
+//! - `testing` (feature `testing`): approximate-equality helpers and the GPU-count gate shared by
+//!   the tests here and in the model crates.
 //!
 //! Dtype rule for every op: maths runs in f32; the output takes the dtype of the op's first (primary)
 //! input; secondary inputs (weights, modulation, gates) may be f32 or bf16 independently. LSE is always f32.
@@ -22,6 +23,7 @@ mod error;
 pub mod ops;
 mod rng;
 mod tensor;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod weights;
 

@@ -1,7 +1,8 @@
 # Sourced by scripts/gpu-*.sh on the GPU machine, from the repo root: the CUDA library set-up of
 # /work/shared/GPU.md, in one place. Defines SP (the NVIDIA pip libraries of the torch venv) and PY
 # (that venv's python), links the unversioned names cudarc looks for (it tries libnccl.so, never
-# libnccl.so.2), puts them first on LD_LIBRARY_PATH, and keeps NVLink multicast off.
+# libnccl.so.2), puts them first on LD_LIBRARY_PATH, points NVRTC at the CUDA headers, and keeps
+# NVLink multicast off.
 SP=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
 PY=/opt/torch/.venv/bin/python
 mkdir -p /tmp/cudalinks
@@ -12,5 +13,8 @@ link "$SP/cu13/lib/libcublas.so.13"   libcublas.so
 link "$SP/cu13/lib/libcublasLt.so.13" libcublasLt.so
 link "$SP/cu13/lib/libnvrtc.so.13"    libnvrtc.so
 export LD_LIBRARY_PATH=/tmp/cudalinks:$SP/cu13/lib:$SP/cudnn/lib:$SP/nccl/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# NVRTC needs cuda_bf16.h: the pip headers match the pip NVRTC (GPU.md). ditstream looks in no
+# machine-specific place by itself, so name it here.
+export DITSTREAM_CUDA_INCLUDE=${DITSTREAM_CUDA_INCLUDE:-$SP/cu13/include}
 # NVLink multicast can take the host's GPUs out of service: keep it off in every process.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

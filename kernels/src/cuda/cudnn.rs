@@ -16,8 +16,9 @@
 //!   workspace; the fastest that succeeded is kept. Should Find fail, the heuristic ranking
 //!   (`cudnnGetConvolutionForwardAlgorithm_v7`) picks instead. Find writes the output buffer, which
 //!   the caller is about to overwrite anyway. Find costs time once per shape (the `PLAN` lines of
-//!   `bench/src/bin/conv.rs` show it), which a first decode pays; `DITSTREAM_CUDNN_SEARCH=heuristic`
-//!   ranks without running instead (µs), `find` (the default) measures.
+//!   `bench/src/bin/conv.rs` show it), which a first decode pays; `cuda.cudnn_search: heuristic`
+//!   in the config (or `DITSTREAM_CUDNN_SEARCH=heuristic`) ranks without running instead (µs),
+//!   `find` (the default) measures.
 //! - Graph API (bf16, `find` only): after Find, the graph API's heuristics offer engine configurations
 //!   (up to `GRAPH_CONFIGS`), each planned and timed on the same buffers with CUDA events, the legacy
 //!   winner timed the same way beside them (a candidate whose warm-up run is twice as slow as the
@@ -41,6 +42,9 @@ use cudarc::cudnn::sys;
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::cudnn_graph::{self, Candidate, ConvGraph, GraphPlan};
+// How a plan's algorithm is chosen: `$DITSTREAM_CUDNN_SEARCH`, else the process's `CudaConfig`
+// (the deployment's `cuda.cudnn_search`).
+use super::nvrtc::CudnnSearch as Search;
 use super::{CudaBackend, catch};
 use crate::{DType, KernelError, Result};
 
@@ -298,33 +302,6 @@ struct Plan {
     unaligned_calls: usize,
 }
 
-/// How a plan's algorithm is chosen (`DITSTREAM_CUDNN_SEARCH`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Search {
-    /// Run and time every candidate on the call's buffers (`find`, the default).
-    Find,
-    /// cuDNN's heuristic ranking, nothing run (`heuristic`).
-    Heuristic,
-}
-
-impl Search {
-    fn from_env() -> Result<Self> {
-        match std::env::var("DITSTREAM_CUDNN_SEARCH") {
-            Err(_) => Ok(Search::Find),
-            Ok(v) => match v.as_str() {
-                "" | "find" => Ok(Search::Find),
-                "heuristic" => Ok(Search::Heuristic),
-                other => Err(KernelError::arg(
-                    "cudnn",
-                    "DITSTREAM_CUDNN_SEARCH",
-                    other,
-                    "expected `find` (measure each algorithm) or `heuristic` (rank without running)",
-                )),
-            },
-        }
-    }
-}
-
 /// A device's cuDNN handle, plans and workspace; lives in `CudaBackend::dnn` behind a mutex.
 pub(crate) struct Dnn {
     handle: sys::cudnnHandle_t,
@@ -380,7 +357,10 @@ fn library_version() -> Result<usize> {
 
 impl Dnn {
     fn new(backend: &CudaBackend) -> Result<Self> {
-        let search = Search::from_env()?;
+        let search = match super::nvrtc::cudnn_search_from_env()? {
+            Some(search) => search,
+            None => super::cuda_config().cudnn_search,
+        };
         let version = library_version()?;
         let unavailable = |call: &str, e: CudnnError| KernelError::CudaUnavailable {
             library: "libcudnn",

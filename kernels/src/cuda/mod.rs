@@ -39,7 +39,7 @@ pub use conv_algo::{
 };
 pub(crate) use copy::{EdgeRuns, Layout, copy_strided, halo_edges};
 pub use cudnn::{cudnn_conv_plans, cudnn_version};
-pub use nvrtc::{CudaConfig, set_cuda_config};
+pub use nvrtc::{CudaConfig, CudnnSearch, cuda_config, ensure_cuda_config, set_cuda_config};
 pub(crate) use storage::{CudaBuf, CudaStorage};
 
 use crate::{DType, Device, KernelError, Result, Tensor};

@@ -8,9 +8,9 @@
 //! the options and the full source (prelude included); a changed kernel or toolkit is a new file. Files
 //! are written to a temporary name and renamed, so concurrent processes never read half a file.
 //!
-//! `cuda_bf16.h` is not built into NVRTC: the include directory comes from [`CudaConfig`], by default
-//! `$DITSTREAM_CUDA_INCLUDE`, else the first of the PyTorch pip CUDA headers, `$CUDA_HOME/include`,
-//! `/usr/local/cuda/include` that holds it.
+//! `cuda_bf16.h` is not built into NVRTC: the include directory comes from [`CudaConfig`]
+//! (`$DITSTREAM_CUDA_INCLUDE`, else the deployment config's `cuda.include_dir`, else the first of
+//! `$CUDA_HOME/include` and `/usr/local/cuda/include` that holds it).
 
 use std::ffi::{CStr, CString, c_char};
 use std::path::{Path, PathBuf};
@@ -24,8 +24,8 @@ use crate::{KernelError, Result};
 /// Header shared by every kernel source: bf16/f32 loads and stores in f32 registers.
 const PRELUDE: &str = include_str!("prelude.cuh");
 
-/// Settings of the CUDA backend's compiler; set once with [`set_cuda_config`] before the first CUDA op,
-/// or left to the defaults of [`CudaConfig::from_env`].
+/// Settings of the CUDA backend; set once with [`set_cuda_config`] (or [`ensure_cuda_config`])
+/// before the first CUDA op, or left to the defaults of [`CudaConfig::from_env`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaConfig {
     /// Where compiled CUBINs are kept.
@@ -33,41 +33,100 @@ pub struct CudaConfig {
     /// The directory holding `cuda_bf16.h` (passed to NVRTC as `-I`); `None` compiles without it (the
     /// kernels then fail to compile, and the error says so).
     pub include_dir: Option<PathBuf>,
+    /// How each convolution shape's cuDNN algorithm is chosen.
+    pub cudnn_search: CudnnSearch,
 }
 
-/// Candidate include directories, in order of preference (GPU.md: the pip headers match the pip NVRTC).
-const INCLUDE_CANDIDATES: &[&str] = &[
-    "/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/include",
-    "/usr/local/cuda/include",
-];
+/// How a convolution's cuDNN algorithm is chosen on the first use of its shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CudnnSearch {
+    /// Run and time every candidate on the call's buffers (the default: ~1.15× faster decodes,
+    /// ~20 s of search per GPU on the first 480p decode).
+    #[default]
+    Find,
+    /// cuDNN's heuristic ranking, nothing run (no search cost; legacy algorithms only).
+    Heuristic,
+}
+
+/// Standard places of the CUDA headers, after `$CUDA_HOME/include`.
+const INCLUDE_CANDIDATES: &[&str] = &["/usr/local/cuda/include"];
 
 impl CudaConfig {
-    /// Defaults: `cache_dir` = `$DITSTREAM_KERNEL_CACHE`, else `$XDG_CACHE_HOME/ditstream/kernels`, else
-    /// `~/.cache/ditstream/kernels`, else the temp dir; `include_dir` = `$DITSTREAM_CUDA_INCLUDE`, else
-    /// the first directory holding `cuda_bf16.h` among the pip CUDA headers, `$CUDA_HOME/include` and
-    /// `/usr/local/cuda/include`.
+    /// The settings a deployment asks for (`None`: not set there), with the environment as the
+    /// override: `cache_dir` = `$DITSTREAM_KERNEL_CACHE`, else `kernel_cache`, else
+    /// `$XDG_CACHE_HOME/ditstream/kernels`, else `~/.cache/ditstream/kernels`, else the temp dir;
+    /// `include_dir` = `$DITSTREAM_CUDA_INCLUDE`, else `include_dir`, else the first directory
+    /// holding `cuda_bf16.h` among `$CUDA_HOME/include` and `/usr/local/cuda/include`;
+    /// `cudnn_search` = `$DITSTREAM_CUDNN_SEARCH` (`find` or `heuristic`; another value is an
+    /// error naming it), else `cudnn_search`, else [`CudnnSearch::Find`].
+    pub fn resolve(
+        kernel_cache: Option<PathBuf>,
+        include_dir: Option<PathBuf>,
+        cudnn_search: Option<CudnnSearch>,
+    ) -> Result<Self> {
+        let (cache_dir, include_dir) = paths(kernel_cache, include_dir);
+        Ok(CudaConfig {
+            cache_dir,
+            include_dir,
+            cudnn_search: cudnn_search_from_env()?
+                .or(cudnn_search)
+                .unwrap_or_default(),
+        })
+    }
+
+    /// The defaults with the environment's overrides and no deployment settings. An invalid
+    /// `$DITSTREAM_CUDNN_SEARCH` is reported by the first convolution, not here.
     pub fn from_env() -> Self {
-        let env_path = |name| {
-            std::env::var_os(name)
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from)
-        };
-        let cache_dir = env_path("DITSTREAM_KERNEL_CACHE")
-            .or_else(|| env_path("XDG_CACHE_HOME").map(|d| d.join("ditstream/kernels")))
-            .or_else(|| env_path("HOME").map(|d| d.join(".cache/ditstream/kernels")))
-            .unwrap_or_else(|| std::env::temp_dir().join("ditstream-kernels"));
-        let include_dir = env_path("DITSTREAM_CUDA_INCLUDE").or_else(|| {
-            let cuda_home = env_path("CUDA_HOME").map(|d| d.join("include"));
-            INCLUDE_CANDIDATES
-                .iter()
-                .map(PathBuf::from)
-                .chain(cuda_home)
-                .find(|d| d.join("cuda_bf16.h").is_file())
-        });
+        let (cache_dir, include_dir) = paths(None, None);
         CudaConfig {
             cache_dir,
             include_dir,
+            cudnn_search: cudnn_search_from_env().ok().flatten().unwrap_or_default(),
         }
+    }
+}
+
+/// The cache and include directories [`CudaConfig::resolve`] describes.
+fn paths(
+    kernel_cache: Option<PathBuf>,
+    include_dir: Option<PathBuf>,
+) -> (PathBuf, Option<PathBuf>) {
+    let env_path = |name| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let cache_dir = env_path("DITSTREAM_KERNEL_CACHE")
+        .or(kernel_cache)
+        .or_else(|| env_path("XDG_CACHE_HOME").map(|d| d.join("ditstream/kernels")))
+        .or_else(|| env_path("HOME").map(|d| d.join(".cache/ditstream/kernels")))
+        .unwrap_or_else(|| std::env::temp_dir().join("ditstream-kernels"));
+    let include_dir = env_path("DITSTREAM_CUDA_INCLUDE")
+        .or(include_dir)
+        .or_else(|| {
+            env_path("CUDA_HOME")
+                .map(|d| d.join("include"))
+                .into_iter()
+                .chain(INCLUDE_CANDIDATES.iter().map(PathBuf::from))
+                .find(|d| d.join("cuda_bf16.h").is_file())
+        });
+    (cache_dir, include_dir)
+}
+
+/// `$DITSTREAM_CUDNN_SEARCH`, if set: `find` or `heuristic`, another value an error naming it.
+pub fn cudnn_search_from_env() -> Result<Option<CudnnSearch>> {
+    match std::env::var("DITSTREAM_CUDNN_SEARCH") {
+        Ok(v) if !v.is_empty() => match v.as_str() {
+            "find" => Ok(Some(CudnnSearch::Find)),
+            "heuristic" => Ok(Some(CudnnSearch::Heuristic)),
+            other => Err(KernelError::arg(
+                "cudnn",
+                "DITSTREAM_CUDNN_SEARCH",
+                other,
+                "expected `find` (measure each algorithm) or `heuristic` (rank without running)",
+            )),
+        },
+        _ => Ok(None),
     }
 }
 
@@ -87,6 +146,22 @@ pub fn set_cuda_config(config: CudaConfig) -> Result<()> {
             ),
         )
     })
+}
+
+/// Sets the settings unless they are set already; settings already in force that differ are an
+/// error naming both (two stages of one process asking for different caches, say).
+pub fn ensure_cuda_config(config: CudaConfig) -> Result<()> {
+    let in_force = CONFIG.get_or_init(|| config.clone());
+    if *in_force == config {
+        Ok(())
+    } else {
+        Err(KernelError::arg(
+            "set_cuda_config",
+            "config",
+            format!("{config:?}"),
+            format!("another part of this process set {in_force:?}"),
+        ))
+    }
 }
 
 /// The settings in force (the defaults unless [`set_cuda_config`] ran first).
@@ -270,9 +345,45 @@ mod tests {
         let config = CudaConfig {
             cache_dir: PathBuf::from("/tmp/x"),
             include_dir: Some(PathBuf::from("/inc")),
+            cudnn_search: CudnnSearch::Find,
         };
         let opts = options("sm_90a", &config);
         assert!(opts.contains(&"--gpu-architecture=sm_90a".to_string()));
         assert!(opts.contains(&"--include-path=/inc".to_string()));
+    }
+
+    /// The deployment's settings hold unless the environment names another value (the GPU
+    /// scripts set the cache; a plain test run sets none).
+    #[test]
+    fn the_environment_overrides_the_deployments_settings() {
+        let c = CudaConfig::resolve(
+            Some(PathBuf::from("/srv/ditstream/kernels")),
+            Some(PathBuf::from("/opt/cuda/include")),
+            Some(CudnnSearch::Heuristic),
+        );
+        let env = |name| std::env::var_os(name).filter(|v| !v.is_empty());
+        match std::env::var("DITSTREAM_CUDNN_SEARCH")
+            .ok()
+            .filter(|v| !v.is_empty())
+        {
+            None => assert_eq!(c.as_ref().unwrap().cudnn_search, CudnnSearch::Heuristic),
+            Some(v) if v == "find" => {
+                assert_eq!(c.as_ref().unwrap().cudnn_search, CudnnSearch::Find)
+            }
+            Some(v) if v == "heuristic" => {
+                assert_eq!(c.as_ref().unwrap().cudnn_search, CudnnSearch::Heuristic)
+            }
+            Some(_) => {
+                assert!(c.is_err(), "an unknown DITSTREAM_CUDNN_SEARCH is refused");
+                return;
+            }
+        }
+        let c = c.unwrap();
+        let want = env("DITSTREAM_KERNEL_CACHE")
+            .map_or_else(|| "/srv/ditstream/kernels".into(), PathBuf::from);
+        assert_eq!(c.cache_dir, want);
+        let want =
+            env("DITSTREAM_CUDA_INCLUDE").map_or_else(|| "/opt/cuda/include".into(), PathBuf::from);
+        assert_eq!(c.include_dir, Some(want));
     }
 }

@@ -86,6 +86,7 @@ pub enum OverBudget {
 #[derive(Debug, Clone)]
 pub struct CostModel {
     dit: WanConfig,
+    geometry: ditstream_common::mesh::LatentGeometry,
     vae_base_dim: usize,
     denoiser_ranks: f64,
     vae_ranks: f64,
@@ -107,6 +108,7 @@ impl CostModel {
         };
         CostModel {
             dit,
+            geometry: cfg.geometry(),
             vae_base_dim: vae.base_dim,
             denoiser_ranks: cfg.denoiser_world_size().max(1) as f64,
             vae_ranks: cfg.vae_layout().size().max(1) as f64,
@@ -119,7 +121,7 @@ impl CostModel {
 
     /// The transformer's tokens for a request: latent frames × (H/16) × (W/16).
     fn tokens(&self, p: &GenerateParams) -> f64 {
-        let (lt, lh, lw) = ditstream_common::mesh::latent_grid(p.num_frames, p.height, p.width);
+        let (lt, lh, lw) = self.geometry.latent_grid(p.num_frames, p.height, p.width);
         let [pt, ph, pw] = self.dit.patch_size;
         ((lt / pt.max(1)) * (lh / ph.max(1)) * (lw / pw.max(1))) as f64
     }

@@ -6,21 +6,21 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 use ditstream_common::config::{Config, VaeSplitDim};
-use ditstream_common::mesh::{CpLayout, GroupKind, Mesh, SeqShard, VideoShape};
+use ditstream_common::mesh::{CpLayout, GroupKind, LatentGeometry, Mesh, SeqShard, VideoShape};
 
 /// Loads, validates and prints the plan for `config`.
 pub fn run(config: &Path, world: Option<usize>, video: Option<&str>) -> anyhow::Result<()> {
     let cfg = Config::from_file(config)?;
     let mesh = cfg.validate(world)?;
     let video = match video {
-        Some(v) => parse_video(v)?,
+        Some(v) => parse_video(v, cfg.geometry())?,
         None => cfg.default_video(),
     };
     print!("{}", render(&cfg, &mesh, video));
     Ok(())
 }
 
-fn parse_video(text: &str) -> anyhow::Result<VideoShape> {
+fn parse_video(text: &str, geometry: LatentGeometry) -> anyhow::Result<VideoShape> {
     let parts: Vec<&str> = text.split('x').collect();
     let [w, h, f] = parts.as_slice() else {
         bail!("--video {text:?}: expected WIDTHxHEIGHTxFRAMES, e.g. 832x480x81");
@@ -33,13 +33,18 @@ fn parse_video(text: &str) -> anyhow::Result<VideoShape> {
         width: num(w, "width")?,
         height: num(h, "height")?,
         frames: num(f, "frames")?,
+        geometry,
     };
-    if v.width == 0 || !v.width.is_multiple_of(16) || v.height == 0 || !v.height.is_multiple_of(16)
-    {
-        bail!("--video {text:?}: width and height must be positive multiples of 16");
+    let m = geometry.pixel_multiple();
+    if v.width == 0 || !v.width.is_multiple_of(m) || v.height == 0 || !v.height.is_multiple_of(m) {
+        bail!("--video {text:?}: width and height must be positive multiples of {m}");
     }
-    if v.frames % 4 != 1 {
-        bail!("--video {text:?}: frames must be 4k+1 (1, 5, …, 81)");
+    if !geometry.frames_fit(v.frames) {
+        bail!(
+            "--video {text:?}: frames must be {t}k+1 (1, {}, …)",
+            geometry.temporal + 1,
+            t = geometry.temporal
+        );
     }
     Ok(v)
 }

@@ -125,21 +125,29 @@ impl RawRequest {
         }
         let or = |v: Option<u32>, d: usize| v.map_or(d, |v| v as usize);
         let (width, height) = (or(self.width, s.width), or(self.height, s.height));
+        let g = cfg.geometry();
+        let m = g.pixel_multiple();
         for (field, side) in [("width", width), ("height", height)] {
-            if side == 0 || side % 16 != 0 || side > s.max_side {
+            if side == 0 || side % m != 0 || side > s.max_side {
                 return Err(invalid(
                     field,
                     side,
-                    format!("must be a positive multiple of 16 up to {}", s.max_side),
+                    format!("must be a positive multiple of {m} up to {}", s.max_side),
                 ));
             }
         }
         let num_frames = or(self.num_frames, s.num_frames);
-        if num_frames % 4 != 1 || num_frames > s.max_frames {
+        if !g.frames_fit(num_frames) || num_frames > s.max_frames {
             return Err(invalid(
                 "num_frames",
                 num_frames,
-                format!("must be 4k+1 (1, 5, 9, …) and at most {}", s.max_frames),
+                format!(
+                    "must be {t}k+1 (1, {}, {}, …) and at most {}",
+                    g.temporal + 1,
+                    2 * g.temporal + 1,
+                    s.max_frames,
+                    t = g.temporal
+                ),
             ));
         }
         let steps = or(self.steps, cfg.sampler.steps);

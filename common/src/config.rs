@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::mesh::{CpLayout, Mesh, VaeLayout, VideoShape};
+use crate::mesh::{CpLayout, LatentGeometry, Mesh, VaeLayout, VideoShape};
 
 /// Why a config could not be used. Each variant's message is one line naming the key and value.
 #[derive(Debug, thiserror::Error)]
@@ -543,6 +543,39 @@ impl Config {
         })
     }
 
+    /// How the served model maps video to latents and tokens: the Wan 2.2 VAE's for the TI2V-5B
+    /// preset, the Wan 2.1 VAE's for every other preset; for a checkpoint, its
+    /// `vae/config.json` scale factors (`scale_factor_spatial`, `scale_factor_temporal`) where it
+    /// names them, else Wan 2.1's (the decoder checks its VAE against this at start-up).
+    pub fn geometry(&self) -> LatentGeometry {
+        match (
+            self.model.weights,
+            &self.model.checkpoint,
+            self.model.preset,
+        ) {
+            (WeightSource::Checkpoint, Some(dir), _) => {
+                let factors = std::fs::read_to_string(dir.join("vae").join("config.json"))
+                    .ok()
+                    .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok());
+                let factor = |key: &str, default: usize| {
+                    factors
+                        .as_ref()
+                        .and_then(|v| v.get(key))
+                        .and_then(serde_json::Value::as_u64)
+                        .map_or(default, |f| f as usize)
+                };
+                let wan21 = LatentGeometry::WAN21;
+                LatentGeometry {
+                    spatial: factor("scale_factor_spatial", wan21.spatial),
+                    temporal: factor("scale_factor_temporal", wan21.temporal),
+                    patch: wan21.patch,
+                }
+            }
+            (_, _, Some(Preset::Wan22Ti2v5b)) => LatentGeometry::WAN22,
+            _ => LatentGeometry::WAN21,
+        }
+    }
+
     /// The model name the config serves: the preset, or the checkpoint folder's name.
     pub fn model_name(&self) -> String {
         match (&self.model.checkpoint, self.model.weights) {
@@ -836,25 +869,30 @@ impl Config {
                 "must be an address like 127.0.0.1:50051",
             ));
         }
+        let g = self.geometry();
+        let m = g.pixel_multiple();
         for (key, side) in [("serving.width", s.width), ("serving.height", s.height)] {
-            if side == 0 || side % 16 != 0 || side > s.max_side {
+            if side == 0 || side % m != 0 || side > s.max_side {
                 return Err(invalid(
                     key,
                     side,
                     format!(
-                        "must be a positive multiple of 16 up to {} (serving.max_side)",
+                        "must be a positive multiple of {m} up to {} (serving.max_side)",
                         s.max_side
                     ),
                 ));
             }
         }
-        if s.num_frames % 4 != 1 || s.num_frames > s.max_frames {
+        if !g.frames_fit(s.num_frames) || s.num_frames > s.max_frames {
             return Err(invalid(
                 "serving.num_frames",
                 s.num_frames,
                 format!(
-                    "must be 4k+1 (1, 5, 9, …, 81) and at most {} (serving.max_frames)",
-                    s.max_frames
+                    "must be {t}k+1 (1, {}, {}, …) and at most {} (serving.max_frames)",
+                    g.temporal + 1,
+                    2 * g.temporal + 1,
+                    s.max_frames,
+                    t = g.temporal
                 ),
             ));
         }
@@ -892,6 +930,7 @@ impl Config {
     /// The default video shape from `serving` (width, height, frames).
     pub fn default_video(&self) -> VideoShape {
         VideoShape {
+            geometry: self.geometry(),
             width: self.serving.width,
             height: self.serving.height,
             frames: self.serving.num_frames,
@@ -1008,6 +1047,27 @@ mod tests {
             e.contains("unknown variant `hopper`, expected `auto` or `portable`"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn the_models_geometry_sets_the_size_rules() {
+        let wan21 = Config::parse("model: {preset: wan2.1-t2v-1.3b}\n", "<t>").unwrap();
+        assert_eq!(wan21.geometry(), LatentGeometry::WAN21);
+        assert_eq!(wan21.geometry().pixel_multiple(), 16);
+        // The TI2V-5B's Wan 2.2 VAE compresses 16x: sides must be multiples of 32.
+        let e = Config::parse(
+            "model: {preset: wan2.2-ti2v-5b}\nserving: {width: 848, height: 480}\n",
+            "<t>",
+        )
+        .unwrap()
+        .validate(None)
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("serving.width = 848: must be a positive multiple of 32"),
+            "{e}"
+        );
+        assert_eq!(LatentGeometry::WAN22.latent_grid(121, 704, 1280), (31, 44, 80));
     }
 
     #[test]

@@ -299,33 +299,81 @@ impl fmt::Display for Mesh {
     }
 }
 
-/// A video request's pixel shape.
+/// How a model maps video to latents and tokens: the VAE compresses `spatial`× in height and
+/// width and `temporal`× in time (causally: frame 0 alone, then `temporal` frames per latent
+/// frame), and the transformer patchifies `patch`×`patch` latent pixels into one token. It fixes
+/// the latent grid of a video and the rules a request's size must keep: sides a multiple of
+/// `spatial · patch` pixels, frames `temporal·k + 1`. The model's config owns it
+/// ([`crate::config::Config::geometry`]); the decoder checks its VAE against it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LatentGeometry {
+    /// VAE compression of height and width.
+    pub spatial: usize,
+    /// VAE compression of time (after the first frame).
+    pub temporal: usize,
+    /// The transformer's patch, in latent pixels per side.
+    pub patch: usize,
+}
+
+impl LatentGeometry {
+    /// The Wan 2.1 VAE (8×8 spatial, 4× temporal) under Wan's 1×2×2 patch.
+    pub const WAN21: LatentGeometry = LatentGeometry {
+        spatial: 8,
+        temporal: 4,
+        patch: 2,
+    };
+    /// The Wan 2.2 VAE (16×16 spatial, 4× temporal) under the 5B model's 1×2×2 patch.
+    pub const WAN22: LatentGeometry = LatentGeometry {
+        spatial: 16,
+        temporal: 4,
+        patch: 2,
+    };
+
+    /// Latent frames, height and width of a video of `frames` frames of `height`×`width` pixels.
+    pub fn latent_grid(&self, frames: usize, height: usize, width: usize) -> (usize, usize, usize) {
+        (
+            (frames.max(1) - 1) / self.temporal + 1,
+            height / self.spatial,
+            width / self.spatial,
+        )
+    }
+
+    /// What each side of a video must be a multiple of, in pixels.
+    pub fn pixel_multiple(&self) -> usize {
+        self.spatial * self.patch
+    }
+
+    /// Whether `frames` is `temporal·k + 1`.
+    pub fn frames_fit(&self, frames: usize) -> bool {
+        frames % self.temporal == 1
+    }
+}
+
+/// A video request's pixel shape, under its model's geometry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VideoShape {
     /// Width in pixels.
     pub width: usize,
     /// Height in pixels.
     pub height: usize,
-    /// Frames (4k+1).
+    /// Frames (`temporal·k + 1`).
     pub frames: usize,
-}
-
-/// Latent frames, height and width of a video of `num_frames` frames of `height`×`width` pixels
-/// under the Wan 2.1 VAE (8×8 spatial, 4× temporal, causal: frame 0 alone, then 4 per latent frame).
-pub fn latent_grid(num_frames: usize, height: usize, width: usize) -> (usize, usize, usize) {
-    ((num_frames.max(1) - 1) / 4 + 1, height / 8, width / 8)
+    /// How the model maps it to latents and tokens.
+    pub geometry: LatentGeometry,
 }
 
 impl VideoShape {
-    /// Latent grid `(frames, height, width)` of the Wan 2.1 VAE (see [`latent_grid`]).
+    /// Latent grid `(frames, height, width)`.
     pub fn latent_grid(&self) -> (usize, usize, usize) {
-        latent_grid(self.frames, self.height, self.width)
+        self.geometry
+            .latent_grid(self.frames, self.height, self.width)
     }
 
-    /// DiT tokens after 1×2×2 patchification.
+    /// DiT tokens after patchification.
     pub fn tokens(&self) -> usize {
         let (t, h, w) = self.latent_grid();
-        t * (h / 2) * (w / 2)
+        let p = self.geometry.patch;
+        t * (h / p) * (w / p)
     }
 }
 
@@ -591,6 +639,7 @@ mod tests {
             width: 832,
             height: 480,
             frames: 81,
+            geometry: LatentGeometry::WAN21,
         };
         assert_eq!(v.tokens(), 32_760);
         let last = SeqShard::new(v.tokens(), 7, 6);

@@ -27,6 +27,7 @@ use tonic::{Request, Response, Status};
 
 use ditstream_common::config::socket_addr;
 use ditstream_common::link::pool::{self as link, Pending};
+use ditstream_common::mesh::LatentGeometry;
 use ditstream_common::{registration, status};
 
 use crate::stage::{DecodeJob, DecodeStage, MAX_SEGMENT_FRAMES};
@@ -40,21 +41,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// The request a `Decode` call carries, in domain terms (the one wire → domain conversion).
-fn job_of(r: pb::DecodeRequest) -> Result<(String, DecodeJob), Status> {
+fn job_of(r: pb::DecodeRequest, geometry: LatentGeometry) -> Result<(String, DecodeJob), Status> {
     for (field, side) in [("width", r.width), ("height", r.height)] {
-        if side == 0 || side % 16 != 0 {
+        let m = geometry.pixel_multiple() as u32;
+        if side == 0 || side % m != 0 {
             return Err(status::invalid_field(
                 field,
                 side,
-                "must be a positive multiple of 16",
+                &format!("must be a positive multiple of {m}"),
             ));
         }
     }
-    if r.num_frames % 4 != 1 {
+    if !geometry.frames_fit(r.num_frames as usize) {
         return Err(status::invalid_field(
             "num_frames",
             r.num_frames,
-            "must be 4k+1",
+            &format!("must be {}k+1", geometry.temporal),
         ));
     }
     if r.fps == 0 {
@@ -119,7 +121,7 @@ impl DecoderPool for DecoderService {
         request: Request<pb::DecodeRequest>,
     ) -> Result<Response<DecodeStream>, Status> {
         let logged_id = registration::request_id_of(&request, &request.get_ref().request_id);
-        let (id, job) = job_of(request.into_inner())?;
+        let (id, job) = job_of(request.into_inner(), self.stage.geometry())?;
         if let Some(why) = self.stage.out_of_service() {
             return Err(status::out_of_service("decoder instance", &why));
         }
@@ -150,7 +152,9 @@ impl DecoderPool for DecoderService {
                     pb::InitSegment { data, mime_type },
                 )))?;
                 let channels = stage.latent_channels() as u64;
-                let (_, h, w) = job.latent_grid();
+                let (_, h, w) = stage
+                    .geometry()
+                    .latent_grid(job.num_frames, job.height, job.width);
                 let (h, w) = (h as u64, w as u64);
                 while !session.is_done() {
                     let arrived = handle.block_on(async {

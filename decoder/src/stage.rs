@@ -19,6 +19,7 @@ use ditstream_common::collectives::cpu::CpuComm;
 use ditstream_common::collectives::wire::TensorWire;
 use ditstream_common::config::{Config, DeviceKind, EncoderKind, VaeSplitDim};
 use ditstream_common::devices::{self, first_gpu};
+use ditstream_common::mesh::LatentGeometry;
 use ditstream_common::ms;
 use ditstream_common::ranks::{GroupStatus, RankGroup, RankState, Ranks, Threads};
 use ditstream_kernels::{Device, Tensor};
@@ -49,13 +50,6 @@ pub struct DecodeJob {
     pub segment_frames: usize,
 }
 
-impl DecodeJob {
-    /// The latent grid it decodes.
-    pub fn latent_grid(&self) -> (usize, usize, usize) {
-        ditstream_common::mesh::latent_grid(self.num_frames, self.height, self.width)
-    }
-}
-
 /// The decoder pool's half: VAE and H.264 encoder.
 pub struct DecodeStage {
     encoder: EncoderBackend,
@@ -65,6 +59,8 @@ pub struct DecodeStage {
     devices: Vec<Device>,
     /// Rank 0's VAE, for the unsharded reference decode ([`DecodeStage::render_whole`]).
     whole: Arc<WanVaeDecoder>,
+    /// How a video maps to the latent grid (checked against the VAE at start).
+    geometry: LatentGeometry,
     vae: VaeRanks,
 }
 
@@ -263,6 +259,17 @@ impl DecodeStage {
         let devices = devices::rank_devices(cfg, "a decoder instance", vae_ranks)?;
         let copies = models::vae_decoders(cfg, &devices)?;
         let z_dim = copies[0].config().z_dim;
+        let geometry = cfg.geometry();
+        let (spatial, temporal) = copies[0].config().scale_factors();
+        if (spatial, temporal) != (geometry.spatial, geometry.temporal) {
+            bail!(
+                "the VAE compresses {spatial}x{spatial} in space and {temporal}x in time, but the \
+                 model's geometry says {}x{} and {}x",
+                geometry.spatial,
+                geometry.spatial,
+                geometry.temporal
+            );
+        }
         let encoder = match cfg.serving.encoder {
             EncoderKind::Openh264 => EncoderBackend::OpenH264(OpenH264Options::default()),
             EncoderKind::X264 => EncoderBackend::X264(X264Options::default()),
@@ -317,8 +324,14 @@ impl DecodeStage {
             z_dim,
             devices,
             whole: Arc::clone(&copies[0]),
+            geometry,
             vae,
         })
+    }
+
+    /// How a video maps to the latent grid.
+    pub fn geometry(&self) -> LatentGeometry {
+        self.geometry
     }
 
     /// Latent channels the VAE decodes.
@@ -356,7 +369,7 @@ impl DecodeStage {
 
     /// Starts a request's decode; the init segment is ready at once.
     pub fn start(&self, p: &DecodeJob) -> anyhow::Result<DecodeSession<'_>> {
-        let (lt, lh, lw) = p.latent_grid();
+        let (lt, lh, lw) = self.geometry.latent_grid(p.num_frames, p.height, p.width);
         let vae = match &self.vae {
             VaeRanks::Single(vae) => SessionVae::Single(vae.new_stream(lh, lw)?),
             VaeRanks::Sharded(sharded, _) => {

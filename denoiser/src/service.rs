@@ -28,6 +28,7 @@ use tracing::Instrument;
 
 use ditstream_common::config::socket_addr;
 use ditstream_common::link::pool::{self as link, Pending};
+use ditstream_common::mesh::LatentGeometry;
 use ditstream_common::{ms, registration, status};
 
 use crate::denoise::{Control, DenoiseError};
@@ -41,22 +42,26 @@ struct LinkTarget {
 }
 
 /// The request a `Denoise` call carries, in domain terms (the one wire → domain conversion).
-fn job_of(r: pb::DenoiseRequest) -> Result<(String, DenoiseJob, LinkTarget), Status> {
+fn job_of(
+    r: pb::DenoiseRequest,
+    geometry: LatentGeometry,
+) -> Result<(String, DenoiseJob, LinkTarget), Status> {
     let sides = [("width", r.width), ("height", r.height)];
     for (field, side) in sides {
-        if side == 0 || side % 16 != 0 {
+        let m = geometry.pixel_multiple() as u32;
+        if side == 0 || side % m != 0 {
             return Err(status::invalid_field(
                 field,
                 side,
-                "must be a positive multiple of 16",
+                &format!("must be a positive multiple of {m}"),
             ));
         }
     }
-    if r.num_frames % 4 != 1 {
+    if !geometry.frames_fit(r.num_frames as usize) {
         return Err(status::invalid_field(
             "num_frames",
             r.num_frames,
-            "must be 4k+1",
+            &format!("must be {}k+1", geometry.temporal),
         ));
     }
     if r.steps == 0 {
@@ -198,7 +203,7 @@ impl DenoiserPool for DenoiserService {
         request: Request<pb::DenoiseRequest>,
     ) -> Result<Response<DenoiseStream>, Status> {
         let logged_id = registration::request_id_of(&request, &request.get_ref().request_id);
-        let (id, job, target) = job_of(request.into_inner())?;
+        let (id, job, target) = job_of(request.into_inner(), self.stage.geometry())?;
         if let Some(why) = self.stage.out_of_service() {
             return Err(status::out_of_service("denoiser pool", &why));
         }

@@ -19,7 +19,7 @@ use ditstream_common::collectives::cpu::CpuComm;
 use ditstream_common::collectives::wire::TensorWire;
 use ditstream_common::config::{AttentionBackend, Config, DeviceKind, SamplerConfig};
 use ditstream_common::devices::{self, first_gpu};
-use ditstream_common::mesh::Mesh;
+use ditstream_common::mesh::{LatentGeometry, Mesh};
 use ditstream_common::ranks::{GroupStatus, RankGroup, RankState, Ranks, Threads};
 use ditstream_kernels::{Device, Tensor};
 
@@ -55,13 +55,6 @@ pub struct DenoiseJob {
     pub seed: u64,
 }
 
-impl DenoiseJob {
-    /// The latent grid it denoises.
-    pub fn latent_grid(&self) -> (usize, usize, usize) {
-        ditstream_common::mesh::latent_grid(self.num_frames, self.height, self.width)
-    }
-}
-
 /// The denoiser pool's half: text encoder and transformer(s), run on the config's mesh.
 pub struct DenoiseStage {
     text: TextEncoder,
@@ -74,6 +67,8 @@ pub struct DenoiseStage {
     latent_channels: usize,
     /// `attention.backend`.
     attention: AttentionBackend,
+    /// How a video maps to the latent grid.
+    geometry: LatentGeometry,
     ranks: DenoiseRanks,
 }
 
@@ -286,6 +281,7 @@ impl DenoiseStage {
             text,
             sampler: cfg.sampler.clone(),
             attention: cfg.attention.backend,
+            geometry: cfg.geometry(),
             mesh,
             devices,
             latent_channels,
@@ -326,6 +322,11 @@ impl DenoiseStage {
         }
     }
 
+    /// How a video maps to the latent grid (the config's [`Config::geometry`]).
+    pub fn geometry(&self) -> LatentGeometry {
+        self.geometry
+    }
+
     /// Latent channels (the transformer's `in_channels`).
     pub fn latent_channels(&self) -> usize {
         self.latent_channels
@@ -353,7 +354,7 @@ impl DenoiseStage {
         interrupted: &AtomicBool,
         on_step: impl FnMut(StepProgress) -> Control,
     ) -> Result<Tensor, DenoiseError> {
-        let (lt, lh, lw) = p.latent_grid();
+        let (lt, lh, lw) = self.geometry.latent_grid(p.num_frames, p.height, p.width);
         // Drawn on the host from the seed, whatever the device: the same noise everywhere.
         let noise = initial_noise([1, self.latent_channels(), lt, lh, lw], p.seed)?;
         let params = DenoiseParams {

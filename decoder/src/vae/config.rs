@@ -170,6 +170,14 @@ impl VaeConfig {
         }
     }
 
+    /// How much the VAE compresses: (space, time) = (2 per up stage with an upsampler, 2 per
+    /// temporal upsampler): (8, 4) for the Wan 2.1 VAE.
+    pub fn scale_factors(&self) -> (usize, usize) {
+        let spatial = 1 << self.dim_mult.len().saturating_sub(1);
+        let temporal = 1 << self.temporal_upsample.iter().filter(|&&t| t).count();
+        (spatial, temporal)
+    }
+
     /// Decoder channel widths: base · [m_last, m_last, .., m_0] (e.g. 96·[4, 4, 4, 2, 1]).
     pub fn decoder_dims(&self) -> Vec<usize> {
         let last = self.dim_mult.last().copied().unwrap_or(1);
@@ -363,6 +371,17 @@ impl RawConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_wan21_vae_compresses_8x_in_space_and_4x_in_time() {
+        assert_eq!(VaeConfig::wan21().scale_factors(), (8, 4));
+        let three_stages = VaeConfig {
+            dim_mult: vec![1, 2, 4],
+            temporal_upsample: vec![true, false],
+            ..VaeConfig::wan21()
+        };
+        assert_eq!(three_stages.scale_factors(), (4, 2));
+    }
 
     fn parse(json: &str) -> Result<VaeConfig> {
         VaeConfig::from_json(json, Path::new("vae/config.json"))

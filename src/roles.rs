@@ -81,7 +81,10 @@ pub async fn run_decoder(path: &Path) -> anyhow::Result<()> {
     let pool = decoder::start(&cfg, &dir).await?;
     until_ctrl_c(
         "decoder instance",
-        format!("{} (latent link {})", pool.addr, pool.link_addr),
+        match pool.link_addr {
+            Some(link) => format!("{} (latent link {link})", pool.addr),
+            None => pool.addr.to_string(),
+        },
     )
     .await?;
     pool.stop().await;

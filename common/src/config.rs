@@ -1067,7 +1067,10 @@ mod tests {
             e.starts_with("serving.width = 848: must be a positive multiple of 32"),
             "{e}"
         );
-        assert_eq!(LatentGeometry::WAN22.latent_grid(121, 704, 1280), (31, 44, 80));
+        assert_eq!(
+            LatentGeometry::WAN22.latent_grid(121, 704, 1280),
+            (31, 44, 80)
+        );
     }
 
     #[test]

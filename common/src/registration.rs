@@ -25,6 +25,50 @@ pub fn request_id_of<T>(request: &tonic::Request<T>, fallback: &str) -> String {
 /// Why a pool is out of service, if it is (checked before every heartbeat).
 pub type Health = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 
+/// A pool serving in this process behind its own listener(s) and registered with a gateway:
+/// what `ditstream denoiser` and `ditstream decoder` run until Ctrl-C.
+pub struct RunningPool {
+    /// Its gRPC address.
+    pub addr: std::net::SocketAddr,
+    /// A decoder instance's latent-link address (`None` for a denoiser pool).
+    pub link_addr: Option<std::net::SocketAddr>,
+    registration: Registered,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RunningPool {
+    /// A pool at `addr` (and `link_addr`) kept registered by `registration`, serving in `tasks`.
+    pub fn new(
+        addr: std::net::SocketAddr,
+        link_addr: Option<std::net::SocketAddr>,
+        registration: Registered,
+        tasks: Vec<tokio::task::JoinHandle<()>>,
+    ) -> RunningPool {
+        RunningPool {
+            addr,
+            link_addr,
+            registration,
+            tasks,
+        }
+    }
+
+    /// Leaves the gateway (nothing more is routed here), then stops serving.
+    pub async fn stop(mut self) {
+        self.registration.deregister().await;
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for RunningPool {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
 /// A pool's registration, kept alive in the background until [`Registered::deregister`].
 pub struct Registered {
     gateway: String,

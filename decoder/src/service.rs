@@ -9,7 +9,6 @@
 //! inside `ditstream serve`, where the gateway calls it directly and the denoiser hands it the
 //! latent in memory.
 
-use std::net::SocketAddr;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -216,36 +215,8 @@ impl DecoderPool for DecoderService {
     }
 }
 
-/// A decoder instance running in this process behind its own listener and latent link.
-pub struct RunningDecoder {
-    /// Its gRPC address.
-    pub addr: SocketAddr,
-    /// Its latent-link address.
-    pub link_addr: SocketAddr,
-    registration: registration::Registered,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl RunningDecoder {
-    /// Leaves the gateway (nothing more is routed here), then stops serving.
-    pub async fn stop(mut self) {
-        self.registration.deregister().await;
-        for t in self.tasks.drain(..) {
-            t.abort();
-        }
-    }
-}
-
-impl Drop for RunningDecoder {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
-
 /// Builds the VAE, listens on gRPC and the latent link, and registers with the gateway.
-pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDecoder> {
+pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<registration::RunningPool> {
     let build = cfg.clone();
     let stage =
         Arc::new(tokio::task::spawn_blocking(move || DecodeStage::from_config(&build)).await??);
@@ -283,10 +254,10 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDec
     let registration =
         registration::Registered::start(cfg.pools.gateway.clone(), registration, active, health);
     tracing::info!(%grpc_addr, %link_addr, "decoder instance up");
-    Ok(RunningDecoder {
-        addr: grpc_addr,
-        link_addr,
+    Ok(registration::RunningPool::new(
+        grpc_addr,
+        Some(link_addr),
         registration,
-        tasks: vec![link_task, grpc_task],
-    })
+        vec![link_task, grpc_task],
+    ))
 }

@@ -315,34 +315,8 @@ impl DenoiserPool for DenoiserService {
     }
 }
 
-/// A denoiser pool running in this process behind its own listener.
-pub struct RunningDenoiser {
-    /// Its gRPC address.
-    pub addr: SocketAddr,
-    registration: registration::Registered,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl RunningDenoiser {
-    /// Leaves the gateway (nothing more is routed here), then stops serving.
-    pub async fn stop(mut self) {
-        self.registration.deregister().await;
-        for t in self.tasks.drain(..) {
-            t.abort();
-        }
-    }
-}
-
-impl Drop for RunningDenoiser {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
-
 /// Builds the text encoder and transformer, serves gRPC and registers with the gateway.
-pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDenoiser> {
+pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<registration::RunningPool> {
     let build = cfg.clone();
     let stage =
         Arc::new(tokio::task::spawn_blocking(move || DenoiseStage::from_config(&build)).await??);
@@ -377,9 +351,10 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<RunningDen
     let registration =
         registration::Registered::start(cfg.pools.gateway.clone(), registration, active, health);
     tracing::info!(%grpc_addr, "denoiser pool up");
-    Ok(RunningDenoiser {
-        addr: grpc_addr,
+    Ok(registration::RunningPool::new(
+        grpc_addr,
+        None,
         registration,
-        tasks: vec![grpc_task],
-    })
+        vec![grpc_task],
+    ))
 }

@@ -150,32 +150,25 @@ impl Gateway {
         self.0.draining.store(true, Ordering::SeqCst);
         let (queued, running) = self.0.load();
         tracing::info!(queued, running, grace_s = grace.as_secs_f64(), "draining");
-        let idle = async {
-            loop {
-                let ended = self.0.ended.notified();
-                if lock(&self.0.requests).is_empty() {
-                    return;
-                }
-                ended.await;
-            }
-        };
-        if tokio::time::timeout(grace, idle).await.is_err() {
+        if tokio::time::timeout(grace, self.idle()).await.is_err() {
             let requests = lock(&self.0.requests);
             tracing::warn!(left = requests.len(), "grace over: cancelling");
             for e in requests.values() {
                 let _ = e.stop.send(Stop::ShuttingDown);
             }
         }
-        let idle = async {
-            loop {
-                let ended = self.0.ended.notified();
-                if lock(&self.0.requests).is_empty() {
-                    return;
-                }
-                ended.await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.idle()).await;
+    }
+
+    /// Resolves once no request is queued or running.
+    async fn idle(&self) {
+        loop {
+            let ended = self.0.ended.notified();
+            if lock(&self.0.requests).is_empty() {
+                return;
             }
-        };
-        let _ = tokio::time::timeout(Duration::from_secs(5), idle).await;
+            ended.await;
+        }
     }
 
     /// Admission: validation, the cost model, the queue bound. Returns the request's id, its

@@ -85,15 +85,23 @@ pub fn unreachable(what: &str, address: &str, why: impl std::fmt::Display) -> St
 /// died, the connection broke; tonic reports those as UNKNOWN, UNAVAILABLE or CANCELLED) become
 /// UNAVAILABLE naming the pool and the reason; a pool's own documented answer passes through.
 pub fn from_pool(what: &str, address: &str, status: Status) -> Status {
-    match status.code() {
-        Code::Unknown | Code::Unavailable | Code::Cancelled | Code::Aborted => {
-            Status::unavailable(format!(
-                "{what} at {address} was lost mid-request: {}",
-                status.message()
-            ))
-        }
-        _ => status,
+    if is_transport_failure(&status) {
+        Status::unavailable(format!(
+            "{what} at {address} was lost mid-request: {}",
+            status.message()
+        ))
+    } else {
+        status
     }
+}
+
+/// Whether a pool's stream failed in transport (the process or the connection went) rather
+/// than with one of the pool's own answers: only then is the pool dropped from the registry.
+pub fn is_transport_failure(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::Unknown | Code::Unavailable | Code::Cancelled | Code::Aborted
+    )
 }
 
 /// A pool's stream ended without the event that finishes its part.

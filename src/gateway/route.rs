@@ -209,7 +209,9 @@ async fn route(
     let mut init = Some(s.init.clone());
     let (mut denoised, mut decoded) = (false, None::<pb::Decoded>);
     let lost = |pool: &Pool, e: Status| {
-        lock(&shared.registry).forget(&pool.id, e.message());
+        if status::is_transport_failure(&e) {
+            lock(&shared.registry).forget(&pool.id, e.message());
+        }
         status::from_pool(pool.what(), pool.reach.address(), e)
     };
     while !(denoised && decoded.is_some()) {

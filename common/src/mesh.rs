@@ -347,6 +347,31 @@ impl LatentGeometry {
     pub fn frames_fit(&self, frames: usize) -> bool {
         frames % self.temporal == 1
     }
+
+    /// The first rule a video of `width`×`height` pixels and `frames` frames breaks, as
+    /// (field, value, rule): sides a positive multiple of [`pixel_multiple`](Self::pixel_multiple),
+    /// frames `temporal·k + 1`.
+    pub fn check_size(
+        &self,
+        width: usize,
+        height: usize,
+        frames: usize,
+    ) -> Result<(), (&'static str, usize, String)> {
+        let m = self.pixel_multiple();
+        for (field, side) in [("width", width), ("height", height)] {
+            if side == 0 || side % m != 0 {
+                return Err((field, side, format!("must be a positive multiple of {m}")));
+            }
+        }
+        if !self.frames_fit(frames) {
+            return Err((
+                "num_frames",
+                frames,
+                format!("must be {}k+1", self.temporal),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A video request's pixel shape, under its model's geometry.
@@ -630,6 +655,28 @@ mod tests {
         // attn2d 1×2: the row group holds both (Q gather, output combine).
         let m = Mesh::new(1, 1, CpLayout::Attn2d { rows: 1, cols: 2 }, 1);
         assert_eq!(m.groups(GroupKind::Row), vec![vec![0, 1]]);
+    }
+
+    #[test]
+    fn a_size_that_breaks_the_geometry_names_the_field_and_the_rule() {
+        let g = LatentGeometry::WAN21;
+        assert_eq!(g.check_size(832, 480, 81), Ok(()));
+        assert_eq!(
+            g.check_size(830, 480, 81),
+            Err((
+                "width",
+                830,
+                "must be a positive multiple of 16".to_string()
+            ))
+        );
+        assert_eq!(
+            g.check_size(832, 0, 81),
+            Err(("height", 0, "must be a positive multiple of 16".to_string()))
+        );
+        assert_eq!(
+            g.check_size(832, 480, 80),
+            Err(("num_frames", 80, "must be 4k+1".to_string()))
+        );
     }
 
     #[test]

@@ -41,22 +41,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// The request a `Decode` call carries, in domain terms (the one wire → domain conversion).
 fn job_of(r: pb::DecodeRequest, geometry: LatentGeometry) -> Result<(String, DecodeJob), Status> {
-    for (field, side) in [("width", r.width), ("height", r.height)] {
-        let m = geometry.pixel_multiple() as u32;
-        if side == 0 || side % m != 0 {
-            return Err(status::invalid_field(
-                field,
-                side,
-                &format!("must be a positive multiple of {m}"),
-            ));
-        }
-    }
-    if !geometry.frames_fit(r.num_frames as usize) {
-        return Err(status::invalid_field(
-            "num_frames",
-            r.num_frames,
-            &format!("must be {}k+1", geometry.temporal),
-        ));
+    let size = geometry.check_size(r.width as usize, r.height as usize, r.num_frames as usize);
+    if let Err((field, value, rule)) = size {
+        return Err(status::invalid_field(field, value, &rule));
     }
     if r.fps == 0 {
         return Err(status::invalid_field("fps", 0, "must be at least 1"));

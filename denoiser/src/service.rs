@@ -46,23 +46,9 @@ fn job_of(
     r: pb::DenoiseRequest,
     geometry: LatentGeometry,
 ) -> Result<(String, DenoiseJob, LinkTarget), Status> {
-    let sides = [("width", r.width), ("height", r.height)];
-    for (field, side) in sides {
-        let m = geometry.pixel_multiple() as u32;
-        if side == 0 || side % m != 0 {
-            return Err(status::invalid_field(
-                field,
-                side,
-                &format!("must be a positive multiple of {m}"),
-            ));
-        }
-    }
-    if !geometry.frames_fit(r.num_frames as usize) {
-        return Err(status::invalid_field(
-            "num_frames",
-            r.num_frames,
-            &format!("must be {}k+1", geometry.temporal),
-        ));
+    let size = geometry.check_size(r.width as usize, r.height as usize, r.num_frames as usize);
+    if let Err((field, value, rule)) = size {
+        return Err(status::invalid_field(field, value, &rule));
     }
     if r.steps == 0 {
         return Err(status::invalid_field("steps", 0, "must be at least 1"));

@@ -7,7 +7,7 @@
 #                            mesh and parallel VAE against one GPU, start-up errors (tests/gpu_serving.rs)
 #   target/gpu/nccl_link     the NCCL latent link between two GPUs: exact transfer, corruption caught
 #                            (tests/nccl_link.rs)
-#   target/gpu/pools_gpu     the pools on two GPUs against the sequential engine on one, and the
+#   target/gpu/pools_gpu     serve on one GPU and the pools on two, and the
 #                            latent links' per-chunk latency (bench/src/bin/pools_gpu.rs)
 # Works with a shared CARGO_TARGET_DIR (the executables are found in cargo's JSON messages).
 # target/ is git-ignored: carry target/gpu to the GPU machine with the working tree.

@@ -9,7 +9,7 @@
 #      the two GPUs (tests/nccl_link.rs: exact transfer in f32 and bf16, a corrupted chunk fails its
 #      request; ≈ 5 s);
 #   2. the pools benchmark: Wan2.1-1.3B random weights in bf16, 480p 81 frames, STEPS steps,
-#      REQUESTS requests at once after a warm-up, sequential `serve` engine on GPU 0 against a
+#      REQUESTS requests at once after a warm-up, `serve` (gateway and both pools) on GPU 0 against a
 #      gateway + denoiser pool on GPU 0 + decoder instance on GPU 1 (LINK latent link), then the
 #      per-chunk latency of each of LATENCY_LINKS (≈ 2–3 min: a 4-step request is ≈ 7 s of denoising
 #      (bench/RESULTS.md: 0.82 s per 1.3B forward at 480p 81 frames, two per CFG step) and ≈ 1 s of

@@ -61,6 +61,13 @@ pub struct GenerateArgs {
     /// Seconds before the request is abandoned (0: none).
     #[arg(long, default_value_t = 0)]
     pub timeout: u64,
+    /// The API key, sent as `authorization: Bearer <key>` (better from the environment than
+    /// on the command line, where other users of the host can read it).
+    #[arg(long, env = "DITSTREAM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// For an `https://` server: the CA certificate (PEM) to trust; default: the system's roots.
+    #[arg(long)]
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 /// Progress on stderr: one rewritten line on a terminal, one line per phase change otherwise.
@@ -127,11 +134,28 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
     result
 }
 
-async fn request(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
-    let mut client = VideoServiceClient::connect(endpoint.to_string())
+/// A channel to `endpoint`; over TLS for `https://`, trusting `--tls-ca` or the system's roots.
+async fn connect(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<tonic::transport::Channel> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+    let mut e = Endpoint::from_shared(endpoint.to_string())
+        .with_context(|| format!("--server {endpoint}: not a URL"))?;
+    if endpoint.starts_with("https://") {
+        let tls = match &args.tls_ca {
+            Some(path) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(
+                std::fs::read(path).with_context(|| format!("--tls-ca {}", path.display()))?,
+            )),
+            None => ClientTlsConfig::new().with_native_roots(),
+        };
+        e = e.tls_config(tls)?;
+    }
+    e.connect()
         .await
-        .with_context(|| format!("cannot connect to {endpoint}"))?
-        .max_decoding_message_size(64 << 20);
+        .with_context(|| format!("cannot connect to {endpoint}"))
+}
+
+async fn request(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
+    let mut client =
+        VideoServiceClient::new(connect(args, endpoint).await?).max_decoding_message_size(64 << 20);
     let mut request = tonic::Request::new(pb::GenerateRequest {
         prompt: args.prompt.clone(),
         negative_prompt: args.negative_prompt.clone(),
@@ -148,6 +172,12 @@ async fn request(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
     });
     if args.timeout > 0 {
         request.set_timeout(std::time::Duration::from_secs(args.timeout));
+    }
+    if let Some(key) = &args.api_key {
+        let value = format!("Bearer {key}")
+            .parse()
+            .context("--api-key: not a valid header value")?;
+        request.metadata_mut().insert("authorization", value);
     }
     let start = Instant::now();
     let mut stream = client

@@ -49,6 +49,9 @@ enum Command {
         /// Listen address; default: the config's `serving.listen`.
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
+        /// The pool registry's listen address (mutual TLS); default: `pools.registry_listen`.
+        #[arg(long)]
+        registry_listen: Option<std::net::SocketAddr>,
     },
     /// Run a denoiser pool: text encoder and transformer; registers with the gateway.
     Denoiser {
@@ -62,7 +65,7 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
-    /// Write a development pool CA and certificate for the latent link (ca.pem, pool.pem,
+    /// Write a development pool CA and a certificate for every internal hop (ca.pem, pool.pem,
     /// pool-key.pem).
     Certs {
         /// Output folder.
@@ -71,6 +74,22 @@ enum Command {
         /// Host names or IPs the certificate covers (repeatable).
         #[arg(long = "host", default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
         hosts: Vec<String>,
+    },
+    /// Manage the API keys file (`serving.api_keys`).
+    #[command(subcommand)]
+    Keys(KeysCommand),
+}
+
+#[derive(Subcommand)]
+enum KeysCommand {
+    /// Make a new key for NAME: its hash is appended to FILE, the key printed once.
+    Add {
+        /// The keys file (created if missing, readable by its owner only).
+        #[arg(long)]
+        file: PathBuf,
+        /// Who the key is for; requests made with it belong to this name.
+        #[arg(long)]
+        name: String,
     },
 }
 
@@ -89,7 +108,9 @@ fn main() -> ExitCode {
         | Command::Gateway { .. }
         | Command::Denoiser { .. }
         | Command::Decoder { .. } => "info",
-        Command::Plan { .. } | Command::Generate(_) | Command::Certs { .. } => "warn",
+        Command::Plan { .. } | Command::Generate(_) | Command::Certs { .. } | Command::Keys(_) => {
+            "warn"
+        }
     };
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -108,9 +129,12 @@ fn main() -> ExitCode {
             runtime().and_then(|rt| rt.block_on(serve::serve(config.as_deref(), listen)))
         }
         Command::Generate(args) => runtime().and_then(|rt| rt.block_on(generate::run(args))),
-        Command::Gateway { config, listen } => {
-            runtime().and_then(|rt| rt.block_on(roles::run_gateway(&config, listen)))
-        }
+        Command::Gateway {
+            config,
+            listen,
+            registry_listen,
+        } => runtime()
+            .and_then(|rt| rt.block_on(roles::run_gateway(&config, listen, registry_listen))),
         Command::Denoiser { config } => {
             runtime().and_then(|rt| rt.block_on(roles::run_denoiser(&config)))
         }
@@ -118,6 +142,7 @@ fn main() -> ExitCode {
             runtime().and_then(|rt| rt.block_on(roles::run_decoder(&config)))
         }
         Command::Certs { out, hosts } => roles::write_certs(&out, &hosts),
+        Command::Keys(KeysCommand::Add { file, name }) => roles::add_key(&file, &name),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

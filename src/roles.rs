@@ -1,7 +1,8 @@
 //! The disaggregated deployment's processes: `ditstream gateway` (the [`crate::gateway`] with
 //! its registry), `ditstream denoiser` (`ditstream_denoiser::service`) and `ditstream decoder`
-//! (`ditstream_decoder::service`), each its own process (or host), and `ditstream certs`. Each
-//! runs until Ctrl-C, then leaves cleanly: the gateway drains, a pool deregisters.
+//! (`ditstream_decoder::service`), each its own process (or host), and the operator's tools:
+//! `ditstream certs` (a development pool CA) and `ditstream keys add` (an API key). Each
+//! process runs until Ctrl-C, then leaves cleanly: the gateway drains, a pool deregisters.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -9,12 +10,14 @@ use std::time::Duration;
 
 use anyhow::Context;
 use ditstream_common::config::{Config, socket_addr};
-use ditstream_common::link::quic::PoolCa;
+use ditstream_common::tls::PoolCa;
 use ditstream_decoder::service as decoder;
 use ditstream_denoiser::service as denoiser;
 
 /// `ditstream certs`: a fresh pool CA and one certificate for `hosts`, written as `ca.pem`,
-/// `pool.pem` and `pool-key.pem` under `out`.
+/// `pool.pem` and `pool-key.pem` under `out`: what every member of a development deployment
+/// (gateway, pools) presents on the control plane and the latent link. In production each
+/// member gets its own certificate naming its own host.
 pub fn write_certs(out: &Path, hosts: &[String]) -> anyhow::Result<()> {
     let ca = PoolCa::generate("ditstream pools")?;
     let (cert, key) = ca.issue_pem(hosts)?;
@@ -30,14 +33,22 @@ pub fn write_certs(out: &Path, hosts: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Reads and validates a pool config; returns it and the folder its relative paths start from.
-fn load(path: &Path) -> anyhow::Result<(Config, std::path::PathBuf)> {
+/// `ditstream keys add`: a new API key for `name`, its hash appended to `file`; prints the key.
+pub fn add_key(file: &Path, name: &str) -> anyhow::Result<()> {
+    let key = crate::gateway::keys::add(file, name)?;
+    eprintln!(
+        "added API key {name:?} to {} (send SIGHUP to a running gateway to load it); the key, shown once:",
+        file.display()
+    );
+    println!("{key}");
+    Ok(())
+}
+
+/// Reads and validates a pool config.
+fn load(path: &Path) -> anyhow::Result<Config> {
     let cfg = Config::from_file(path)?;
     cfg.validate(None)?;
-    let dir = path
-        .parent()
-        .map_or_else(|| Path::new(".").to_path_buf(), Path::to_path_buf);
-    Ok((cfg, dir))
+    Ok(cfg)
 }
 
 async fn until_ctrl_c(what: &str, addr: impl std::fmt::Display) -> anyhow::Result<()> {
@@ -50,15 +61,22 @@ async fn until_ctrl_c(what: &str, addr: impl std::fmt::Display) -> anyhow::Resul
 }
 
 /// `ditstream gateway`: serves until Ctrl-C, then drains (`serving.shutdown_grace_s`).
-pub async fn run_gateway(path: &Path, listen: Option<SocketAddr>) -> anyhow::Result<()> {
-    let (cfg, _) = load(path)?;
+pub async fn run_gateway(
+    path: &Path,
+    listen: Option<SocketAddr>,
+    registry_listen: Option<SocketAddr>,
+) -> anyhow::Result<()> {
+    let cfg = load(path)?;
     let listen = match listen {
         Some(a) => a,
         None => socket_addr("serving.listen", &cfg.serving.listen)?,
     };
-    let gateway = crate::gateway::start(&cfg, listen).await?;
-    // Tests and scripts read the real address (port 0 picks one) from this line.
+    let gateway = crate::gateway::start(&cfg, listen, registry_listen).await?;
+    // Tests and scripts read the real addresses (port 0 picks one) from these lines.
     println!("gateway listening on {}", gateway.addr);
+    if let Some(registry) = gateway.registry_addr {
+        println!("pool registry listening on {registry}");
+    }
     until_ctrl_c("gateway", gateway.addr).await?;
     gateway
         .stop(Duration::from_secs(cfg.serving.shutdown_grace_s))
@@ -68,8 +86,8 @@ pub async fn run_gateway(path: &Path, listen: Option<SocketAddr>) -> anyhow::Res
 
 /// `ditstream denoiser`: serves until Ctrl-C, then deregisters.
 pub async fn run_denoiser(path: &Path) -> anyhow::Result<()> {
-    let (cfg, dir) = load(path)?;
-    let pool = denoiser::start(&cfg, &dir).await?;
+    let cfg = load(path)?;
+    let pool = denoiser::start(&cfg).await?;
     until_ctrl_c("denoiser pool", pool.addr).await?;
     pool.stop().await;
     Ok(())
@@ -77,8 +95,8 @@ pub async fn run_denoiser(path: &Path) -> anyhow::Result<()> {
 
 /// `ditstream decoder`: serves until Ctrl-C, then deregisters.
 pub async fn run_decoder(path: &Path) -> anyhow::Result<()> {
-    let (cfg, dir) = load(path)?;
-    let pool = decoder::start(&cfg, &dir).await?;
+    let cfg = load(path)?;
+    let pool = decoder::start(&cfg).await?;
     until_ctrl_c(
         "decoder instance",
         match pool.link_addr {

@@ -52,7 +52,7 @@ impl RunningServer {
 /// Builds the models (on a blocking thread), starts both pools and the gateway, and serves on
 /// `listen` (port 0 picks a free port; see `addr`).
 pub async fn start(cfg: Config, listen: SocketAddr) -> anyhow::Result<RunningServer> {
-    let gateway = Gateway::new(&cfg)?;
+    let gateway = Gateway::new(&cfg, None)?;
     let build_cfg = cfg.clone();
     let pipeline = tokio::task::spawn_blocking(move || Pipeline::from_config(&build_cfg))
         .await
@@ -62,7 +62,7 @@ pub async fn start(cfg: Config, listen: SocketAddr) -> anyhow::Result<RunningSer
     let decoder = DecoderService::new(Arc::new(decode), Arc::clone(&pending));
     let denoiser = DenoiserService::new(Arc::new(denoise), None, Some(pending));
     gateway.add_local(Arc::new(denoiser), Arc::new(decoder));
-    let gateway = crate::gateway::serve(gateway, listen, false).await?;
+    let gateway = crate::gateway::serve(gateway, listen, None).await?;
     Ok(RunningServer {
         addr: gateway.addr,
         gateway,

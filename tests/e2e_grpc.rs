@@ -496,14 +496,12 @@ async fn cancel_disconnect_and_deadline_stop_the_work_and_the_next_request_runs(
         .unwrap()
         .into_inner();
     assert_eq!((health.queued, health.running), (0, 0));
-    assert!(
-        !client
-            .cancel(pb::CancelRequest { request_id: id })
-            .await
-            .unwrap()
-            .into_inner()
-            .cancelled
-    );
+    // A request that ended is no longer known.
+    let e = client
+        .cancel(pb::CancelRequest { request_id: id })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
     server.stop().await.unwrap();
 }
 

@@ -18,8 +18,8 @@ use std::time::Duration;
 use ditstream_common::config::Config;
 use ditstream_common::link::nccl::NcclConnection;
 use ditstream_common::link::pool::{self as link, Delivery, Pending};
-use ditstream_common::link::quic::PoolCa;
 use ditstream_common::link::{ChunkHeader, LinkDType};
+use ditstream_common::tls::PoolCa;
 use ditstream_kernels::{DType, Device, Tensor};
 use tokio::sync::mpsc;
 

@@ -1,6 +1,6 @@
 //! The disaggregated deployment as an operator runs it: `ditstream gateway`, `ditstream denoiser`
-//! and `ditstream decoder` as separate processes on loopback (gRPC between them, the latent over
-//! QUIC with mutual TLS), a real client, the MP4 checked with ffprobe. Also: the denoiser takes
+//! and `ditstream decoder` as separate processes on loopback (gRPC between them and the latent
+//! over QUIC, every internal hop on mutual TLS with the pool CA), a real client, the MP4 checked with ffprobe. Also: the denoiser takes
 //! request N+1 while the decoder still works on N, and a decoder that dies is dropped from the
 //! registry and a new one takes over.
 
@@ -78,24 +78,34 @@ impl Deployment {
         )
         .unwrap();
         let mut gateway = bin()
-            .args(["gateway", "--listen", "127.0.0.1:0", "--config"])
+            .args([
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--registry-listen",
+                "127.0.0.1:0",
+            ])
+            .arg("--config")
             .arg(dir.join("gateway.yaml"))
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let mut line = String::new();
-        BufReader::new(gateway.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("gateway listening on ")
-            .expect("the gateway prints its address")
-            .to_string();
+        let mut out = BufReader::new(gateway.stdout.take().unwrap());
+        let mut read = |prefix: &str| {
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            line.trim()
+                .strip_prefix(prefix)
+                .unwrap_or_else(|| panic!("the gateway prints {prefix:?}, not {line:?}"))
+                .to_string()
+        };
+        let addr = read("gateway listening on ");
+        let registry = read("pool registry listening on ");
+        // The pools register over mutual TLS at the registry, not at the public address.
         std::fs::write(
             dir.join("pools.yaml"),
-            config_with_link(&addr, parallel, link),
+            config_with_link(&registry, parallel, link),
         )
         .unwrap();
         let mut d = Deployment {

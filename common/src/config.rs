@@ -72,9 +72,75 @@ pub struct Config {
     #[serde(default)]
     pub serving: ServingConfig,
     /// The disaggregated deployment: where the pools listen, find the gateway, and their TLS
-    /// identities for the latent link.
+    /// identities for the control plane and the latent link.
     #[serde(default)]
     pub pools: PoolsConfig,
+    /// Limits every listener of this process applies to its connections.
+    #[serde(default)]
+    pub connections: ConnectionLimits,
+    /// The folder relative paths in the file start from (the file's own folder; the working
+    /// directory for a config parsed from a string).
+    #[serde(skip)]
+    pub base_dir: PathBuf,
+}
+
+/// `connections:`: what every listener (the public API, the gateway's registry, each pool's
+/// service) allows a connection, so no client can hold a server's sockets or memory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConnectionLimits {
+    /// Open connections per listener; beyond it a new connection is refused at once (HTTP/2
+    /// GOAWAY `ENHANCE_YOUR_CALM` naming the limit, on plaintext listeners; closed on TLS ones).
+    pub max_connections: usize,
+    /// Seconds a new connection has for its TLS handshake and the HTTP/2 preface.
+    pub handshake_timeout_s: f64,
+    /// Seconds a connection may stay open with no request in flight.
+    pub idle_timeout_s: f64,
+    /// Seconds between HTTP/2 keepalive pings on a connection.
+    pub keepalive_interval_s: f64,
+    /// Seconds a ping may go unanswered before the connection is closed as dead.
+    pub keepalive_timeout_s: f64,
+    /// Concurrent HTTP/2 streams (calls) per connection (`SETTINGS_MAX_CONCURRENT_STREAMS`);
+    /// streams beyond it are refused (`REFUSED_STREAM`).
+    pub max_streams: u32,
+    /// Largest request message, in bytes (larger ones get RESOURCE_EXHAUSTED); request headers
+    /// are capped at 16 KiB.
+    pub max_request_bytes: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            max_connections: 4096,
+            handshake_timeout_s: 10.0,
+            idle_timeout_s: 300.0,
+            keepalive_interval_s: 30.0,
+            keepalive_timeout_s: 20.0,
+            max_streams: 64,
+            max_request_bytes: 1 << 20,
+        }
+    }
+}
+
+/// `serving.tls`: the public API's certificate (chain) and private key, PEM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFiles {
+    /// Certificate chain (PEM), relative to the config file's folder.
+    pub cert: String,
+    /// Private key (PEM).
+    pub key: String,
+}
+
+/// `serving.per_key`: what one API key may have in flight (unset: only the global limits).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct PerKeyLimits {
+    /// Requests of one key denoising or decoding at once; more wait in the queue.
+    pub max_running: Option<usize>,
+    /// Requests of one key waiting in the queue; beyond it admission answers
+    /// RESOURCE_EXHAUSTED naming this key.
+    pub max_queued: Option<usize>,
 }
 
 /// Transport of the latent link between denoiser and decoder pools.
@@ -95,7 +161,11 @@ pub enum LinkKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PoolsConfig {
-    /// The gateway's address, where pools register (its `serving.listen`).
+    /// Where the gateway's pool registry listens (mutual TLS, certificates from `tls_ca`): a
+    /// listener of its own, apart from the public API.
+    pub registry_listen: String,
+    /// Where pools reach the registry (the gateway's `registry_listen` as seen from the pools;
+    /// its host must be on the gateway's certificate).
     pub gateway: String,
     /// A denoiser pool's gRPC address (port 0: any free port; the pool registers the real one).
     pub denoiser_listen: String,
@@ -109,9 +179,11 @@ pub struct PoolsConfig {
     pub link_host: String,
     /// Seconds without a heartbeat after which the gateway drops a pool.
     pub heartbeat_timeout_s: u64,
-    /// The pool CA certificate (PEM).
+    /// The pool CA certificate (PEM): every internal hop (registry, pool services, latent link)
+    /// accepts only peers whose certificate it signed.
     pub tls_ca: String,
-    /// The pools' certificate (PEM), presented on both ends of the latent link.
+    /// This member's certificate (PEM), presented on every internal hop; it must name the
+    /// addresses the member registers (its gRPC host and, for a decoder, `link_host`).
     pub tls_cert: String,
     /// Its private key (PEM).
     pub tls_key: String,
@@ -120,7 +192,8 @@ pub struct PoolsConfig {
 impl Default for PoolsConfig {
     fn default() -> Self {
         PoolsConfig {
-            gateway: "127.0.0.1:50051".to_string(),
+            registry_listen: "127.0.0.1:50052".to_string(),
+            gateway: "127.0.0.1:50052".to_string(),
             denoiser_listen: "127.0.0.1:0".to_string(),
             decoder_listen: "127.0.0.1:0".to_string(),
             link: LinkKind::Quic,
@@ -436,6 +509,15 @@ pub struct ServingConfig {
     pub shutdown_grace_s: u64,
     /// What admission refuses as beyond the serving devices (see [`AdmissionConfig`]).
     pub admission: AdmissionConfig,
+    /// TLS for the public API (unset: plaintext, allowed on loopback only).
+    pub tls: Option<TlsFiles>,
+    /// A file of API keys (`ditstream keys add`): each line `<name> sha256:<hex>`; reloaded on
+    /// SIGHUP. Unset: no authentication (loopback only), every caller one principal.
+    pub api_keys: Option<String>,
+    /// Allows a non-loopback `listen` without `tls` and `api_keys` (logged as a warning).
+    pub insecure: bool,
+    /// Limits per API key.
+    pub per_key: PerKeyLimits,
 }
 
 /// `serving.admission`: the cost model that refuses, at once, a request the serving devices
@@ -505,7 +587,37 @@ impl Default for ServingConfig {
             max_deadline_s: 24 * 3600,
             shutdown_grace_s: 30,
             admission: AdmissionConfig::default(),
+            tls: None,
+            api_keys: None,
+            insecure: false,
+            per_key: PerKeyLimits::default(),
         }
+    }
+}
+
+impl ServingConfig {
+    /// The public API may listen on `addr` as configured: anywhere with TLS and API keys, on
+    /// loopback without them, elsewhere without them only with `serving.insecure: true`.
+    pub fn check_exposure(&self, addr: std::net::SocketAddr) -> Result<(), ConfigError> {
+        if addr.ip().is_loopback() || (self.tls.is_some() && self.api_keys.is_some()) {
+            return Ok(());
+        }
+        if self.insecure {
+            return Ok(());
+        }
+        let missing = match (&self.tls, &self.api_keys) {
+            (None, None) => "serving.tls and serving.api_keys",
+            (None, Some(_)) => "serving.tls",
+            _ => "serving.api_keys",
+        };
+        Err(invalid(
+            "serving.listen",
+            addr,
+            format!(
+                "a non-loopback address needs {missing} (or serving.insecure: true to serve \
+                 unencrypted or unauthenticated anyway)"
+            ),
+        ))
     }
 }
 
@@ -532,7 +644,15 @@ impl Config {
             path: path.to_path_buf(),
             source,
         })?;
-        Self::parse(&text, &path.display().to_string())
+        let mut cfg = Self::parse(&text, &path.display().to_string())?;
+        cfg.base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Ok(cfg)
+    }
+
+    /// A path from the file (`pools.tls_ca`, `serving.api_keys`, …): relative ones start at the
+    /// config file's folder.
+    pub fn path(&self, p: &str) -> PathBuf {
+        self.base_dir.join(p)
     }
 
     /// Parses YAML text; `origin` names it in errors (a file name or `<string>`).
@@ -912,6 +1032,38 @@ impl Config {
         if s.max_deadline_s == 0 {
             return Err(invalid("serving.max_deadline_s", 0, "must be at least 1"));
         }
+        for (key, value) in [
+            ("serving.per_key.max_running", s.per_key.max_running),
+            ("serving.per_key.max_queued", s.per_key.max_queued),
+        ] {
+            if value == Some(0) {
+                return Err(invalid(key, 0, "must be at least 1 (or unset)"));
+            }
+        }
+        let c = &self.connections;
+        for (key, value) in [
+            ("connections.handshake_timeout_s", c.handshake_timeout_s),
+            ("connections.idle_timeout_s", c.idle_timeout_s),
+            ("connections.keepalive_interval_s", c.keepalive_interval_s),
+            ("connections.keepalive_timeout_s", c.keepalive_timeout_s),
+        ] {
+            if !(value.is_finite() && value > 0.0 && value <= 86_400.0) {
+                return Err(invalid(
+                    key,
+                    value,
+                    "must be a number of seconds in (0, 86400]",
+                ));
+            }
+        }
+        for (key, value) in [
+            ("connections.max_connections", c.max_connections),
+            ("connections.max_streams", c.max_streams as usize),
+            ("connections.max_request_bytes", c.max_request_bytes),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, 0, "must be at least 1"));
+            }
+        }
         let a = &s.admission;
         for (key, value) in [
             ("serving.admission.max_request_s", Some(a.max_request_s)),
@@ -959,6 +1111,59 @@ mod tests {
         let c = Config::parse("model:\n  preset: tiny\n", "<t>").unwrap();
         assert_eq!(c.parallel_config, ParallelConfig::default());
         assert_eq!(c.validate(Some(1)).unwrap().world_size(), 1);
+    }
+
+    #[test]
+    fn a_public_address_needs_tls_and_keys_or_insecure() {
+        let serving = |extra: &str| {
+            Config::parse(
+                &format!("model: {{preset: tiny}}\nserving:\n{extra}"),
+                "<t>",
+            )
+            .unwrap()
+            .serving
+        };
+        let public: std::net::SocketAddr = "0.0.0.0:50051".parse().unwrap();
+        let loopback: std::net::SocketAddr = "127.0.0.1:50051".parse().unwrap();
+        assert!(serving("  fps: 16\n").check_exposure(loopback).is_ok());
+        let e = serving("  fps: 16\n")
+            .check_exposure(public)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("serving.listen = 0.0.0.0:50051:")
+                && e.contains("serving.tls and serving.api_keys"),
+            "{e}"
+        );
+        let e = serving("  api_keys: keys.txt\n")
+            .check_exposure(public)
+            .unwrap_err();
+        assert!(e.to_string().contains("needs serving.tls "), "{e}");
+        let both = "  api_keys: keys.txt\n  tls: {cert: c.pem, key: k.pem}\n";
+        assert!(serving(both).check_exposure(public).is_ok());
+        assert!(serving("  insecure: true\n").check_exposure(public).is_ok());
+    }
+
+    #[test]
+    fn connection_limits_are_checked() {
+        let e = Config::parse(
+            "model: {preset: tiny}\nconnections: {max_streams: 0}\n",
+            "<t>",
+        )
+        .unwrap()
+        .validate(None)
+        .unwrap_err()
+        .to_string();
+        assert_eq!(e, "connections.max_streams = 0: must be at least 1");
+        let e = Config::parse(
+            "model: {preset: tiny}\nconnections: {idle_timeout_s: -1}\n",
+            "<t>",
+        )
+        .unwrap()
+        .validate(None)
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("connections.idle_timeout_s = -1:"), "{e}");
     }
 
     #[test]

@@ -11,6 +11,26 @@ use std::time::Duration;
 use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::pool_registry_client::PoolRegistryClient;
 
+use crate::config::{Config, socket_addr};
+use crate::net;
+use crate::tls::Identity;
+
+type Client = PoolRegistryClient<tonic::transport::Channel>;
+
+/// A registry client over mutual TLS (this pool's certificate, the gateway's checked against
+/// the pool CA and the host of `gateway`).
+async fn connect(
+    gateway: &str,
+    identity: &Identity,
+) -> Result<Client, Box<dyn std::error::Error + Send + Sync>> {
+    let channel = identity
+        .endpoint(gateway)?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await?;
+    Ok(PoolRegistryClient::new(channel))
+}
+
 /// The id the gateway put in a pool call's metadata (`x-request-id`), or `fallback` (the request's
 /// own field), for the pool's logs.
 pub fn request_id_of<T>(request: &tonic::Request<T>, fallback: &str) -> String {
@@ -20,6 +40,39 @@ pub fn request_id_of<T>(request: &tonic::Request<T>, fallback: &str) -> String {
         .and_then(|v| v.to_str().ok())
         .unwrap_or(fallback)
         .to_string()
+}
+
+/// Serves a pool's gRPC service on `listen` (the config key `key`) behind the control plane's
+/// mutual TLS and the connection limits: only peers with a pool-CA certificate (the gateway)
+/// reach it. Returns the address (the real port for port 0) and the serving task.
+pub async fn serve<S>(
+    cfg: &Config,
+    key: &'static str,
+    listen: &str,
+    identity: &Identity,
+    service: S,
+) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)>
+where
+    S: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let security = net::Security::Tls(identity.mtls_server()?);
+    let listener =
+        net::Listener::bind(key, socket_addr(key, listen)?, security, &cfg.connections).await?;
+    let addr = listener.local_addr()?;
+    let router = net::server(&cfg.connections).add_service(service);
+    Ok((
+        addr,
+        net::spawn(S::NAME, router, listener, std::future::pending()),
+    ))
 }
 
 /// Why a pool is out of service, if it is (checked before every heartbeat).
@@ -72,6 +125,7 @@ impl Drop for RunningPool {
 /// A pool's registration, kept alive in the background until [`Registered::deregister`].
 pub struct Registered {
     gateway: String,
+    identity: Arc<Identity>,
     pool_id: Arc<Mutex<Option<String>>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -82,10 +136,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Registered {
-    /// Registers with `gateway` and keeps the registration; `active` is the pool's current
-    /// request count; `health` says when it can serve nothing more (then it stops, for good).
+    /// Registers with `gateway` (over mutual TLS, as `identity`) and keeps the registration;
+    /// `active` is the pool's current request count; `health` says when it can serve nothing
+    /// more (then it stops, for good).
     pub fn start(
         gateway: String,
+        identity: Arc<Identity>,
         registration: pb::RegisterRequest,
         active: Arc<AtomicU32>,
         health: Health,
@@ -93,6 +149,7 @@ impl Registered {
         let pool_id = Arc::new(Mutex::new(None));
         let task = tokio::spawn(keep_registered(
             gateway.clone(),
+            Arc::clone(&identity),
             registration,
             active,
             health,
@@ -100,6 +157,7 @@ impl Registered {
         ));
         Registered {
             gateway,
+            identity,
             pool_id,
             task,
         }
@@ -112,7 +170,7 @@ impl Registered {
             return;
         };
         let left = async {
-            let mut c = PoolRegistryClient::connect(format!("http://{}", self.gateway)).await?;
+            let mut c = connect(&self.gateway, &self.identity).await?;
             c.deregister(pb::DeregisterRequest {
                 pool_id: id.clone(),
             })
@@ -137,22 +195,27 @@ impl Drop for Registered {
 
 async fn keep_registered(
     gateway: String,
+    identity: Arc<Identity>,
     registration: pb::RegisterRequest,
     active: Arc<AtomicU32>,
     health: Health,
     shared_id: Arc<Mutex<Option<String>>>,
 ) {
     let mut pool_id: Option<String> = None;
-    let mut client: Option<PoolRegistryClient<tonic::transport::Channel>> = None;
+    let mut client: Option<Client> = None;
     loop {
         if let Some(why) = health() {
             tracing::error!(%gateway, %why, "out of service: no more heartbeats");
             return;
         }
         if client.is_none() {
-            client = PoolRegistryClient::connect(format!("http://{gateway}"))
-                .await
-                .ok();
+            client = match connect(&gateway, &identity).await {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    tracing::warn!(%gateway, error = %e, "gateway unreachable");
+                    None
+                }
+            };
         }
         if let Some(c) = client.as_mut() {
             let result = match &pool_id {

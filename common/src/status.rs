@@ -4,7 +4,10 @@
 //! | code | when |
 //! |---|---|
 //! | INVALID_ARGUMENT | the request breaks a limit (names the field, the value and the rule) |
-//! | RESOURCE_EXHAUSTED | the queue is full; the request's estimated cost exceeds the devices; a pool is busy |
+//! | UNAUTHENTICATED | an API key is required and missing, malformed or unknown |
+//! | NOT_FOUND | `Cancel` of a request that is not queued or running for this key (another key's looks the same) |
+//! | PERMISSION_DENIED | a pool's registration names an address its certificate does not, or another pool's id |
+//! | RESOURCE_EXHAUSTED | the queue is full; this key's queue share is used; the request's estimated cost exceeds the devices; a pool is busy |
 //! | CANCELLED | `Cancel`, the client went away, or it read nothing for the send timeout |
 //! | DEADLINE_EXCEEDED | the request's deadline passed, queued or running |
 //! | UNAVAILABLE | shutting down; a pool was lost mid-request, out of service, or unreachable |
@@ -29,6 +32,32 @@ pub fn invalid_field(field: &str, value: impl std::fmt::Display, rule: &str) -> 
 /// The request needs more than the serving devices have (`e` names the estimate and the limit).
 pub fn over_budget(e: &impl std::fmt::Display) -> Status {
     Status::resource_exhausted(e.to_string())
+}
+
+/// No API key, or one this server does not know.
+pub fn unauthenticated(why: &str) -> Status {
+    Status::unauthenticated(why)
+}
+
+/// `id` is not a request of the caller's key that is queued or running: it never existed, it
+/// ended, or another key made it (the three answer alike).
+pub fn no_such_request(id: &str) -> Status {
+    Status::not_found(format!(
+        "no request {id:?} of this API key is queued or running"
+    ))
+}
+
+/// A control-plane peer asked for something its certificate does not cover.
+pub fn permission_denied(why: impl std::fmt::Display) -> Status {
+    Status::permission_denied(why.to_string())
+}
+
+/// Admission refused: the key `principal` already has `limit` requests waiting.
+pub fn key_queue_full(principal: &str, limit: usize) -> Status {
+    Status::resource_exhausted(format!(
+        "serving.per_key.max_queued = {limit}: API key {principal:?} already has {limit} requests \
+         waiting; retry when one has started"
+    ))
 }
 
 /// Admission refused: `depth` requests wait already.

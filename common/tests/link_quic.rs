@@ -4,7 +4,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
 
 use ditstream_common::link::LatentChunk;
-use ditstream_common::link::quic::{ChunkReceiver, ChunkSender, PoolCa, connect, listen};
+use ditstream_common::link::quic::{ChunkReceiver, ChunkSender, connect, listen};
+use ditstream_common::tls::PoolCa;
 
 /// A request's latent, [1, 16, 5, 30, 52] f32 (480p/2), cut into chunks of `frames` latent frames.
 fn chunks(request: &str, frames: u32) -> Vec<LatentChunk> {
@@ -118,7 +119,7 @@ fn identities_load_from_pem_files() {
     let dir = std::env::temp_dir().join(format!("ditstream-link-pem-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
-    let e = ditstream_common::link::quic::Identity::from_pem_files(
+    let e = ditstream_common::tls::Identity::from_pem_files(
         &dir.join("missing.pem"),
         &dir.join("key.pem"),
         &dir.join("ca.pem"),
@@ -130,7 +131,7 @@ fn identities_load_from_pem_files() {
     let (cert, key) = ca.issue_pem(&["localhost".to_string()]).unwrap();
     std::fs::write(dir.join("pool.pem"), cert).unwrap();
     std::fs::write(dir.join("pool-key.pem"), key).unwrap();
-    let identity = ditstream_common::link::quic::Identity::from_pem_files(
+    let identity = ditstream_common::tls::Identity::from_pem_files(
         &dir.join("pool.pem"),
         &dir.join("pool-key.pem"),
         &dir.join("ca.pem"),

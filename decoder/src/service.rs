@@ -9,7 +9,6 @@
 //! inside `ditstream serve`, where the gateway calls it directly and the denoiser hands it the
 //! latent in memory.
 
-use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,10 +20,8 @@ use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::decoder_pool_server::{DecoderPool, DecoderPoolServer};
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 
-use ditstream_common::config::socket_addr;
 use ditstream_common::link::pool::{self as link, Pending};
 use ditstream_common::mesh::LatentGeometry;
 use ditstream_common::{registration, status};
@@ -203,33 +200,29 @@ impl DecoderPool for DecoderService {
 }
 
 /// Builds the VAE, listens on gRPC and the latent link, and registers with the gateway.
-pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<registration::RunningPool> {
+pub async fn start(cfg: &Config) -> anyhow::Result<registration::RunningPool> {
     let build = cfg.clone();
     let stage =
         Arc::new(tokio::task::spawn_blocking(move || DecodeStage::from_config(&build)).await??);
-    let identity = link::identity(cfg, config_dir)?;
+    let identity = link::identity(cfg)?;
     let pending: Pending = Arc::default();
     let (link_addr, link_task) =
         link::listen(cfg, &identity, Arc::clone(&pending), stage.link_gpu()).await?;
-    let listener = tokio::net::TcpListener::bind(socket_addr(
-        "pools.decoder_listen",
-        &cfg.pools.decoder_listen,
-    )?)
-    .await?;
-    let grpc_addr = listener.local_addr()?;
     let health_stage = Arc::clone(&stage);
     let health: registration::Health = Arc::new(move || health_stage.out_of_service());
     let service = DecoderService::new(stage, pending);
     let active = Arc::clone(&service.active);
-    let grpc_task = tokio::spawn(async move {
-        let served = tonic::transport::Server::builder()
-            .add_service(DecoderPoolServer::new(service).max_encoding_message_size(64 << 20))
-            .serve_with_incoming(TcpListenerStream::new(listener))
-            .await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "decoder gRPC server failed");
-        }
-    });
+    let server = DecoderPoolServer::new(service)
+        .max_decoding_message_size(cfg.connections.max_request_bytes)
+        .max_encoding_message_size(64 << 20);
+    let (grpc_addr, grpc_task) = registration::serve(
+        cfg,
+        "pools.decoder_listen",
+        &cfg.pools.decoder_listen,
+        &identity,
+        server,
+    )
+    .await?;
     let registration = pb::RegisterRequest {
         role: pb::PoolRole::Decoder as i32,
         address: grpc_addr.to_string(),
@@ -238,8 +231,13 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<registrati
         model: cfg.model_name(),
         link_kind: link::wire_kind(cfg.pools.link) as i32,
     };
-    let registration =
-        registration::Registered::start(cfg.pools.gateway.clone(), registration, active, health);
+    let registration = registration::Registered::start(
+        cfg.pools.gateway.clone(),
+        Arc::new(identity),
+        registration,
+        active,
+        health,
+    );
     tracing::info!(%grpc_addr, %link_addr, "decoder instance up");
     Ok(registration::RunningPool::new(
         grpc_addr,

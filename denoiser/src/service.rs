@@ -10,23 +10,20 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Instant;
 
 use ditstream_common::config::Config;
-use ditstream_common::link::quic::Identity;
+use ditstream_common::tls::Identity;
 use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::denoiser_pool_server::{DenoiserPool, DenoiserPoolServer};
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-use ditstream_common::config::socket_addr;
 use ditstream_common::link::pool::{self as link, Pending};
 use ditstream_common::mesh::LatentGeometry;
 use ditstream_common::{ms, registration, status};
@@ -302,30 +299,25 @@ impl DenoiserPool for DenoiserService {
 }
 
 /// Builds the text encoder and transformer, serves gRPC and registers with the gateway.
-pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<registration::RunningPool> {
+pub async fn start(cfg: &Config) -> anyhow::Result<registration::RunningPool> {
     let build = cfg.clone();
     let stage =
         Arc::new(tokio::task::spawn_blocking(move || DenoiseStage::from_config(&build)).await??);
-    let identity = Arc::new(link::identity(cfg, config_dir)?);
-    let listener = tokio::net::TcpListener::bind(socket_addr(
-        "pools.denoiser_listen",
-        &cfg.pools.denoiser_listen,
-    )?)
-    .await?;
-    let grpc_addr = listener.local_addr()?;
+    let identity = Arc::new(link::identity(cfg)?);
     let health_stage = Arc::clone(&stage);
     let health: registration::Health = Arc::new(move || health_stage.out_of_service());
-    let service = DenoiserService::new(stage, Some(identity), None);
+    let service = DenoiserService::new(stage, Some(Arc::clone(&identity)), None);
     let active = Arc::clone(&service.active);
-    let grpc_task = tokio::spawn(async move {
-        let served = tonic::transport::Server::builder()
-            .add_service(DenoiserPoolServer::new(service))
-            .serve_with_incoming(TcpListenerStream::new(listener))
-            .await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "denoiser gRPC server failed");
-        }
-    });
+    let server = DenoiserPoolServer::new(service)
+        .max_decoding_message_size(cfg.connections.max_request_bytes);
+    let (grpc_addr, grpc_task) = registration::serve(
+        cfg,
+        "pools.denoiser_listen",
+        &cfg.pools.denoiser_listen,
+        &identity,
+        server,
+    )
+    .await?;
     let registration = pb::RegisterRequest {
         role: pb::PoolRole::Denoiser as i32,
         address: grpc_addr.to_string(),
@@ -334,8 +326,13 @@ pub async fn start(cfg: &Config, config_dir: &Path) -> anyhow::Result<registrati
         model: cfg.model_name(),
         link_kind: pb::LinkKind::Unspecified as i32,
     };
-    let registration =
-        registration::Registered::start(cfg.pools.gateway.clone(), registration, active, health);
+    let registration = registration::Registered::start(
+        cfg.pools.gateway.clone(),
+        identity,
+        registration,
+        active,
+        health,
+    );
     tracing::info!(%grpc_addr, "denoiser pool up");
     Ok(registration::RunningPool::new(
         grpc_addr,

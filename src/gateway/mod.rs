@@ -6,10 +6,17 @@
 //! relayed to the client, and the denoiser freed for the next request as soon as its latent is
 //! handed over, so decode(N) overlaps denoise(N+1).
 //!
+//! Clients reach `VideoService` on the public listener (TLS and API keys when configured; see
+//! `keys.rs`); pools reach `PoolRegistry` on a listener of its own, over mutual TLS with the
+//! pool CA, and the gateway reaches them the same way.
+//!
 //! - `pools.rs`: the registry, how the gateway reaches a pool, leases;
 //! - `route.rs`: one request's life: waiting, routing, relaying, stopping;
-//! - this file: the gRPC services (`VideoService`, `PoolRegistry`), admission and shutdown.
+//! - `keys.rs`: API keys and who a call acts for;
+//! - this file: the gRPC services (`VideoService`, `PoolRegistry`), admission, listeners and
+//!   shutdown.
 
+pub mod keys;
 mod pools;
 mod route;
 
@@ -27,13 +34,15 @@ use ditstream_proto::v1::pool_registry_server::{PoolRegistry, PoolRegistryServer
 use ditstream_proto::v1::video_service_server::{VideoService, VideoServiceServer};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio_stream::Stream;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::cost::CostModel;
 use crate::request::{GenerateParams, RawRequest};
-use ditstream_common::status;
+use ditstream_common::config::PerKeyLimits;
+use ditstream_common::net::{self, ConnInfo, Listener, Security};
+use ditstream_common::tls::{Certificate, Identity};
+use ditstream_common::{link, status, tls};
 use ditstream_decoder::service::DecoderService;
 use ditstream_denoiser::service::DenoiserService;
 
@@ -60,7 +69,10 @@ pub enum Stop {
 /// A request known to the gateway, queued or running.
 struct Entry {
     stop: watch::Sender<Stop>,
+    /// Claimed a place to run (routing or running).
     running: bool,
+    /// The principal (API key name) that made it.
+    owner: String,
 }
 
 /// What the services share.
@@ -68,6 +80,11 @@ struct Shared {
     cfg: Config,
     model: String,
     cost: CostModel,
+    keys: keys::Keys,
+    /// The control plane's identity (the registry's listener, calls to remote pools); `None`
+    /// in `serve`, which has no remote pools.
+    control: Option<Arc<Identity>>,
+    per_key: PerKeyLimits,
     registry: Mutex<Registry>,
     /// Woken when a pool registers, frees or leaves.
     changed: Notify,
@@ -94,15 +111,40 @@ impl Shared {
         (requests.len() as u32 - running, running)
     }
 
-    fn set_running(&self, id: &str) {
-        if let Some(e) = lock(&self.requests).get_mut(id) {
+    /// Claims a place to run for request `id` unless its key already runs
+    /// `serving.per_key.max_running` requests; false means wait.
+    fn claim(&self, id: &str) -> bool {
+        let mut requests = lock(&self.requests);
+        let Some(owner) = requests.get(id).map(|e| e.owner.clone()) else {
+            return false;
+        };
+        if let Some(max) = self.per_key.max_running {
+            let running = requests
+                .iter()
+                .filter(|(other, e)| e.running && e.owner == owner && other.as_str() != id)
+                .count();
+            if running >= max {
+                return false;
+            }
+        }
+        if let Some(e) = requests.get_mut(id) {
             e.running = true;
+        }
+        true
+    }
+
+    /// Gives back a claim that found no pools.
+    fn unclaim(&self, id: &str) {
+        if let Some(e) = lock(&self.requests).get_mut(id) {
+            e.running = false;
         }
     }
 
     fn forget_request(&self, id: &str) {
         lock(&self.requests).remove(id);
         self.ended.notify_waiters();
+        // A request of the same key may have waited for this one's place.
+        self.changed.notify_waiters();
     }
 }
 
@@ -111,8 +153,9 @@ impl Shared {
 pub struct Gateway(Arc<Shared>);
 
 impl Gateway {
-    /// A gateway for the model `cfg` serves, with no pools yet.
-    pub fn new(cfg: &Config) -> anyhow::Result<Gateway> {
+    /// A gateway for the model `cfg` serves, with no pools yet; `control` is its identity on
+    /// the control plane (for pools in other processes).
+    pub fn new(cfg: &Config, control: Option<Identity>) -> anyhow::Result<Gateway> {
         let cost = CostModel::new(
             cfg,
             ditstream_denoiser::models::transformer_config(cfg)
@@ -123,6 +166,9 @@ impl Gateway {
             cfg: cfg.clone(),
             model: cfg.model_name(),
             cost,
+            keys: keys::Keys::load(cfg.serving.api_keys.as_deref().map(|p| cfg.path(p)))?,
+            per_key: cfg.serving.per_key.clone(),
+            control: control.map(Arc::new),
             registry: Mutex::new(Registry::new(Duration::from_secs(
                 cfg.pools.heartbeat_timeout_s,
             ))),
@@ -171,11 +217,13 @@ impl Gateway {
         }
     }
 
-    /// Admission: validation, the cost model, the queue bound. Returns the request's id, its
-    /// queue position, its cancel switch and its validated parameters.
+    /// Admission for `owner`: validation, the cost model, the queue bounds (the server's and
+    /// the key's). Returns the request's id, its queue position, its cancel switch and its
+    /// validated parameters.
     fn admit(
         &self,
         raw: RawRequest,
+        owner: String,
     ) -> Result<(String, u32, watch::Receiver<Stop>, GenerateParams), Status> {
         let shared = &self.0;
         if shared.draining.load(Ordering::SeqCst) {
@@ -193,6 +241,15 @@ impl Gateway {
         if queued >= shared.cfg.serving.queue_depth {
             return Err(status::queue_full(shared.cfg.serving.queue_depth));
         }
+        if let Some(max) = shared.per_key.max_queued {
+            let mine = requests
+                .values()
+                .filter(|e| !e.running && e.owner == owner)
+                .count();
+            if mine >= max {
+                return Err(status::key_queue_full(&owner, max));
+            }
+        }
         let id = request_id();
         let (stop, stopped) = watch::channel(Stop::No);
         let position = requests.len() as u32;
@@ -201,6 +258,7 @@ impl Gateway {
             Entry {
                 stop,
                 running: false,
+                owner,
             },
         );
         Ok((id, position, stopped, params))
@@ -258,9 +316,11 @@ impl VideoService for Gateway {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<EventStream>, Status> {
+        let owner = self.0.keys.authenticate(request.metadata())?;
         let max = Duration::from_secs(self.0.cfg.serving.max_deadline_s);
         let deadline = grpc_timeout(request.metadata(), max).map(|d| Instant::now() + d);
-        let (id, position, stop, params) = self.admit(RawRequest::from(request.into_inner()))?;
+        let raw = RawRequest::from(request.into_inner());
+        let (id, position, stop, params) = self.admit(raw, owner)?;
         tracing::info!(
             id,
             position,
@@ -319,10 +379,12 @@ impl VideoService for Gateway {
         &self,
         request: Request<pb::CancelRequest>,
     ) -> Result<Response<pb::CancelResponse>, Status> {
+        let owner = self.0.keys.authenticate(request.metadata())?;
         let id = request.into_inner().request_id;
-        let cancelled = lock(&self.0.requests)
-            .get(&id)
-            .is_some_and(|e| e.stop.send(Stop::Cancelled).is_ok());
+        let cancelled = match lock(&self.0.requests).get(&id) {
+            Some(e) if e.owner == owner => e.stop.send(Stop::Cancelled).is_ok(),
+            _ => return Err(status::no_such_request(&id)),
+        };
         tracing::info!(id, cancelled, "cancel");
         Ok(Response::new(pb::CancelResponse { cancelled }))
     }
@@ -342,8 +404,9 @@ impl VideoService for Gateway {
 
     async fn list_models(
         &self,
-        _: Request<pb::ListModelsRequest>,
+        request: Request<pb::ListModelsRequest>,
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        self.0.keys.authenticate(request.metadata())?;
         let description = lock(&self.0.registry).describe();
         Ok(Response::new(pb::ListModelsResponse {
             models: vec![pb::ModelInfo {
@@ -354,12 +417,29 @@ impl VideoService for Gateway {
     }
 }
 
+/// The certificate the registry's caller presented (its listener requires one; a call that
+/// reached the service some other way has none and is refused).
+fn peer_certificate<T>(request: &Request<T>) -> Result<Certificate, Status> {
+    ConnInfo::of(request)
+        .and_then(|c| c.peer.clone())
+        .ok_or_else(|| {
+            status::unauthenticated("the pool registry needs a pool-CA client certificate")
+        })
+}
+
 #[tonic::async_trait]
 impl PoolRegistry for Gateway {
     async fn register(
         &self,
         request: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
+        let certificate = peer_certificate(&request)?;
+        let Some(tls) = self.0.control.clone() else {
+            return Err(status::internal(
+                "registry",
+                "the gateway has no control-plane identity",
+            ));
+        };
         let r = request.into_inner();
         let role = pb::PoolRole::try_from(r.role).unwrap_or(pb::PoolRole::Unspecified);
         if role == pb::PoolRole::Unspecified {
@@ -372,7 +452,7 @@ impl PoolRegistry for Gateway {
         if r.model != self.0.model {
             return Err(status::wrong_model(&r.model, &self.0.model));
         }
-        let id = lock(&self.0.registry).register(role, r);
+        let id = lock(&self.0.registry).register(role, r, tls, certificate)?;
         self.0.changed.notify_waiters();
         Ok(Response::new(pb::RegisterResponse { pool_id: id }))
     }
@@ -381,7 +461,9 @@ impl PoolRegistry for Gateway {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let known = lock(&self.0.registry).heartbeat(&request.into_inner().pool_id);
+        let certificate = peer_certificate(&request)?;
+        let known =
+            lock(&self.0.registry).heartbeat(&request.into_inner().pool_id, &certificate)?;
         Ok(Response::new(pb::HeartbeatResponse { known }))
     }
 
@@ -389,8 +471,9 @@ impl PoolRegistry for Gateway {
         &self,
         request: Request<pb::DeregisterRequest>,
     ) -> Result<Response<pb::DeregisterResponse>, Status> {
+        let certificate = peer_certificate(&request)?;
         let id = request.into_inner().pool_id;
-        lock(&self.0.registry).forget(&id, "deregistered");
+        lock(&self.0.registry).deregister(&id, &certificate)?;
         self.0.changed.notify_waiters();
         Ok(Response::new(pb::DeregisterResponse {}))
     }
@@ -398,10 +481,12 @@ impl PoolRegistry for Gateway {
 
 /// A gateway serving on a socket in this process.
 pub struct RunningGateway {
-    /// Where clients (and, for `ditstream gateway`, pools) reach it.
+    /// Where clients reach it.
     pub addr: SocketAddr,
+    /// Where pools register (`ditstream gateway` only).
+    pub registry_addr: Option<SocketAddr>,
     gateway: Gateway,
-    shutdown: Option<oneshot::Sender<()>>,
+    shutdown: watch::Sender<bool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -411,12 +496,10 @@ impl RunningGateway {
         &self.gateway
     }
 
-    /// Stops admitting, drains for up to `grace`, cancels the rest, then closes the listener.
+    /// Stops admitting, drains for up to `grace`, cancels the rest, then closes the listeners.
     pub async fn stop(mut self, grace: Duration) {
         self.gateway.drain(grace).await;
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
+        let _ = self.shutdown.send(true);
         let mut tasks = self.tasks.drain(..);
         // The server ends once its connections close; a client that never reads keeps its
         // connection, so the wait is bounded.
@@ -437,60 +520,185 @@ impl Drop for RunningGateway {
     }
 }
 
-/// Serves `gateway` on `listen`: `VideoService`, and with `registry` the `PoolRegistry` that
-/// pools in other processes register with (its reaper drops pools whose heartbeats stop).
+/// Resolves once `shutdown` turns true (or its sender is gone).
+async fn until(mut shutdown: watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|s| *s).await;
+}
+
+/// Serves `gateway`'s `VideoService` on `listen` (TLS from `serving.tls`, API keys from
+/// `serving.api_keys`; a non-loopback address needs both unless `serving.insecure`), and with
+/// `registry` the `PoolRegistry` on that address over mutual TLS (the gateway must have been
+/// made with its control-plane identity), with the reaper that drops pools whose heartbeats
+/// stop. SIGHUP reloads the API keys.
 pub async fn serve(
     gateway: Gateway,
     listen: SocketAddr,
-    registry: bool,
+    registry: Option<SocketAddr>,
 ) -> anyhow::Result<RunningGateway> {
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("cannot listen on {listen}"))?;
-    let addr = listener.local_addr()?;
-    let (tx, rx) = oneshot::channel::<()>();
-    let router = tonic::transport::Server::builder().add_service(
+    let shared = Arc::clone(&gateway.0);
+    let cfg = &shared.cfg;
+    cfg.serving.check_exposure(listen)?;
+    let security = match &cfg.serving.tls {
+        Some(files) => Security::Tls(tls::public_server(
+            &cfg.path(&files.cert),
+            &cfg.path(&files.key),
+        )?),
+        None => Security::Plaintext,
+    };
+    let public = Listener::bind("serving.listen", listen, security, &cfg.connections).await?;
+    let addr = public.local_addr()?;
+    let secured = cfg.serving.tls.is_some() && shared.keys.required();
+    if !addr.ip().is_loopback() && !secured {
+        tracing::warn!(%addr, "serving.insecure: the public API is unencrypted or unauthenticated on a non-loopback address");
+    }
+    let (shutdown, stopped) = watch::channel(false);
+    let router = net::server(&cfg.connections).add_service(
         VideoServiceServer::new(gateway.clone())
-            .max_decoding_message_size(1 << 20)
+            .max_decoding_message_size(cfg.connections.max_request_bytes)
             .max_encoding_message_size(64 << 20),
     );
-    let router = if registry {
-        router.add_service(PoolRegistryServer::new(gateway.clone()))
-    } else {
-        router
-    };
-    let serve = tokio::spawn(async move {
-        let served = router
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-                let _ = rx.await;
-            })
-            .await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "gRPC server failed");
-        }
-    });
-    let mut tasks = vec![serve];
-    if registry {
-        let shared = Arc::clone(&gateway.0);
+    let mut tasks = vec![net::spawn(
+        "the public gRPC server",
+        router,
+        public,
+        until(stopped.clone()),
+    )];
+    let mut registry_addr = None;
+    if let Some(registry_listen) = registry {
+        let identity = shared
+            .control
+            .as_ref()
+            .context("the pool registry needs the gateway's control-plane identity")?;
+        let listener = Listener::bind(
+            "pools.registry_listen",
+            registry_listen,
+            Security::Tls(identity.mtls_server()?),
+            &cfg.connections,
+        )
+        .await?;
+        registry_addr = Some(listener.local_addr()?);
+        let router = net::server(&cfg.connections).add_service(
+            PoolRegistryServer::new(gateway.clone())
+                .max_decoding_message_size(cfg.connections.max_request_bytes),
+        );
+        tasks.push(net::spawn(
+            "the pool registry",
+            router,
+            listener,
+            until(stopped),
+        ));
+        let reaper = Arc::clone(&shared);
         tasks.push(tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                if lock(&shared.registry).reap() {
-                    shared.changed.notify_waiters();
+                if lock(&reaper.registry).reap() {
+                    reaper.changed.notify_waiters();
                 }
             }
         }));
     }
-    tracing::info!(%addr, registry, "gateway serving ditstream.v1.VideoService");
+    if shared.keys.required() {
+        tasks.push(tokio::spawn(reload_keys_on_sighup(Arc::clone(&shared))));
+    }
+    tracing::info!(%addr, registry = ?registry_addr, tls = cfg.serving.tls.is_some(), api_keys = shared.keys.required(), "gateway serving ditstream.v1.VideoService");
     Ok(RunningGateway {
         addr,
+        registry_addr,
         gateway,
-        shutdown: Some(tx),
+        shutdown,
         tasks,
     })
 }
 
-/// `ditstream gateway`'s start: a gateway with the registry, serving on `listen`.
-pub async fn start(cfg: &Config, listen: SocketAddr) -> anyhow::Result<RunningGateway> {
-    serve(Gateway::new(cfg)?, listen, true).await
+/// Reloads the API keys file on every SIGHUP; a file that does not parse keeps the old keys.
+async fn reload_keys_on_sighup(shared: Arc<Shared>) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+            tracing::warn!("cannot watch SIGHUP: API keys reload only on restart");
+            return;
+        };
+        while hangups.recv().await.is_some() {
+            match shared.keys.reload() {
+                Ok(n) => tracing::info!(keys = n, "API keys reloaded"),
+                Err(e) => tracing::error!(error = %e, "API keys not reloaded; the old keys stay"),
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = shared;
+}
+
+/// `ditstream gateway`'s start: a gateway with its control-plane identity (`pools.tls_*`),
+/// the public API on `listen` and the pool registry on `pools.registry_listen` (or
+/// `registry_listen`).
+pub async fn start(
+    cfg: &Config,
+    listen: SocketAddr,
+    registry_listen: Option<SocketAddr>,
+) -> anyhow::Result<RunningGateway> {
+    let registry = match registry_listen {
+        Some(a) => a,
+        None => ditstream_common::config::socket_addr(
+            "pools.registry_listen",
+            &cfg.pools.registry_listen,
+        )?,
+    };
+    let gateway = Gateway::new(cfg, Some(link::pool::identity(cfg)?))?;
+    serve(gateway, listen, Some(registry)).await
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn gateway(per_key: &str) -> Gateway {
+        let yaml = format!(
+            "model: {{preset: tiny}}\nserving: {{width: 64, height: 48, num_frames: 9, per_key: {per_key}}}\n"
+        );
+        let cfg = Config::parse(&yaml, "<t>").unwrap();
+        cfg.validate(Some(1)).unwrap();
+        Gateway::new(&cfg, None).unwrap()
+    }
+
+    fn admit(g: &Gateway, owner: &str) -> Result<String, Status> {
+        let raw = RawRequest {
+            prompt: "p".into(),
+            ..Default::default()
+        };
+        g.admit(raw, owner.to_string()).map(|(id, ..)| id)
+    }
+
+    #[test]
+    fn a_key_runs_at_most_max_running_and_others_pass_it() {
+        let g = gateway("{max_running: 1}");
+        let (a1, a2, b1) = (
+            admit(&g, "alice").unwrap(),
+            admit(&g, "alice").unwrap(),
+            admit(&g, "bob").unwrap(),
+        );
+        assert!(g.0.claim(&a1));
+        assert!(!g.0.claim(&a2), "alice's second ran beside her first");
+        assert!(g.0.claim(&b1), "bob waited behind alice's limit");
+        g.0.forget_request(&a1);
+        assert!(g.0.claim(&a2));
+    }
+
+    #[test]
+    fn a_key_queues_at_most_max_queued() {
+        let g = gateway("{max_queued: 2}");
+        admit(&g, "alice").unwrap();
+        let running = admit(&g, "alice").unwrap();
+        assert!(g.0.claim(&running));
+        admit(&g, "alice").unwrap();
+        let e = admit(&g, "alice").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+        assert!(
+            e.message()
+                .starts_with("serving.per_key.max_queued = 2: API key \"alice\"")
+        );
+        admit(&g, "bob").unwrap();
+    }
 }

@@ -1,7 +1,9 @@
 //! The gateway's registry of pools: who they are, how to reach them, how busy they are. A
 //! denoiser pool runs one request at a time; a decoder instance any number (the least loaded is
 //! chosen). Pools in other processes register and send heartbeats, and are dropped when those
-//! stop or when they cannot be reached; pools in this process (`serve`) stay.
+//! stop or when they cannot be reached; pools in this process (`serve`) stay. A remote pool is
+//! bound to the certificate it registered with: its addresses must be names on it, and only it
+//! may send the pool's heartbeats or deregister it.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -17,6 +19,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Status};
 
 use ditstream_common::status;
+use ditstream_common::tls::{self, Certificate, Identity};
 use ditstream_decoder::service::DecoderService;
 use ditstream_denoiser::service::DenoiserService;
 
@@ -26,11 +29,19 @@ pub type PoolStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 /// How long the gateway waits to connect to a pool before it counts as unreachable.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// A pool in another process: its gRPC address and the gateway's identity for reaching it.
+#[derive(Clone)]
+pub struct Remote {
+    /// host:port; the host is a name on the pool's certificate.
+    pub address: String,
+    tls: Arc<Identity>,
+}
+
 /// How the gateway reaches a pool.
 #[derive(Clone)]
 pub enum Reach {
-    /// Over gRPC at this address (host:port).
-    Remote(String),
+    /// Over gRPC with mutual TLS.
+    Remote(Remote),
     /// The denoiser pool in this process.
     LocalDenoiser(Arc<DenoiserService>),
     /// The decoder instance in this process.
@@ -46,8 +57,11 @@ fn with_id<T>(message: T, id: &str) -> Request<T> {
     request
 }
 
-async fn channel(what: &str, address: &str) -> Result<tonic::transport::Channel, Status> {
-    tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+async fn channel(what: &str, remote: &Remote) -> Result<tonic::transport::Channel, Status> {
+    let address = &remote.address;
+    remote
+        .tls
+        .endpoint(address)
         .map_err(|e| status::unreachable(what, address, e))?
         .connect_timeout(CONNECT_TIMEOUT)
         .connect()
@@ -59,7 +73,7 @@ impl Reach {
     /// Where the pool is, for logs and messages.
     pub fn address(&self) -> &str {
         match self {
-            Reach::Remote(a) => a,
+            Reach::Remote(r) => &r.address,
             Reach::LocalDenoiser(_) | Reach::LocalDecoder(_) => "this process",
         }
     }
@@ -71,8 +85,8 @@ impl Reach {
         r: pb::DenoiseRequest,
     ) -> Result<PoolStream<pb::DenoiseEvent>, Status> {
         match self {
-            Reach::Remote(address) => {
-                let channel = channel("denoiser pool", address).await?;
+            Reach::Remote(remote) => {
+                let channel = channel("denoiser pool", remote).await?;
                 let stream = DenoiserPoolClient::new(channel)
                     .denoise(with_id(r, id))
                     .await?;
@@ -94,8 +108,8 @@ impl Reach {
         r: pb::DecodeRequest,
     ) -> Result<PoolStream<pb::DecodeEvent>, Status> {
         match self {
-            Reach::Remote(address) => {
-                let channel = channel("decoder instance", address).await?;
+            Reach::Remote(remote) => {
+                let channel = channel("decoder instance", remote).await?;
                 let stream = DecoderPoolClient::new(channel)
                     .max_decoding_message_size(64 << 20)
                     .decode(with_id(r, id))
@@ -134,6 +148,8 @@ pub struct Pool {
     pub link: LinkTarget,
     /// Heartbeats keep it; `None` for pools in this process.
     last_seen: Option<Instant>,
+    /// The certificate it registered with (remote pools).
+    certificate: Option<Certificate>,
     /// Requests routed to it and not finished.
     inflight: u32,
 }
@@ -170,7 +186,7 @@ impl Registry {
         role: pb::PoolRole,
         reach: Reach,
         link: LinkTarget,
-        remote: bool,
+        certificate: Option<Certificate>,
     ) -> String {
         let name = if role == pb::PoolRole::Denoiser {
             "denoiser"
@@ -184,7 +200,8 @@ impl Registry {
             role,
             reach,
             link,
-            last_seen: remote.then(Instant::now),
+            last_seen: certificate.is_some().then(Instant::now),
+            certificate,
             inflight: 0,
         };
         self.pools.insert(id.clone(), pool);
@@ -202,32 +219,73 @@ impl Registry {
             address: String::new(),
             host: String::new(),
         };
-        let id = self.insert(role, reach, link, false);
+        let id = self.insert(role, reach, link, None);
         tracing::info!(pool_id = %id, "in-process pool ready");
     }
 
-    /// A pool in another process announced itself; returns its id.
-    pub fn register(&mut self, role: pb::PoolRole, r: pb::RegisterRequest) -> String {
+    /// A pool in another process announced itself over a connection that presented
+    /// `certificate`; returns its id. PERMISSION_DENIED when an address it registers is not a
+    /// name on that certificate.
+    pub fn register(
+        &mut self,
+        role: pb::PoolRole,
+        r: pb::RegisterRequest,
+        tls: Arc<Identity>,
+        certificate: Certificate,
+    ) -> Result<String, Status> {
+        let mut hosts = vec![("address", tls::host_of(&r.address))];
+        if !r.link_host.is_empty() {
+            hosts.push(("link_host", r.link_host.as_str()));
+        }
+        for (field, host) in hosts {
+            if !tls::names(&certificate, host) {
+                return Err(status::permission_denied(format!(
+                    "{field} {host:?} is not a name on this pool's certificate: a pool registers \
+                     only addresses its certificate covers (`ditstream certs --host {host}`)"
+                )));
+            }
+        }
         let link = LinkTarget {
             kind: pb::LinkKind::try_from(r.link_kind).unwrap_or(pb::LinkKind::Unspecified),
             address: r.link_address,
             host: r.link_host,
         };
         let address = r.address;
-        let id = self.insert(role, Reach::Remote(address.clone()), link, true);
+        let reach = Reach::Remote(Remote {
+            address: address.clone(),
+            tls,
+        });
+        let id = self.insert(role, reach, link, Some(certificate));
         tracing::info!(pool_id = %id, %address, "pool registered");
-        id
+        Ok(id)
     }
 
-    /// A heartbeat; false when the pool is not known (it should register again).
-    pub fn heartbeat(&mut self, id: &str) -> bool {
+    /// The pool `id` if the caller, presenting `certificate`, is the one that registered it.
+    fn owned(&mut self, id: &str, certificate: &Certificate) -> Result<Option<&mut Pool>, Status> {
         match self.pools.get_mut(id) {
-            Some(p) => {
-                p.last_seen = Some(Instant::now());
-                true
-            }
-            None => false,
+            Some(p) if p.certificate.as_ref().is_some_and(|c| c == certificate) => Ok(Some(p)),
+            Some(_) => Err(status::permission_denied(format!(
+                "pool {id} was registered with another certificate"
+            ))),
+            None => Ok(None),
         }
+    }
+
+    /// A heartbeat from `certificate`; false when the pool is not known (it should register
+    /// again).
+    pub fn heartbeat(&mut self, id: &str, certificate: &Certificate) -> Result<bool, Status> {
+        Ok(self
+            .owned(id, certificate)?
+            .map(|p| p.last_seen = Some(Instant::now()))
+            .is_some())
+    }
+
+    /// A pool leaving, asked by `certificate`.
+    pub fn deregister(&mut self, id: &str, certificate: &Certificate) -> Result<(), Status> {
+        if self.owned(id, certificate)?.is_some() {
+            self.forget(id, "deregistered");
+        }
+        Ok(())
     }
 
     /// Drops a pool (unreachable, lost, or leaving).

@@ -1,6 +1,7 @@
 //! One request's life at the gateway, the same in `serve` and in front of remote pools:
 //!
-//! 1. **Waiting** for a free denoiser and a decoder. A cancel, a departed client or the deadline
+//! 1. **Waiting** for a free denoiser and a decoder (and, with `serving.per_key.max_running`,
+//!    for one of the key's running requests to end). A cancel, a departed client or the deadline
 //!    ends it here at once, with its slot freed.
 //! 2. **Starting**: the decoder's `Decode` stream first (it must know the request before the
 //!    latent arrives), then the denoiser's `Denoise`. A pool that cannot be reached, or answers
@@ -173,7 +174,16 @@ async fn route(
     let mut cancel = request.stop.clone();
     let mut s = loop {
         let changed = shared.changed.notified();
-        let acquired = lock(&shared.registry).acquire();
+        // A place for this key first (`serving.per_key.max_running`), then the pools.
+        let acquired = if shared.claim(&request.id) {
+            let acquired = lock(&shared.registry).acquire();
+            if acquired.is_none() {
+                shared.unclaim(&request.id);
+            }
+            acquired
+        } else {
+            None
+        };
         let Some((denoiser, decoder)) = acquired else {
             tokio::select! {
                 _ = changed => {}
@@ -192,7 +202,6 @@ async fn route(
             status = stopped(client, &mut cancel, deadline) => return Err(status),
         }
     };
-    shared.set_running(&request.id);
     let queue_ms = ms(accepted.elapsed());
     tracing::info!(
         id = request.id,

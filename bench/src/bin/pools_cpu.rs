@@ -52,11 +52,13 @@ struct Args {
     frames: usize,
 }
 
-fn config(args: &Args, gateway: &str) -> anyhow::Result<Config> {
+/// The bench's deployment config; `certs` holds what `ditstream certs` writes.
+fn config(args: &Args, gateway: &str, certs: &Path) -> anyhow::Result<Config> {
+    let c = certs.display();
     let yaml = format!(
         "model:\n  preset: tiny\nsampler:\n  steps: {}\n  shift: 3.0\nserving:\n  width: {}\n  height: {}\n  \
-         num_frames: {}\n  queue_depth: 64\npools:\n  gateway: {gateway}\n  tls_ca: certs/ca.pem\n  \
-         tls_cert: certs/pool.pem\n  tls_key: certs/pool-key.pem\n",
+         num_frames: {}\n  queue_depth: 64\npools:\n  gateway: {gateway}\n  registry_listen: 127.0.0.1:0\n  \
+         tls_ca: {c}/ca.pem\n  tls_cert: {c}/pool.pem\n  tls_key: {c}/pool-key.pem\n",
         args.steps, args.width, args.height, args.frames
     );
     let cfg = Config::parse(&yaml, "<bench>")?;
@@ -165,7 +167,7 @@ fn summary(name: &str, k: usize, elapsed: Duration, t_alone: f64, outcomes: &[Ou
 
 /// One-way latency of one chunk over QUIC on loopback (same clock on both ends).
 async fn quic_latency(chunk: &LatentChunk, n: usize) -> anyhow::Result<f64> {
-    let ca = quic::PoolCa::generate("bench")?;
+    let ca = ditstream_common::tls::PoolCa::generate("bench")?;
     let server = quic::listen("127.0.0.1:0".parse()?, &ca.issue("localhost")?)?;
     let addr = server.local_addr()?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Instant>(n);
@@ -234,8 +236,11 @@ async fn main() -> anyhow::Result<()> {
     )?;
 
     // serve: the gateway and both pools in one process.
-    let serve =
-        ditstream::serve::start(config(&args, "127.0.0.1:1")?, "127.0.0.1:0".parse()?).await?;
+    let serve = ditstream::serve::start(
+        config(&args, "127.0.0.1:1", &dir.join("certs"))?,
+        "127.0.0.1:0".parse()?,
+    )
+    .await?;
     let addr = serve.addr.to_string();
     let t_alone = alone(&addr).await?;
     let (elapsed, outcomes) = run_all(&addr, args.requests).await?;
@@ -243,10 +248,17 @@ async fn main() -> anyhow::Result<()> {
     serve.stop().await?;
 
     // Pools: gateway + one denoiser pool + one decoder instance, gRPC and QUIC over loopback.
-    let gw = gateway::start(&config(&args, "127.0.0.1:1")?, "127.0.0.1:0".parse()?).await?;
-    let cfg = config(&args, &gw.addr.to_string())?;
-    let _dn = denoiser::start(&cfg, Path::new(&dir)).await?;
-    let _dc = decoder::start(&cfg, Path::new(&dir)).await?;
+    let certs = dir.join("certs");
+    let gw = gateway::start(
+        &config(&args, "127.0.0.1:1", &certs)?,
+        "127.0.0.1:0".parse()?,
+        None,
+    )
+    .await?;
+    let registry = gw.registry_addr.context("the gateway has a registry")?;
+    let cfg = config(&args, &registry.to_string(), &certs)?;
+    let _dn = denoiser::start(&cfg).await?;
+    let _dc = decoder::start(&cfg).await?;
     let addr = gw.addr.to_string();
     let mut client = VideoServiceClient::connect(format!("http://{addr}")).await?;
     while !client

@@ -36,7 +36,6 @@ use ditstream::roles::write_certs;
 use ditstream_bench::median;
 use ditstream_common::config::{Config, LinkKind};
 use ditstream_common::link::pool::{self as link, Pending};
-use ditstream_common::link::quic;
 use ditstream_decoder::service as decoder;
 use ditstream_denoiser::service as denoiser;
 use ditstream_kernels::Tensor;
@@ -91,7 +90,15 @@ struct Args {
 
 impl Args {
     /// A config for one process: the model, the video size, `gpu`, the pools section.
-    fn config(&self, gpu: usize, gateway: &str, link: &str) -> anyhow::Result<Config> {
+    /// The config of one process on `gpu`; `certs` holds what `ditstream certs` writes.
+    fn config(
+        &self,
+        gpu: usize,
+        gateway: &str,
+        link: &str,
+        certs: &Path,
+    ) -> anyhow::Result<Config> {
+        let c = certs.display();
         let gpus = if self.device == "cuda" {
             format!("  gpus: [{gpu}]\n")
         } else {
@@ -101,8 +108,8 @@ impl Args {
             "model:\n  preset: {preset}\n  weights: random\n  dtype: {dtype}\nsampler:\n  \
              steps: {steps}\n  shift: 3.0\n  guidance_scale: 5.0\nserving:\n  device: {device}\n\
              {gpus}  width: {w}\n  height: {h}\n  num_frames: {f}\n  queue_depth: 64\npools:\n  \
-             gateway: {gateway}\n  link: {link}\n  tls_ca: certs/ca.pem\n  tls_cert: certs/pool.pem\n  \
-             tls_key: certs/pool-key.pem\n",
+             gateway: {gateway}\n  registry_listen: 127.0.0.1:0\n  link: {link}\n  tls_ca: {c}/ca.pem\n  \
+             tls_cert: {c}/pool.pem\n  tls_key: {c}/pool-key.pem\n",
             preset = self.preset,
             // bf16 on the GPU; the CPU smoke run keeps the CPU's reference f32.
             dtype = if self.device == "cuda" { "bf16" } else { "f32" },
@@ -257,7 +264,7 @@ struct Ends {
 async fn link_latency(
     base: &Config,
     kind: LinkKind,
-    identity: &quic::Identity,
+    identity: &ditstream_common::tls::Identity,
     samples: usize,
     ends: Ends,
 ) -> anyhow::Result<(f64, f64, f64)> {
@@ -369,7 +376,12 @@ async fn main() -> anyhow::Result<()> {
     );
 
     if !args.skip_sequential {
-        let cfg = args.config(args.denoiser_gpu, "127.0.0.1:1", &args.link)?;
+        let cfg = args.config(
+            args.denoiser_gpu,
+            "127.0.0.1:1",
+            &args.link,
+            &dir.join("certs"),
+        )?;
         let t = Instant::now();
         let serve = ditstream::serve::start(cfg, "127.0.0.1:0".parse()?).await?;
         println!("serve        built in {:.1} s", t.elapsed().as_secs_f64());
@@ -383,19 +395,22 @@ async fn main() -> anyhow::Result<()> {
     }
 
     if !args.skip_pools {
+        let certs = dir.join("certs");
         let gw = gateway::start(
-            &args.config(args.denoiser_gpu, "127.0.0.1:1", &args.link)?,
+            &args.config(args.denoiser_gpu, "127.0.0.1:1", &args.link, &certs)?,
             "127.0.0.1:0".parse()?,
+            None,
         )
         .await?;
         let gw_addr = gw.addr.to_string();
+        let registry = gw
+            .registry_addr
+            .context("the gateway has a registry")?
+            .to_string();
         let t = Instant::now();
-        let dn_cfg = args.config(args.denoiser_gpu, &gw_addr, &args.link)?;
-        let dc_cfg = args.config(args.decoder_gpu, &gw_addr, &args.link)?;
-        let (dn, dc) = tokio::try_join!(
-            denoiser::start(&dn_cfg, Path::new(&dir)),
-            decoder::start(&dc_cfg, Path::new(&dir)),
-        )?;
+        let dn_cfg = args.config(args.denoiser_gpu, &registry, &args.link, &certs)?;
+        let dc_cfg = args.config(args.decoder_gpu, &registry, &args.link, &certs)?;
+        let (dn, dc) = tokio::try_join!(denoiser::start(&dn_cfg), decoder::start(&dc_cfg))?;
         println!("pools        built in {:.1} s", t.elapsed().as_secs_f64());
         let mut client = VideoServiceClient::connect(format!("http://{gw_addr}")).await?;
         let ready = Instant::now();
@@ -416,8 +431,13 @@ async fn main() -> anyhow::Result<()> {
         drop((dn, dc, gw));
     }
 
-    let dc_cfg = args.config(args.decoder_gpu, "127.0.0.1:1", &args.link)?;
-    let identity = quic::PoolCa::generate("bench")?.issue("localhost")?;
+    let dc_cfg = args.config(
+        args.decoder_gpu,
+        "127.0.0.1:1",
+        &args.link,
+        &dir.join("certs"),
+    )?;
+    let identity = ditstream_common::tls::PoolCa::generate("bench")?.issue("localhost")?;
     for name in &args.latency_links {
         let outcome = match link_kind(name) {
             Ok(kind) => {

@@ -37,8 +37,9 @@ use std::sync::Arc;
 use crate::collectives::CommWorld;
 use crate::collectives::nccl::{NcclComm, NcclId, NcclWorld};
 use crate::collectives::wire::TensorWire;
-use crate::link::quic::{self, Identity};
+use crate::link::quic;
 use crate::link::{ChunkHeader, LinkDType, LinkError, read_frame_head, write_frame_head};
+use crate::tls::Identity;
 use ditstream_kernels::{DType, Device, Tensor};
 use tokio::sync::{Mutex, oneshot};
 

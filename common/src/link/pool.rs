@@ -14,7 +14,6 @@ use crate::link::{ChunkHeader, LatentChunk, LinkDType, LinkError, quic};
 use anyhow::bail;
 use ditstream_kernels::Tensor;
 use ditstream_proto::v1 as pb;
-use std::path::Path;
 use tokio::sync::mpsc;
 
 /// A verified chunk as the decoder consumes it: its header and its latent frames, on the host
@@ -39,14 +38,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// The pools' TLS identity for the latent link, from the config's PEM files (relative paths are
-/// relative to the config file's folder).
-pub fn identity(cfg: &Config, config_dir: &Path) -> anyhow::Result<quic::Identity> {
+/// This member's TLS identity for every internal hop (registry, pool services, latent link),
+/// from the config's PEM files (relative paths start at the config file's folder).
+pub fn identity(cfg: &Config) -> anyhow::Result<crate::tls::Identity> {
     use anyhow::Context;
     let p = &cfg.pools;
-    let path = |s: &str| config_dir.join(s);
-    quic::Identity::from_pem_files(&path(&p.tls_cert), &path(&p.tls_key), &path(&p.tls_ca))
-        .context("pools.tls_*: run `ditstream certs --out certs` to make a development set")
+    crate::tls::Identity::from_pem_files(
+        &cfg.path(&p.tls_cert),
+        &cfg.path(&p.tls_key),
+        &cfg.path(&p.tls_ca),
+    )
+    .context("pools.tls_*: run `ditstream certs --out certs` to make a development set")
 }
 
 /// A configured link kind as the pools announce it on the wire.
@@ -149,7 +151,7 @@ pub(crate) async fn pump(mut rx: impl ChunkStream, pending: Pending) {
 /// task.
 pub async fn listen(
     cfg: &Config,
-    identity: &quic::Identity,
+    identity: &crate::tls::Identity,
     pending: Pending,
     gpu: usize,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
@@ -248,7 +250,7 @@ impl Connection {
         kind: pb::LinkKind,
         address: SocketAddr,
         host: &str,
-        identity: &quic::Identity,
+        identity: &crate::tls::Identity,
         gpu: usize,
     ) -> anyhow::Result<Connection> {
         let _ = gpu; // only an NCCL link uses it
@@ -363,8 +365,8 @@ mod tests {
 
     use std::time::Duration;
 
-    use crate::link::quic::PoolCa;
     use crate::link::write_chunk;
+    use crate::tls::PoolCa;
 
     use super::*;
 

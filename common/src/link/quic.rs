@@ -4,116 +4,19 @@
 //! so requests never wait behind each other. Host-staged: chunks are host bytes.
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 pub use quinn::Connection;
 
 use super::{LatentChunk, LinkError, read_chunk, write_chunk};
+use crate::tls::{Identity, provider};
 
 /// ALPN protocol id of the latent link.
 const ALPN: &[u8] = b"ditstream-latent/1";
 
 fn identity_error(what: &str) -> impl Fn(String) -> LinkError + '_ {
     move |e| LinkError::Identity(format!("{what}: {e}"))
-}
-
-/// A pool member's TLS identity: its certificate chain and key, and the pool CA it trusts.
-pub struct Identity {
-    ca: CertificateDer<'static>,
-    chain: Vec<CertificateDer<'static>>,
-    key: PrivateKeyDer<'static>,
-}
-
-impl Identity {
-    /// Loads PEM files: this member's certificate (chain), its private key, and the pool CA.
-    pub fn from_pem_files(cert: &Path, key: &Path, ca: &Path) -> Result<Identity, LinkError> {
-        let load = |p: &Path| {
-            CertificateDer::pem_file_iter(p)
-                .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-                .map_err(|e| LinkError::Identity(format!("{}: {e}", p.display())))
-        };
-        let chain = load(cert)?;
-        let ca = load(ca)?.into_iter().next().ok_or_else(|| {
-            LinkError::Identity(format!("{}: no certificate in the file", ca.display()))
-        })?;
-        let key = PrivateKeyDer::from_pem_file(key)
-            .map_err(|e| LinkError::Identity(format!("{}: {e}", key.display())))?;
-        Ok(Identity { ca, chain, key })
-    }
-}
-
-/// A certificate authority for one deployment's pools: issues the identities they present to
-/// each other. Operators may use their own CA instead and load identities from PEM files.
-pub struct PoolCa {
-    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
-}
-
-impl PoolCa {
-    /// A fresh CA named `name`.
-    pub fn generate(name: &str) -> Result<PoolCa, LinkError> {
-        let err = identity_error("generating the pool CA");
-        let mut params =
-            rcgen::CertificateParams::new(Vec::<String>::new()).map_err(|e| err(e.to_string()))?;
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, name);
-        let key = rcgen::KeyPair::generate().map_err(|e| err(e.to_string()))?;
-        let issuer =
-            rcgen::CertifiedIssuer::self_signed(params, key).map_err(|e| err(e.to_string()))?;
-        Ok(PoolCa { issuer })
-    }
-
-    /// An identity for a pool member reachable as `host` (a DNS name or an IP address).
-    pub fn issue(&self, host: &str) -> Result<Identity, LinkError> {
-        let err = identity_error(host);
-        let params = rcgen::CertificateParams::new(vec![host.to_string()])
-            .map_err(|e| err(e.to_string()))?;
-        let key = rcgen::KeyPair::generate().map_err(|e| err(e.to_string()))?;
-        let cert = params
-            .signed_by(&key, &self.issuer)
-            .map_err(|e| err(e.to_string()))?;
-        Ok(Identity {
-            ca: self.issuer.der().clone(),
-            chain: vec![cert.der().clone()],
-            key: PrivatePkcs8KeyDer::from(key.serialize_der()).into(),
-        })
-    }
-
-    /// The CA certificate, PEM.
-    pub fn pem(&self) -> String {
-        self.issuer.pem()
-    }
-
-    /// A certificate for `hosts` (DNS names or IP addresses) and its private key, both PEM: what
-    /// `ditstream certs` writes for the pools to load with [`Identity::from_pem_files`].
-    pub fn issue_pem(&self, hosts: &[String]) -> Result<(String, String), LinkError> {
-        let err = identity_error("issuing a pool certificate");
-        let params =
-            rcgen::CertificateParams::new(hosts.to_vec()).map_err(|e| err(e.to_string()))?;
-        let key = rcgen::KeyPair::generate().map_err(|e| err(e.to_string()))?;
-        let cert = params
-            .signed_by(&key, &self.issuer)
-            .map_err(|e| err(e.to_string()))?;
-        Ok((cert.pem(), key.serialize_pem()))
-    }
-}
-
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
-}
-
-fn roots(identity: &Identity) -> Result<Arc<rustls::RootCertStore>, LinkError> {
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(identity.ca.clone())
-        .map_err(|e| LinkError::Identity(format!("pool CA: {e}")))?;
-    Ok(Arc::new(roots))
 }
 
 /// Windows sized for latents (tens of MB per request) rather than web traffic; quinn's defaults
@@ -133,14 +36,14 @@ fn transport() -> Arc<quinn::TransportConfig> {
 pub fn listen(addr: SocketAddr, identity: &Identity) -> Result<quinn::Endpoint, LinkError> {
     let err = identity_error("server TLS config");
     let verifier =
-        rustls::server::WebPkiClientVerifier::builder_with_provider(roots(identity)?, provider())
+        rustls::server::WebPkiClientVerifier::builder_with_provider(identity.roots(), provider())
             .build()
             .map_err(|e| err(e.to_string()))?;
     let mut tls = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| err(e.to_string()))?
         .with_client_cert_verifier(verifier)
-        .with_single_cert(identity.chain.clone(), identity.key.clone_key())
+        .with_single_cert(identity.chain(), identity.key())
         .map_err(|e| err(e.to_string()))?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(Arc::new(tls))
@@ -161,8 +64,8 @@ pub async fn connect(
     let mut tls = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| err(e.to_string()))?
-        .with_root_certificates(roots(identity)?)
-        .with_client_auth_cert(identity.chain.clone(), identity.key.clone_key())
+        .with_root_certificates(identity.roots())
+        .with_client_auth_cert(identity.chain(), identity.key())
         .map_err(|e| err(e.to_string()))?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
     let crypto =
@@ -242,6 +145,7 @@ impl ChunkReceiver {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tls::PoolCa;
 
     /// The server half of mutual TLS: a client that trusts the pool CA but presents a certificate
     /// from another CA never gets a connection.
@@ -254,15 +158,12 @@ mod tests {
         )
         .unwrap();
         let addr = server.local_addr().unwrap();
-        let stranger = PoolCa::generate("someone else")
+        // Trusts the pool CA, presents a certificate another CA signed.
+        let (cert, key) = PoolCa::generate("someone else")
             .unwrap()
-            .issue("intruder")
+            .issue_pem(&["intruder".to_string()])
             .unwrap();
-        let intruder = Identity {
-            ca: ca.issuer.der().clone(),
-            chain: stranger.chain,
-            key: stranger.key,
-        };
+        let intruder = Identity::from_pem(&cert, &key, &ca.pem()).unwrap();
         let accepted = tokio::spawn(async move { server.accept().await.unwrap().await });
         let client = connect(addr, "localhost", &intruder).await;
         let server_side = accepted.await.unwrap();

@@ -102,6 +102,15 @@ impl Identity {
     /// The server side of the control plane's mutual TLS: a gRPC (HTTP/2) listener that accepts
     /// only clients whose certificate the pool CA signed.
     pub fn mtls_server(&self) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+        self.mtls_server_with_alpn(b"h2")
+    }
+
+    /// Mutual TLS 1.3 for a server speaking the protocol `alpn` (h2 for gRPC; the QUIC latent
+    /// link has its own).
+    pub fn mtls_server_with_alpn(
+        &self,
+        alpn: &[u8],
+    ) -> Result<Arc<rustls::ServerConfig>, TlsError> {
         let err = error("control-plane TLS");
         let verifier =
             rustls::server::WebPkiClientVerifier::builder_with_provider(self.roots(), provider())
@@ -113,7 +122,7 @@ impl Identity {
             .with_client_cert_verifier(verifier)
             .with_single_cert(self.chain(), self.key())
             .map_err(|e| err(e.to_string()))?;
-        tls.alpn_protocols = vec![b"h2".to_vec()];
+        tls.alpn_protocols = vec![alpn.to_vec()];
         Ok(Arc::new(tls))
     }
 

@@ -35,19 +35,11 @@ fn transport() -> Arc<quinn::TransportConfig> {
 /// signed, and refuses the rest during the handshake.
 pub fn listen(addr: SocketAddr, identity: &Identity) -> Result<quinn::Endpoint, LinkError> {
     let err = identity_error("server TLS config");
-    let verifier =
-        rustls::server::WebPkiClientVerifier::builder_with_provider(identity.roots(), provider())
-            .build()
-            .map_err(|e| err(e.to_string()))?;
-    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(|e| err(e.to_string()))?
-        .with_client_cert_verifier(verifier)
-        .with_single_cert(identity.chain(), identity.key())
+    let tls = identity
+        .mtls_server_with_alpn(ALPN)
         .map_err(|e| err(e.to_string()))?;
-    tls.alpn_protocols = vec![ALPN.to_vec()];
-    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(Arc::new(tls))
-        .map_err(|e| err(e.to_string()))?;
+    let crypto =
+        quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| err(e.to_string()))?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(transport());
     quinn::Endpoint::server(config, addr)

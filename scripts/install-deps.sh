@@ -10,6 +10,8 @@ packages=(
   libavcodec-dev libavformat-dev libavutil-dev libswscale-dev  # ffmpeg-next (x264 backend)
   ffmpeg                             # ffprobe and ffmpeg, to check the MP4s we write
   libucx-dev clang libclang-dev      # the UCX latent link (bindgen bindings over UCX 1.13)
+  python3-venv curl chromium         # the HTTP API's outside clients: the openai SDK, curl,
+                                     # a browser for the page (headless)
 )
 
 missing=()

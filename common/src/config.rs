@@ -518,6 +518,34 @@ pub struct ServingConfig {
     pub insecure: bool,
     /// Limits per API key.
     pub per_key: PerKeyLimits,
+    /// Where the HTTP API keeps finished videos, and for how long.
+    pub videos: VideoStore,
+}
+
+/// `serving.videos`: the HTTP API's video files: a folder, bounded by count and bytes (the
+/// oldest go first), each file kept `ttl_s` after it completes; a restart lists what is left.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct VideoStore {
+    /// The folder (relative to the config file's folder), made on first use.
+    pub dir: String,
+    /// Most videos kept.
+    pub max_count: usize,
+    /// Most bytes kept.
+    pub max_bytes: u64,
+    /// Seconds a finished video is kept (its `expires_at`).
+    pub ttl_s: u64,
+}
+
+impl Default for VideoStore {
+    fn default() -> Self {
+        VideoStore {
+            dir: "ditstream-videos".to_string(),
+            max_count: 1000,
+            max_bytes: 20 << 30,
+            ttl_s: 24 * 3600,
+        }
+    }
 }
 
 /// `serving.admission`: the cost model that refuses, at once, a request the serving devices
@@ -591,6 +619,7 @@ impl Default for ServingConfig {
             api_keys: None,
             insecure: false,
             per_key: PerKeyLimits::default(),
+            videos: VideoStore::default(),
         }
     }
 }
@@ -1038,6 +1067,15 @@ impl Config {
         ] {
             if value == Some(0) {
                 return Err(invalid(key, 0, "must be at least 1 (or unset)"));
+            }
+        }
+        for (key, value) in [
+            ("serving.videos.max_count", s.videos.max_count as u64),
+            ("serving.videos.max_bytes", s.videos.max_bytes),
+            ("serving.videos.ttl_s", s.videos.ttl_s),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, 0, "must be at least 1"));
             }
         }
         let c = &self.connections;

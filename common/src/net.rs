@@ -5,9 +5,10 @@
 //! - a cap on open connections: beyond it a new one is refused at once, with an HTTP/2 GOAWAY
 //!   (`ENHANCE_YOUR_CALM`) naming the limit on plaintext listeners (closed on TLS ones, where
 //!   saying so would cost a handshake);
-//! - one deadline for the TLS handshake and the HTTP/2 client preface, so a connection that
-//!   never speaks is closed instead of holding a descriptor (handshakes run concurrently, off
-//!   the accept loop);
+//! - one deadline for the TLS handshake and the client's first bytes (the whole HTTP/2 preface,
+//!   or the start of an HTTP/1.1 request, whose headers hyper then times itself), so a
+//!   connection that never speaks is closed instead of holding a descriptor (handshakes run
+//!   concurrently, off the accept loop);
 //! - an idle timeout: a connection with no call in flight for that long is closed (counted by
 //!   [`TrackCalls`], a layer on the server);
 //! - HTTP/2 keepalive pings, a cap on concurrent streams per connection, a header size cap
@@ -256,23 +257,28 @@ async fn handshake(
                 (Io::Tls(Box::new(tls)), peer)
             }
         };
-        let mut preface = [0u8; PREFACE.len()];
-        io.read_exact(&mut preface).await?;
-        if &preface != PREFACE {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "not HTTP/2 (gRPC needs HTTP/2 with prior knowledge, or ALPN h2 over TLS)",
-            ));
+        // The whole HTTP/2 preface, or the first bytes of anything else (HTTP/1.1).
+        let mut first = Vec::with_capacity(PREFACE.len());
+        while first.len() < PREFACE.len() && PREFACE.starts_with(&first) {
+            let mut buf = [0u8; PREFACE.len()];
+            let n = io.read(&mut buf[..PREFACE.len() - first.len()]).await?;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "closed before a request",
+                ));
+            }
+            first.extend_from_slice(&buf[..n]);
         }
-        Ok((io, peer))
+        Ok((io, peer, first))
     };
-    let (io, peer) = tokio::time::timeout(timeout, handshake)
+    let (io, peer, first) = tokio::time::timeout(timeout, handshake)
         .await
         .map_err(|_| {
             io::Error::new(
                 io::ErrorKind::TimedOut,
                 format!(
-                    "no handshake and HTTP/2 preface within {timeout:?} (connections.handshake_timeout_s)"
+                    "no handshake and request within {timeout:?} (connections.handshake_timeout_s)"
                 ),
             )
         })??;
@@ -283,7 +289,8 @@ async fn handshake(
     let idle = secs(limits.idle_timeout_s);
     Ok(Conn {
         io,
-        replay: 0,
+        first,
+        replayed: 0,
         info: ConnInfo {
             remote,
             peer,
@@ -358,12 +365,14 @@ impl AsyncWrite for Io {
     }
 }
 
-/// An accepted connection past its handshake: replays the preface it consumed, holds one of
-/// the listener's connection slots, and ends itself when idle too long.
+/// An accepted connection past its handshake: replays the first bytes it consumed, holds one
+/// of the listener's connection slots, and ends itself when idle too long.
 pub struct Conn {
     io: Io,
-    /// Bytes of the preface already handed to the server.
-    replay: usize,
+    /// The client's first bytes, read during the handshake.
+    first: Vec<u8>,
+    /// How many of them the server has read.
+    replayed: usize,
     info: ConnInfo,
     idle: Duration,
     idle_check: Pin<Box<tokio::time::Sleep>>,
@@ -400,10 +409,10 @@ impl AsyncRead for Conn {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if this.replay < PREFACE.len() {
-            let n = (PREFACE.len() - this.replay).min(buf.remaining());
-            buf.put_slice(&PREFACE[this.replay..this.replay + n]);
-            this.replay += n;
+        if this.replayed < this.first.len() {
+            let n = (this.first.len() - this.replayed).min(buf.remaining());
+            buf.put_slice(&this.first[this.replayed..this.replayed + n]);
+            this.replayed += n;
             return Poll::Ready(Ok(()));
         }
         if let Err(e) = this.check_idle(cx) {

@@ -19,6 +19,26 @@ use std::time::Duration;
 
 use tonic::{Code, Status};
 
+#[cfg(test)]
+#[test]
+fn code_names_are_snake_case() {
+    assert_eq!(code_name(Code::ResourceExhausted), "resource_exhausted");
+    assert_eq!(code_name(Code::Cancelled), "cancelled");
+}
+
+/// A code as a stable lower-case name (`ResourceExhausted` → `resource_exhausted`), for
+/// metric labels and the HTTP API's error codes.
+pub fn code_name(code: Code) -> String {
+    let mut out = String::new();
+    for (i, c) in format!("{code:?}").chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_lowercase());
+    }
+    out
+}
+
 /// The request breaks a limit (`e` names the field, the value and the rule).
 pub fn invalid(e: &impl std::fmt::Display) -> Status {
     Status::invalid_argument(e.to_string())

@@ -7,3 +7,7 @@
 pub mod v1 {
     tonic::include_proto!("ditstream.v1");
 }
+
+/// The encoded `FileDescriptorSet` of both files, for gRPC reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/ditstream_descriptor.bin"));

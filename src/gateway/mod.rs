@@ -81,6 +81,7 @@ struct Shared {
     model: String,
     cost: CostModel,
     keys: keys::Keys,
+    metrics: crate::metrics::Metrics,
     /// The control plane's identity (the registry's listener, calls to remote pools); `None`
     /// in `serve`, which has no remote pools.
     control: Option<Arc<Identity>>,
@@ -153,6 +154,34 @@ impl Shared {
 pub struct Gateway(Arc<Shared>);
 
 impl Gateway {
+    /// `/metrics`: the counters and histograms, and the queue and the pools as they are now.
+    pub fn metrics_text(&self) -> String {
+        let (queued, running) = self.0.load();
+        let pools = lock(&self.0.registry).samples();
+        self.0.metrics.render(queued, running, &pools)
+    }
+
+    /// Who a call with `metadata` acts for (its API key's name); UNAUTHENTICATED without a
+    /// valid key when the server has keys.
+    pub fn authenticate(&self, metadata: &tonic::metadata::MetadataMap) -> Result<String, Status> {
+        self.0.keys.authenticate(metadata)
+    }
+
+    /// The model it serves.
+    pub fn model(&self) -> &str {
+        &self.0.model
+    }
+
+    /// The frame rate of videos that do not ask for one.
+    pub fn default_fps(&self) -> u32 {
+        self.0.cfg.serving.fps
+    }
+
+    /// Whether requests can be served now (not draining; a denoiser and a decoder registered).
+    pub fn serving(&self) -> bool {
+        !self.0.draining.load(Ordering::SeqCst) && lock(&self.0.registry).can_serve()
+    }
+
     /// A gateway for the model `cfg` serves, with no pools yet; `control` is its identity on
     /// the control plane (for pools in other processes).
     pub fn new(cfg: &Config, control: Option<Identity>) -> anyhow::Result<Gateway> {
@@ -168,6 +197,7 @@ impl Gateway {
             cost,
             keys: keys::Keys::load(cfg.serving.api_keys.as_deref().map(|p| cfg.path(p)))?,
             per_key: cfg.serving.per_key.clone(),
+            metrics: crate::metrics::Metrics::new(),
             control: control.map(Arc::new),
             registry: Mutex::new(Registry::new(Duration::from_secs(
                 cfg.pools.heartbeat_timeout_s,
@@ -320,7 +350,9 @@ impl VideoService for Gateway {
         let max = Duration::from_secs(self.0.cfg.serving.max_deadline_s);
         let deadline = grpc_timeout(request.metadata(), max).map(|d| Instant::now() + d);
         let raw = RawRequest::from(request.into_inner());
-        let (id, position, stop, params) = self.admit(raw, owner)?;
+        let (id, position, stop, params) = self.admit(raw, owner).inspect_err(|e| {
+            self.0.metrics.ended(&status::code_name(e.code()));
+        })?;
         tracing::info!(
             id,
             position,
@@ -394,7 +426,7 @@ impl VideoService for Gateway {
         _: Request<pb::HealthRequest>,
     ) -> Result<Response<pb::HealthResponse>, Status> {
         let (queued, running) = self.0.load();
-        let serving = !self.0.draining.load(Ordering::SeqCst) && lock(&self.0.registry).can_serve();
+        let serving = self.serving();
         Ok(Response::new(pb::HealthResponse {
             serving,
             queued,
@@ -525,8 +557,10 @@ async fn until(mut shutdown: watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|s| *s).await;
 }
 
-/// Serves `gateway`'s `VideoService` on `listen` (TLS from `serving.tls`, API keys from
-/// `serving.api_keys`; a non-loopback address needs both unless `serving.insecure`), and with
+/// Serves `gateway`'s public API on `listen` — `VideoService`, `grpc.health.v1`, reflection,
+/// and on the same port the HTTP API (`crate::http`) — with TLS from `serving.tls` and API
+/// keys from `serving.api_keys` (a non-loopback address needs both unless `serving.insecure`),
+/// and with
 /// `registry` the `PoolRegistry` on that address over mutual TLS (the gateway must have been
 /// made with its control-plane identity), with the reaper that drops pools whose heartbeats
 /// stop. SIGHUP reloads the API keys.
@@ -552,11 +586,37 @@ pub async fn serve(
         tracing::warn!(%addr, "serving.insecure: the public API is unencrypted or unauthenticated on a non-loopback address");
     }
     let (shutdown, stopped) = watch::channel(false);
-    let router = net::server(&cfg.connections).add_service(
-        VideoServiceServer::new(gateway.clone())
-            .max_decoding_message_size(cfg.connections.max_request_bytes)
-            .max_encoding_message_size(64 << 20),
+    // One listener for gRPC and HTTP: the Videos API, the page and /metrics are axum routes
+    // beside the gRPC services (tonic serves both; HTTP/1.1 accepted).
+    let store_dir = cfg.path(&cfg.serving.videos.dir);
+    let store = Arc::new(crate::http::videos::Store::open(
+        &cfg.serving.videos,
+        store_dir,
+    ));
+    let (health, health_service) = tonic_health::server::health_reporter();
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(ditstream_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .with_service_name("ditstream.v1.VideoService")
+        .with_service_name("grpc.health.v1.Health")
+        .build_v1()
+        .context("gRPC reflection")?;
+    let http = crate::http::router(
+        gateway.clone(),
+        Arc::clone(&store),
+        cfg.connections.max_request_bytes,
     );
+    let routes = tonic::service::Routes::from(http)
+        .add_service(
+            VideoServiceServer::new(gateway.clone())
+                .max_decoding_message_size(cfg.connections.max_request_bytes)
+                .max_encoding_message_size(64 << 20),
+        )
+        .add_service(health_service)
+        .add_service(reflection);
+    let router = net::server(&cfg.connections)
+        .accept_http1(true)
+        .add_routes(routes);
     let mut tasks = vec![net::spawn(
         "the public gRPC server",
         router,
@@ -600,6 +660,15 @@ pub async fn serve(
     if shared.keys.required() {
         tasks.push(tokio::spawn(reload_keys_on_sighup(Arc::clone(&shared))));
     }
+    // The first answer is right from the start; then it follows the pools.
+    let serving = gateway.serving();
+    set_health(&health, serving).await;
+    tasks.push(tokio::spawn(follow_health(
+        gateway.clone(),
+        health,
+        serving,
+    )));
+    tasks.push(tokio::spawn(store.expire_every(Duration::from_secs(60))));
     tracing::info!(%addr, registry = ?registry_addr, tls = cfg.serving.tls.is_some(), api_keys = shared.keys.required(), "gateway serving ditstream.v1.VideoService");
     Ok(RunningGateway {
         addr,
@@ -608,6 +677,41 @@ pub async fn serve(
         shutdown,
         tasks,
     })
+}
+
+/// Keeps `grpc.health.v1` in step with the gateway: SERVING (overall and for
+/// `ditstream.v1.VideoService`) while a denoiser and a decoder are registered and it is not
+/// draining, NOT_SERVING otherwise.
+async fn follow_health(
+    gateway: Gateway,
+    reporter: tonic_health::server::HealthReporter,
+    mut last: bool,
+) {
+    loop {
+        let changed = gateway.0.changed.notified();
+        let serving = gateway.serving();
+        if last != serving {
+            set_health(&reporter, serving).await;
+            last = serving;
+        }
+        // Pools come and go with a wake-up; draining and reaping are caught by the tick.
+        tokio::select! {
+            _ = changed => {}
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
+    }
+}
+
+async fn set_health(reporter: &tonic_health::server::HealthReporter, serving: bool) {
+    use tonic_health::ServingStatus;
+    let status = if serving {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
+    };
+    for name in ["", "ditstream.v1.VideoService"] {
+        reporter.set_service_status(name, status).await;
+    }
 }
 
 /// Reloads the API keys file on every SIGHUP; a file that does not parse keeps the old keys.

@@ -338,6 +338,22 @@ impl Registry {
         }
     }
 
+    /// Every pool and its load, for `/metrics`.
+    pub fn samples(&self) -> Vec<crate::metrics::PoolSample> {
+        self.pools
+            .values()
+            .map(|p| crate::metrics::PoolSample {
+                id: p.id.clone(),
+                role: if p.role == pb::PoolRole::Denoiser {
+                    "denoiser"
+                } else {
+                    "decoder"
+                },
+                inflight: p.inflight,
+            })
+            .collect()
+    }
+
     /// Whether a request could be routed now (a denoiser and a decoder are registered).
     pub fn can_serve(&self) -> bool {
         let has = |role| self.pools.values().any(|p| p.role == role);

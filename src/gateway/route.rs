@@ -139,14 +139,21 @@ pub async fn run(shared: Arc<Shared>, request: Admitted, client: Client) {
     .await;
     shared.forget_request(&id);
     match outcome {
-        Ok(done) => tracing::info!(
-            id,
-            total_ms = ms(started.elapsed()),
-            frames = done.frames,
-            segments = done.segments,
-            "completed"
-        ),
+        Ok(done) => {
+            shared.metrics.ended("completed");
+            if let Some(t) = &done.timings {
+                shared.metrics.timings(t);
+            }
+            tracing::info!(
+                id,
+                total_ms = ms(started.elapsed()),
+                frames = done.frames,
+                segments = done.segments,
+                "completed"
+            )
+        }
         Err(status) => {
+            shared.metrics.ended(&status::code_name(status.code()));
             tracing::info!(id, code = ?status.code(), message = status.message(), "ended early");
             let _ = client.end.send(status);
         }
@@ -216,6 +223,7 @@ async fn route(
         ..Default::default()
     };
     let mut init = Some(s.init.clone());
+    let mut last_segment: Option<Instant> = None;
     let (mut denoised, mut decoded) = (false, None::<pb::Decoded>);
     let lost = |pool: &Pool, e: Status| {
         if status::is_transport_failure(&e) {
@@ -249,7 +257,12 @@ async fn route(
                         if let Some(i) = init.take() {
                             client.send(G::InitSegment(i)).await?;
                         }
+                        let bytes = m.data.len();
                         client.send(G::MediaSegment(m)).await?;
+                        let now = Instant::now();
+                        let gap = last_segment.map(|t| (now - t).as_secs_f64());
+                        shared.metrics.segment(bytes, gap);
+                        last_segment = Some(now);
                         if timings.first_segment_ms == 0.0 {
                             timings.first_segment_ms = ms(accepted.elapsed());
                         }

@@ -593,3 +593,30 @@ async fn a_diffusers_checkpoint_folder_serves() {
     probe(&path, 5, 64, 48, "16/1", &[0, 1]);
     server.stop().await.unwrap();
 }
+
+/// `ditstream generate` as the README runs it (here at a small size): its stderr is its own
+/// progress, with none of OpenH264's raw log lines (they go through `tracing`, target `openh264`).
+#[test]
+fn the_client_prints_no_raw_encoder_log() {
+    let dir = std::env::temp_dir().join(format!("ditstream-quiet-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("small.yaml");
+    std::fs::write(
+        &config,
+        "model: {preset: tiny}\nsampler: {steps: 2}\nserving: {width: 64, height: 48, num_frames: 9}\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ditstream"))
+        .args(["generate", "--prompt", "quiet", "--config"])
+        .arg(&config)
+        .arg("--output")
+        .arg(dir.join("quiet.mp4"))
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("decode 9/9"), "{stderr}");
+    assert!(!stderr.contains("OpenH264"), "{stderr}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -106,6 +106,27 @@ fn frames(file: &Path) -> usize {
         .unwrap_or(0)
 }
 
+/// Runs `python script args…` off the runtime; its JSON report (the last line of stdout), or a
+/// failure with everything it printed.
+async fn run_script(python: PathBuf, script: &'static str, args: Vec<String>) -> serde_json::Value {
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .arg(script)
+            .args(args)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).unwrap()
+}
+
 /// A venv under target/ with the openai SDK; its python.
 fn sdk_python() -> PathBuf {
     let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("venv-openai");
@@ -141,24 +162,8 @@ async fn the_openai_sdk_drives_the_videos_api() {
     let python = tokio::task::spawn_blocking(sdk_python).await.unwrap();
     let (server, base) = serve(config(&dir.join("videos"), "ttl_s: 3600")).await;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/http/openai_videos.py");
-    let (out_dir, url) = (dir.clone(), format!("{base}/v1"));
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new(python)
-            .arg(script)
-            .arg(url)
-            .arg(&out_dir)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let args = vec![format!("{base}/v1"), dir.display().to_string()];
+    let report = run_script(python, script, args).await;
     // seconds "1" at 16 fps is 17 frames (4k+1); the thumbnail is frame 0 at the video's size.
     assert_eq!(frames(&dir.join("sdk.mp4")), 17);
     let probe = Command::new("ffprobe")
@@ -470,27 +475,10 @@ async fn the_page_plays_the_video_while_it_is_made() {
     let (server, base) = serve(config(&dir.join("videos"), "ttl_s: 3600")).await;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/http/browser.py");
     let shot = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("page.png");
-    let (url, s) = (format!("{base}/"), shot.clone());
     // 81 frames: 21 segments, decoded over seconds, so the first plays long before the last
     // exists (the script checks that while the job is in progress).
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("python3")
-            .arg(script)
-            .arg(url)
-            .arg(&s)
-            .arg("81")
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let args = vec![format!("{base}/"), shot.display().to_string(), "81".into()];
+    let report = run_script("python3".into(), script, args).await;
     assert_eq!(report["end"]["frames"], 81, "{report}");
     assert!(std::fs::metadata(&shot).unwrap().len() > 1000);
     server.stop().await.unwrap();

@@ -1,6 +1,7 @@
 //! The vendored encoder backend: Cisco's OpenH264 (built from source into the binary by the `openh264`
 //! crate, so it runs on hosts without FFmpeg). Constrained Baseline profile, one IDR forced at every
-//! segment start, no frame skipping, no scene-cut or periodic IDRs.
+//! segment start, no frame skipping, no scene-cut or periodic IDRs. OpenH264's own log (which it
+//! would print raw on stderr) goes through `tracing`, target `openh264`.
 
 use openh264::encoder::{
     BitRate, Complexity, Encoder, EncoderConfig, FrameRate, FrameType, IntraFramePeriod, QpRange,
@@ -77,6 +78,54 @@ fn encoder_config(
         .vui(VuiConfig::bt601()))
 }
 
+/// OpenH264's log lines, into `tracing`. Its warnings are about settings this backend chooses
+/// on purpose (no frame skipping under quality rate control), so they are debug events; its
+/// errors also fail the call that caused them, so they are warnings here.
+unsafe extern "C" fn trace(
+    _context: *mut std::ffi::c_void,
+    level: std::ffi::c_int,
+    line: *const std::ffi::c_char,
+) {
+    if line.is_null() {
+        return;
+    }
+    // SAFETY: OpenH264 passes a NUL-terminated string valid for the duration of the call.
+    let text = unsafe { std::ffi::CStr::from_ptr(line) }.to_string_lossy();
+    let text = text.trim_end();
+    match level {
+        l if l <= openh264_sys2::WELS_LOG_ERROR as std::ffi::c_int => {
+            tracing::warn!(target: "openh264", "{text}")
+        }
+        l if l <= openh264_sys2::WELS_LOG_WARNING as std::ffi::c_int => {
+            tracing::debug!(target: "openh264", "{text}")
+        }
+        _ => tracing::trace!(target: "openh264", "{text}"),
+    }
+}
+
+/// An encoder whose log goes through [`trace`] from the start: the callback is set before the
+/// first frame, which is when OpenH264 initialises and logs its warnings.
+fn open_encoder(config: EncoderConfig) -> Result<Encoder, EncodeError> {
+    let mut encoder = Encoder::with_api_config(OpenH264API::from_source(), config)
+        .map_err(|e| backend_err("opening", e))?;
+    let mut callback: openh264_sys2::WelsTraceCallback = Some(trace);
+    // SAFETY: the trace options are the ones OpenH264 accepts before initialisation; it copies
+    // the function pointer, which is 'static, and passes no context we would read.
+    let rc = unsafe {
+        encoder.raw_api().set_option(
+            openh264_sys2::ENCODER_OPTION_TRACE_CALLBACK,
+            (&raw mut callback).cast(),
+        )
+    };
+    if rc != 0 {
+        debug!(
+            rc,
+            "OpenH264 refused its trace callback: its log stays on stderr"
+        );
+    }
+    Ok(encoder)
+}
+
 impl OpenH264Encoder {
     /// Opens an encoder for `params` (already validated by the caller: even sizes, fps in range).
     ///
@@ -86,10 +135,7 @@ impl OpenH264Encoder {
     /// IDR ([`EncodeError::ParameterSetsChanged`] if they ever differ).
     pub fn new(params: VideoParams, options: &OpenH264Options) -> Result<Self, EncodeError> {
         let config = encoder_config(params, options)?;
-        let open = || {
-            Encoder::with_api_config(OpenH264API::from_source(), config)
-                .map_err(|e| backend_err("opening", e))
-        };
+        let open = || open_encoder(config);
         let parameter_sets = {
             let mut probe = open()?;
             let (w, h) = (params.width as usize, params.height as usize);

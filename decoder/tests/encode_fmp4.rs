@@ -561,3 +561,102 @@ fn rgb_threshold_separates_right_from_wrong_colour() -> Result<()> {
     );
     Ok(())
 }
+
+/// The hand-written boxes, read back by an independent maintained parser (`mp4-atom`): the init
+/// segment's sample entry, and in every media segment the sequence number, the track, one trun
+/// entry per frame whose sizes fill the mdat exactly, a data offset that points at the mdat's
+/// first byte, decode times that continue from segment to segment, and a sync sample first.
+#[test]
+fn an_independent_parser_reads_every_box() -> Result<()> {
+    use mp4_atom::{Codec, Decode, Ftyp, Mdat, Moof, Moov};
+    let (file, segments, _) = stream(&openh264_high_quality(), &frames())?;
+    let buf = &mut std::io::Cursor::new(file.as_slice());
+    Ftyp::decode(buf)?;
+    let moov = Moov::decode(buf)?;
+    ensure!(moov.mvex.is_some(), "no mvex: not a fragmented MP4");
+    ensure!(moov.trak.len() == 1, "{} tracks", moov.trak.len());
+    let trak = &moov.trak[0];
+    let Some(Codec::Avc1(avc1)) = trak.mdia.minf.stbl.stsd.codecs.first() else {
+        bail!(
+            "the sample entry is not avc1: {:?}",
+            trak.mdia.minf.stbl.stsd.codecs
+        );
+    };
+    ensure!(
+        (u32::from(avc1.visual.width), u32::from(avc1.visual.height)) == (WIDTH, HEIGHT),
+        "avc1 {}x{}",
+        avc1.visual.width,
+        avc1.visual.height
+    );
+    ensure!(
+        avc1.avcc.sequence_parameter_sets.len() == 1 && avc1.avcc.picture_parameter_sets.len() == 1,
+        "avcC holds {} SPS and {} PPS",
+        avc1.avcc.sequence_parameter_sets.len(),
+        avc1.avcc.picture_parameter_sets.len()
+    );
+    let mut decode_time = 0u64;
+    for s in &segments {
+        let moof_len = u32::from_be_bytes(s.bytes[..4].try_into()?);
+        let moof = Moof::decode(buf)?;
+        let mdat = Mdat::decode(buf)?;
+        ensure!(
+            moof.mfhd.sequence_number == s.sequence_number,
+            "mfhd {:?}",
+            moof.mfhd
+        );
+        let traf = &moof.traf[0];
+        ensure!(
+            traf.tfhd.track_id == trak.tkhd.track_id,
+            "tfhd {:?}",
+            traf.tfhd
+        );
+        let tfdt = traf.tfdt.as_ref().context("no tfdt")?;
+        ensure!(
+            tfdt.base_media_decode_time == decode_time,
+            "segment {}: decode time {} after {decode_time}",
+            s.sequence_number,
+            tfdt.base_media_decode_time
+        );
+        let trun = &traf.trun[0];
+        ensure!(
+            trun.entries.len() == s.frame_count as usize,
+            "{} trun entries",
+            trun.entries.len()
+        );
+        let sizes: usize = trun
+            .entries
+            .iter()
+            .map(|e| e.size.unwrap_or(0) as usize)
+            .sum();
+        ensure!(
+            sizes == mdat.data.len(),
+            "samples {sizes} bytes, mdat {}",
+            mdat.data.len()
+        );
+        ensure!(
+            trun.data_offset == Some(moof_len as i32 + 8),
+            "data offset {:?}, moof {moof_len} bytes",
+            trun.data_offset
+        );
+        // sample_is_non_sync_sample (ISO/IEC 14496-12 §8.8.3.1): clear on the IDR only.
+        let non_sync: Vec<bool> = trun
+            .entries
+            .iter()
+            .map(|e| e.flags.unwrap_or(0) & 0x0001_0000 != 0)
+            .collect();
+        ensure!(
+            !non_sync[0] && non_sync[1..].iter().all(|n| *n),
+            "sync flags {non_sync:?}"
+        );
+        decode_time += trun
+            .entries
+            .iter()
+            .map(|e| u64::from(e.duration.unwrap_or(0)))
+            .sum::<u64>();
+    }
+    ensure!(
+        buf.position() as usize == file.len(),
+        "bytes after the last segment"
+    );
+    Ok(())
+}

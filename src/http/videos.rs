@@ -163,7 +163,11 @@ impl Store {
         let known: std::collections::HashSet<String> =
             jobs.iter().map(|(id, _)| format!("{id}.mp4")).collect();
         drop(jobs);
-        for entry in std::fs::read_dir(&store.dir).into_iter().flatten().flatten() {
+        for entry in std::fs::read_dir(&store.dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
             let name = entry.file_name().to_string_lossy().to_string();
             if name.ends_with(".mp4") && !known.contains(&name) {
                 tracing::info!(file = name, "unfinished video from an earlier run: deleted");

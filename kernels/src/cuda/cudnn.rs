@@ -19,6 +19,12 @@
 //!   `bench/src/bin/conv.rs` show it), which a first decode pays; `cuda.cudnn_search: heuristic`
 //!   in the config (or `DITSTREAM_CUDNN_SEARCH=heuristic`) ranks without running instead (µs),
 //!   `find` (the default) measures.
+//! - Plan cache: every choice Find (and the graph search) made is written to
+//!   `<kernel cache dir>/cudnn-plans.tsv`, keyed by GPU model, cuDNN version and shape
+//!   (`plan_cache.rs`); a later process with `find` builds a cached shape's plan directly from its
+//!   choice (no Find, no timing: the plan line says `cached`), so only the first start on a GPU
+//!   model and cuDNN version pays the search. A cached graph configuration that the heuristics no
+//!   longer offer, or that fails to plan, sends the shape back to the search.
 //! - Graph API (bf16, `find` only): after Find, the graph API's heuristics offer engine configurations
 //!   (up to `GRAPH_CONFIGS`), each planned and timed on the same buffers with CUDA events, the legacy
 //!   winner timed the same way beside them (a candidate whose warm-up run is twice as slow as the
@@ -42,6 +48,7 @@ use cudarc::cudnn::sys;
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::cudnn_graph::{self, Candidate, ConvGraph, GraphPlan};
+use super::plan_cache::{self, Choice, PlanCache};
 // How a plan's algorithm is chosen: `$DITSTREAM_CUDNN_SEARCH`, else the process's `CudaConfig`
 // (the deployment's `cuda.cudnn_search`).
 use super::nvrtc::CudnnSearch as Search;
@@ -307,6 +314,11 @@ pub(crate) struct Dnn {
     handle: sys::cudnnHandle_t,
     version: usize,
     search: Search,
+    /// The GPU model as the plan cache keys it: name, NVRTC architecture, SM count.
+    device: String,
+    /// The plan cache file and its choices as read when this handle was made.
+    cache_path: std::path::PathBuf,
+    cache: PlanCache,
     plans: HashMap<DnnConvKey, Plan>,
     workspace: Option<CudaSlice<u8>>,
 }
@@ -372,10 +384,20 @@ impl Dnn {
             .map_err(|e| backend.err("cudnn", "cuCtxSetCurrent", e))?;
         let handle =
             catch("libcudnn", dnn::create_handle)?.map_err(|e| unavailable("cudnnCreate", e))?;
+        let cache_path = super::cuda_config().cache_dir.join("cudnn-plans.tsv");
+        let device = format!(
+            "{} {} {}",
+            backend.ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
+            backend.arch,
+            backend.sm_count
+        );
         let dnn = Dnn {
             handle,
             version,
             search,
+            cache: PlanCache::load(&cache_path),
+            cache_path,
+            device,
             plans: HashMap::new(),
             workspace: None,
         };
@@ -397,7 +419,28 @@ impl Dnn {
         (x, w, y): (u64, u64, u64),
     ) -> std::result::Result<&Plan, CallError> {
         if !self.plans.contains_key(key) {
-            let plan = build_plan(self.handle, self.search, backend, key, (x, w, y))?;
+            let shape = plan_cache::shape_text(key);
+            let cached = match self.search {
+                Search::Find => self.cache.get(&self.device, self.version, &shape).cloned(),
+                Search::Heuristic => None,
+            };
+            let from_cache = cached.and_then(|choice| {
+                plan_from_choice(self.handle, key, &choice)
+                    .inspect_err(|e| {
+                        tracing::info!(?key, error = ?e, "cached cuDNN plan unusable: searching again")
+                    })
+                    .ok()
+            });
+            let plan = match from_cache {
+                Some(plan) => plan,
+                None => {
+                    let plan = build_plan(self.handle, self.search, backend, key, (x, w, y))?;
+                    if plan.how == "find" {
+                        self.remember(&shape, &plan);
+                    }
+                    plan
+                }
+            };
             tracing::debug!(
                 ?key,
                 algo = ?plan.algo,
@@ -416,6 +459,115 @@ impl Dnn {
             CudnnError(sys::cudnnStatus_t::CUDNN_STATUS_INTERNAL_ERROR),
         ))
     }
+}
+
+impl Dnn {
+    /// Writes a measured plan's choice to the cache file (a failure to write costs a search at the
+    /// next start, so it is logged, not returned).
+    fn remember(&mut self, shape: &str, plan: &Plan) {
+        let choice = Choice {
+            algo: plan.algo as i32,
+            math: plan.math as i32,
+            graph: plan.graph.as_ref().map(|g| g.candidate.label.clone()),
+            ms: plan.measured_ms,
+        };
+        self.cache
+            .insert(&self.device, self.version, shape, choice.clone());
+        if let Err(e) =
+            PlanCache::store(&self.cache_path, &self.device, self.version, shape, choice)
+        {
+            tracing::warn!(path = %self.cache_path.display(), error = %e, "cannot write the cuDNN plan cache");
+        }
+    }
+}
+
+const ALGOS: [sys::cudnnConvolutionFwdAlgo_t; 8] = {
+    use sys::cudnnConvolutionFwdAlgo_t::*;
+    [
+        CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,
+        CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
+        CUDNN_CONVOLUTION_FWD_ALGO_GEMM,
+        CUDNN_CONVOLUTION_FWD_ALGO_DIRECT,
+        CUDNN_CONVOLUTION_FWD_ALGO_FFT,
+        CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING,
+        CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD,
+        CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED,
+    ]
+};
+
+const MATHS: [sys::cudnnMathType_t; 4] = {
+    use sys::cudnnMathType_t::*;
+    [
+        CUDNN_DEFAULT_MATH,
+        CUDNN_TENSOR_OP_MATH,
+        CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION,
+        CUDNN_FMA_MATH,
+    ]
+};
+
+/// The plan of a cached choice, built without searching: the legacy algorithm and math type as
+/// recorded, and the recorded graph configuration planned alone. Any failure (an unknown
+/// number, a configuration no longer offered) is an error, and the caller searches instead.
+fn plan_from_choice(
+    handle: sys::cudnnHandle_t,
+    key: &DnnConvKey,
+    choice: &Choice,
+) -> std::result::Result<Plan, CallError> {
+    let started = Instant::now();
+    let bad = |what| (what, CudnnError(sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM));
+    let algo = *ALGOS
+        .iter()
+        .find(|a| **a as i32 == choice.algo)
+        .ok_or(bad("plan cache (unknown algorithm number)"))?;
+    let math = match key.dtype {
+        DType::BF16 => *MATHS
+            .iter()
+            .find(|m| **m as i32 == choice.math)
+            .ok_or(bad("plan cache (unknown math type number)"))?,
+        // f32 keeps FMA whatever is recorded (see `build_plan`).
+        DType::F32 => math_type(DType::F32),
+    };
+    let desc = Descriptors::new(key)?;
+    // SAFETY: `desc.conv` is live; the math type is a valid enum value.
+    unsafe { dnn::set_convolution_math_type(desc.conv, math) }
+        .map_err(call("cudnnSetConvolutionMathType"))?;
+    // SAFETY: live handle and descriptors.
+    let mut workspace = unsafe {
+        dnn::get_convolution_forward_workspace_size(handle, desc.x, desc.w, desc.conv, desc.y, algo)
+    }
+    .map_err(call("cudnnGetConvolutionForwardWorkspaceSize"))?;
+    let graph = match &choice.graph {
+        None => None,
+        Some(label) => {
+            let graph = catch("libcudnn", || ConvGraph::new(handle, key))
+                .map_err(|_| bad("plan cache (graph API unavailable)"))?
+                .map_err(|_| bad("plan cache (graph not built)"))?;
+            let mut offer = catch("libcudnn", || {
+                cudnn_graph::candidates(handle, &graph, 1, FIND_WORKSPACE_BYTES, Some(label))
+            })
+            .map_err(|_| bad("plan cache (graph API unavailable)"))?;
+            let candidate = offer.candidates.pop().ok_or(bad(
+                "plan cache (the cached graph configuration is not offered)",
+            ))?;
+            workspace = workspace.max(candidate.workspace);
+            Some(GraphPlan::new(candidate, graph))
+        }
+    };
+    Ok(Plan {
+        desc,
+        algo,
+        math,
+        workspace,
+        how: "cached",
+        measured_ms: choice.ms,
+        search_ms: started.elapsed().as_secs_f64() * 1e3,
+        graph_note: match &choice.graph {
+            Some(label) => format!("cached {label}"),
+            None => "cached: legacy algorithm".into(),
+        },
+        graph,
+        unaligned_calls: 0,
+    })
 }
 
 /// Measures (or, with `Search::Heuristic` or when Find fails, ranks) the algorithms for `key` and keeps
@@ -608,7 +760,8 @@ fn graph_search(
         Err(e) => return (None, format!("graph not built: {e}")),
     };
     let planning = Instant::now();
-    let mut offer = cudnn_graph::candidates(handle, &graph, GRAPH_CONFIGS, FIND_WORKSPACE_BYTES);
+    let mut offer =
+        cudnn_graph::candidates(handle, &graph, GRAPH_CONFIGS, FIND_WORKSPACE_BYTES, None);
     let planned_ms = planning.elapsed().as_secs_f64() * 1e3;
     if offer.candidates.is_empty() {
         return (None, format!("nothing to time: {offer}"));

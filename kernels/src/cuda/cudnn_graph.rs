@@ -472,12 +472,14 @@ const MODES: [(sys::cudnnBackendHeurMode_t, &str); 3] = [
 
 /// Plans up to `cap` engine configurations of `graph`, in the heuristics' order, skipping duplicates
 /// (the modes overlap), configurations with rejected numerical notes, those that fail to finalize and
-/// those needing more than `max_workspace` bytes. A mode that fails is recorded and skipped.
+/// those needing more than `max_workspace` bytes. A mode that fails is recorded and skipped. With
+/// `only`, just the configuration of that label (the plan cache's choice) is planned.
 pub(crate) fn candidates(
     handle: sys::cudnnHandle_t,
     graph: &ConvGraph,
     cap: usize,
     max_workspace: usize,
+    only: Option<&str>,
 ) -> Offer {
     let mut offer = Offer {
         candidates: Vec::new(),
@@ -512,7 +514,7 @@ pub(crate) fn candidates(
                     continue;
                 }
             };
-            if !seen.insert(label.clone()) {
+            if only.is_some_and(|wanted| wanted != label) || !seen.insert(label.clone()) {
                 continue;
             }
             offer.offered += 1;

@@ -20,6 +20,7 @@ pub mod cudnn;
 mod cudnn_graph;
 pub(crate) mod gemm;
 pub mod nvrtc;
+mod plan_cache;
 mod storage;
 
 use std::collections::HashMap;

@@ -4,10 +4,12 @@
 //! Each request is split here into the denoiser's and the decoder's job (the gateway's one
 //! domain → job conversion).
 
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use anyhow::bail;
 use ditstream_common::config::Config;
+use ditstream_decoder::encode::OpenEncoder;
 use ditstream_decoder::stage::{DecodeJob, DecodeStage};
 use ditstream_denoiser::denoise::Control;
 use ditstream_denoiser::stage::{DenoiseJob, DenoiseStage};
@@ -92,14 +94,7 @@ impl Pipeline {
         let latent = self
             .denoise
             .denoise_latent(&job, &cond, &uncond, &never, |_| Control::Continue)?;
-        let mut session = self.decode.start(&decode_job(p))?;
-        let mut mp4 = session.init_segment().0;
-        for t in 0..latent.shape()[2] {
-            for segment in session.push(&latent.narrow(2, t, 1)?)? {
-                mp4.extend(segment.bytes);
-            }
-        }
-        Ok(mp4)
+        self.decode.render_streamed(&decode_job(p), &latent)
     }
 
     /// The non-streamed path, for reference (see [`DecodeStage::render_whole`]).
@@ -111,6 +106,13 @@ impl Pipeline {
             .denoise
             .denoise_latent(&job, &cond, &uncond, &never, |_| Control::Continue)?;
         self.decode.render_whole(&decode_job(p), &latent)
+    }
+
+    /// The pipeline with `encoder` in place of the configured backend (see
+    /// [`DecodeStage::with_encoder`]).
+    pub fn with_encoder(mut self, encoder: Arc<dyn OpenEncoder>) -> Pipeline {
+        self.decode = self.decode.with_encoder(encoder);
+        self
     }
 
     /// The two halves, for `serve` to hand to its pools.

@@ -52,17 +52,42 @@ impl RunningServer {
 /// Builds the models (on a blocking thread), starts both pools and the gateway, and serves on
 /// `listen` (port 0 picks a free port; see `addr`).
 pub async fn start(cfg: Config, listen: SocketAddr) -> anyhow::Result<RunningServer> {
-    let gateway = Gateway::new(&cfg, None)?;
     let build_cfg = cfg.clone();
     let pipeline = tokio::task::spawn_blocking(move || Pipeline::from_config(&build_cfg))
         .await
         .context("model loading panicked")??;
-    let (denoise, decode) = pipeline.into_stages();
+    start_with(cfg, pipeline, listen).await
+}
+
+/// As [`start`], with stages already built from `cfg` (tests put a failing encoder in them):
+/// listens, warms the stages up (`serving.warmup`), then adds the pools and returns.
+pub async fn start_with(
+    cfg: Config,
+    pipeline: Pipeline,
+    listen: SocketAddr,
+) -> anyhow::Result<RunningServer> {
+    let gateway = Gateway::new(&cfg, None)?;
+    // Listening at once, not ready (Health, grpc.health.v1) until the pools are added after
+    // their warm-up; requests that arrive meanwhile wait in the queue.
+    let running = crate::gateway::serve(gateway.clone(), listen, None).await?;
+    let shapes = cfg.serving.warmup_shapes();
+    let fps = cfg.serving.fps;
+    let (denoise, decode) = tokio::task::spawn_blocking(move || {
+        let (denoise, decode) = pipeline.into_stages();
+        let denoised = denoise.warm_up(&shapes)?;
+        let decoded = decode.warm_up(&shapes, fps)?;
+        if !shapes.is_empty() {
+            tracing::info!(?shapes, ?denoised, ?decoded, "warmed up (ms per shape)");
+        }
+        anyhow::Ok((denoise, decode))
+    })
+    .await
+    .context("warm-up panicked")??;
     let pending: Pending = Arc::default();
     let decoder = DecoderService::new(Arc::new(decode), Arc::clone(&pending));
     let denoiser = DenoiserService::new(Arc::new(denoise), None, Some(pending));
     gateway.add_local(Arc::new(denoiser), Arc::new(decoder));
-    let gateway = crate::gateway::serve(gateway, listen, None).await?;
+    let gateway = running;
     Ok(RunningServer {
         addr: gateway.addr,
         gateway,

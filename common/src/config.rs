@@ -500,6 +500,10 @@ pub struct ServingConfig {
     pub queue_depth: usize,
     /// H.264 encoder backend.
     pub encoder: EncoderKind,
+    /// Threads that encode segments beside the VAE, shared by a decoder instance's requests.
+    /// Unset: one per core (at most 16). 0: segments encode on the VAE's thread, one after the
+    /// other (the sequential path; same bytes, slower tail).
+    pub encoder_threads: Option<usize>,
     /// Seconds a client may leave its stream unread (its window full) before it loses its
     /// request: the request is cancelled and its slot freed, so nobody else waits on it.
     pub client_send_timeout_s: f64,
@@ -520,6 +524,24 @@ pub struct ServingConfig {
     pub per_key: PerKeyLimits,
     /// Where the HTTP API keeps finished videos, and for how long.
     pub videos: VideoStore,
+    /// Video shapes to run once at start, before the pools report ready, so that every kernel is
+    /// compiled and every GEMM and convolution planned before the first request (a first decode
+    /// at 480p otherwise pays ~12 s of cuDNN search). Unset: the default shape (`width`,
+    /// `height`, `num_frames`) on GPUs, nothing on the CPU (nothing to plan there). A list:
+    /// exactly those shapes (`[]`: none).
+    pub warmup: Option<Vec<WarmupShape>>,
+}
+
+/// One `serving.warmup` entry: a video shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WarmupShape {
+    /// Width in pixels.
+    pub width: usize,
+    /// Height in pixels.
+    pub height: usize,
+    /// Frames (4k+1).
+    pub num_frames: usize,
 }
 
 /// `serving.videos`: the HTTP API's video files: a folder, bounded by count and bytes (the
@@ -611,6 +633,7 @@ impl Default for ServingConfig {
             max_prompt_bytes: 8192,
             queue_depth: 16,
             encoder: EncoderKind::Openh264,
+            encoder_threads: None,
             client_send_timeout_s: 10.0,
             max_deadline_s: 24 * 3600,
             shutdown_grace_s: 30,
@@ -620,11 +643,41 @@ impl Default for ServingConfig {
             insecure: false,
             per_key: PerKeyLimits::default(),
             videos: VideoStore::default(),
+            warmup: None,
         }
     }
 }
 
+/// Most encoder threads chosen by default: beyond the ~12 segments a second a GPU's VAE
+/// produces at 480p, more threads only hold more frames in memory.
+const MAX_DEFAULT_ENCODER_THREADS: usize = 16;
+
+/// Most encoder threads a config may ask for (each holds up to two segments of frames).
+const MAX_ENCODER_THREADS: usize = 256;
+
 impl ServingConfig {
+    /// The shapes to warm up at start (see `warmup`).
+    pub fn warmup_shapes(&self) -> Vec<WarmupShape> {
+        match (&self.warmup, self.device) {
+            (Some(shapes), _) => shapes.clone(),
+            (None, DeviceKind::Cuda) => vec![WarmupShape {
+                width: self.width,
+                height: self.height,
+                num_frames: self.num_frames,
+            }],
+            (None, DeviceKind::Cpu) => Vec::new(),
+        }
+    }
+
+    /// `encoder_threads`, or one per core of this host (at most 16) when unset.
+    pub fn encoder_threads(&self) -> usize {
+        self.encoder_threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map_or(1, usize::from)
+                .min(MAX_DEFAULT_ENCODER_THREADS)
+        })
+    }
+
     /// The public API may listen on `addr` as configured: anywhere with TLS and API keys, on
     /// loopback without them, elsewhere without them only with `serving.insecure: true`.
     pub fn check_exposure(&self, addr: std::net::SocketAddr) -> Result<(), ConfigError> {
@@ -1048,6 +1101,31 @@ impl Config {
         if s.fps == 0 || s.fps > 240 {
             return Err(invalid("serving.fps", s.fps, "must be in 1..=240"));
         }
+        for (i, w) in s.warmup.iter().flatten().enumerate() {
+            if let Err((field, value, rule)) = g.check_size(w.width, w.height, w.num_frames) {
+                return Err(invalid(
+                    "serving.warmup",
+                    format!("[{i}].{field} = {value}"),
+                    rule,
+                ));
+            }
+            if w.width > s.max_side || w.height > s.max_side || w.num_frames > s.max_frames {
+                return Err(invalid(
+                    "serving.warmup",
+                    format!("[{i}] = {}x{}x{}", w.width, w.height, w.num_frames),
+                    "must be within serving.max_side and serving.max_frames",
+                ));
+            }
+        }
+        if let Some(n) = s.encoder_threads
+            && n > MAX_ENCODER_THREADS
+        {
+            return Err(invalid(
+                "serving.encoder_threads",
+                n,
+                format!("must be at most {MAX_ENCODER_THREADS}"),
+            ));
+        }
         if s.queue_depth == 0 {
             return Err(invalid("serving.queue_depth", 0, "must be at least 1"));
         }
@@ -1455,5 +1533,50 @@ mod tests {
         );
         assert!(bad("  num_frames: 80\n").starts_with("serving.num_frames = 80: must be 4k+1"));
         assert!(bad("  listen: nowhere\n").starts_with("serving.listen = nowhere"));
+    }
+
+    #[test]
+    fn warmup_defaults_to_the_default_shape_on_gpus_and_names_a_bad_shape() {
+        let cpu = Config::parse("model: {preset: tiny}\n", "<t>").unwrap();
+        assert!(cpu.serving.warmup_shapes().is_empty());
+        let gpu = Config::parse(
+            "model: {preset: tiny}\nserving: {device: cuda, width: 64, height: 48, num_frames: 9}\n",
+            "<t>",
+        )
+        .unwrap();
+        assert_eq!(
+            gpu.serving.warmup_shapes(),
+            vec![WarmupShape {
+                width: 64,
+                height: 48,
+                num_frames: 9
+            }]
+        );
+        let none = Config::parse(
+            "model: {preset: tiny}\nserving: {device: cuda, warmup: []}\n",
+            "<t>",
+        )
+        .unwrap();
+        assert!(none.serving.warmup_shapes().is_empty());
+        let bad = Config::parse(
+            "model: {preset: tiny}\nserving:\n  warmup: [{width: 64, height: 48, num_frames: 9}, {width: 64, height: 50, num_frames: 9}]\n",
+            "<t>",
+        )
+        .unwrap();
+        let err = bad.validate(Some(1)).unwrap_err().to_string();
+        assert!(
+            err.contains("serving.warmup") && err.contains("[1].height = 50"),
+            "{err}"
+        );
+        let threads = Config::parse(
+            "model: {preset: tiny}\nserving: {encoder_threads: 1000}\n",
+            "<t>",
+        )
+        .unwrap();
+        let err = threads.validate(Some(1)).unwrap_err().to_string();
+        assert!(
+            err.contains("serving.encoder_threads") && err.contains("1000"),
+            "{err}"
+        );
     }
 }

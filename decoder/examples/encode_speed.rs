@@ -5,7 +5,8 @@ use std::time::Instant;
 
 use anyhow::Result;
 use ditstream_decoder::encode::{
-    EncoderBackend, OpenH264Options, RgbFrame, SegmentPlan, SegmentWriter, VideoParams, X264Options,
+    EncoderBackend, OpenEncoder, OpenH264Options, RgbFrame, SegmentPlan, SegmentWriter,
+    VideoParams, X264Options,
 };
 
 /// Gradient background with a moving square and some per-frame texture, so motion search has work.

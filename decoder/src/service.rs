@@ -26,7 +26,7 @@ use ditstream_common::link::pool::{self as link, Pending};
 use ditstream_common::mesh::LatentGeometry;
 use ditstream_common::{registration, status};
 
-use crate::stage::{DecodeJob, DecodeStage, MAX_SEGMENT_FRAMES};
+use crate::stage::{DecodeJob, DecodeStage, MAX_SEGMENT_FRAMES, SegmentTicket};
 
 /// How long a request may wait for its next latent chunk before the decode fails.
 const CHUNK_TIMEOUT: Duration = Duration::from_secs(300);
@@ -60,6 +60,80 @@ fn job_of(r: pb::DecodeRequest, geometry: LatentGeometry) -> Result<(String, Dec
         segment_frames: r.segment_frames as usize,
     };
     Ok((r.request_id, job))
+}
+
+/// What a decode's VAE thread hands its forwarder, in stream order.
+enum Out {
+    /// An event to send as it is.
+    Event(pb::decode_event::Event),
+    /// A segment being encoded: sent once encoded.
+    Segment(SegmentTicket),
+    /// Every latent frame is decoded and every segment submitted: the `Decoded` event, with the
+    /// encoders' time summed by the forwarder.
+    Decoded {
+        decode_ms: f64,
+        frames: u32,
+        segments: u32,
+    },
+}
+
+/// How a forwarder ended.
+enum Forwarded {
+    /// Everything it was handed is sent.
+    All,
+    /// A segment failed to encode: its INTERNAL status is sent and the stream ends there.
+    Failed,
+    /// The gateway stopped reading.
+    GatewayGone,
+}
+
+/// Sends a decode's events to the gateway in order, waiting on each segment's ticket in turn.
+async fn forward(
+    mut outs: mpsc::Receiver<Out>,
+    tx: mpsc::Sender<Result<pb::DecodeEvent, Status>>,
+) -> Forwarded {
+    let mut encode_ms = 0.0;
+    while let Some(out) = outs.recv().await {
+        let e = match out {
+            Out::Event(e) => e,
+            Out::Segment(ticket) => match ticket.recv().await {
+                Ok(encoded) => {
+                    encode_ms += encoded.encode_ms;
+                    let seg = encoded.segment;
+                    pb::decode_event::Event::MediaSegment(pb::MediaSegment {
+                        sequence_number: seg.sequence_number,
+                        first_frame: seg.first_frame as u32,
+                        frame_count: seg.frame_count,
+                        data: seg.bytes,
+                    })
+                }
+                Err(e) => {
+                    tracing::info!(error = %format!("{e:#}"), "decode ended early");
+                    let _ = tx
+                        .send(Err(status::internal("decoder", format!("{e:#}"))))
+                        .await;
+                    return Forwarded::Failed;
+                }
+            },
+            Out::Decoded {
+                decode_ms,
+                frames,
+                segments,
+            } => {
+                tracing::info!(decode_ms, encode_ms, segments, "decoded");
+                pb::decode_event::Event::Decoded(pb::Decoded {
+                    decode_ms,
+                    encode_ms,
+                    frames,
+                    segments,
+                })
+            }
+        };
+        if tx.send(event(e)).await.is_err() {
+            return Forwarded::GatewayGone;
+        }
+    }
+    Forwarded::All
 }
 
 /// The instance's gRPC service.
@@ -124,14 +198,18 @@ impl DecoderPool for DecoderService {
         );
         active.fetch_add(1, Ordering::Relaxed);
         let handle = tokio::runtime::Handle::current();
+        // Events in stream order from the VAE's thread; the forwarder waits on each segment's
+        // ticket in turn, so segments leave in order the moment each is encoded.
+        let (out_tx, out_rx) = mpsc::channel::<Out>(64);
+        let forwarder = handle.spawn(forward(out_rx, tx.clone()));
         tokio::task::spawn_blocking(move || {
             let _span = tracing::info_span!("decode", id = %logged_id).entered();
             let gone = || anyhow::anyhow!("the gateway went away");
             let result = (|| -> anyhow::Result<()> {
                 let mut session = stage.start(&job)?;
                 let (data, mime_type) = session.init_segment();
-                let send = |e| tx.blocking_send(e).map_err(|_| gone());
-                send(event(pb::decode_event::Event::InitSegment(
+                let send = |o: Out| out_tx.blocking_send(o).map_err(|_| gone());
+                send(Out::Event(pb::decode_event::Event::InitSegment(
                     pb::InitSegment { data, mime_type },
                 )))?;
                 let channels = stage.latent_channels() as u64;
@@ -146,7 +224,7 @@ impl DecoderPool for DecoderService {
                                 .map_err(|_| anyhow::anyhow!("no latent chunk for {} s", CHUNK_TIMEOUT.as_secs()))?
                                 .context("the latent link closed before the last chunk")?
                                 .map_err(anyhow::Error::from),
-                            _ = tx.closed() => Err(gone()),
+                            _ = out_tx.closed() => Err(gone()),
                         }
                     })?;
                     let s = &arrived.header.shape;
@@ -156,39 +234,33 @@ impl DecoderPool for DecoderService {
                             arrived.header.chunk_index
                         );
                     }
-                    for seg in session.push(&arrived.latent)? {
-                        send(event(pb::decode_event::Event::MediaSegment(
-                            pb::MediaSegment {
-                                sequence_number: seg.sequence_number,
-                                first_frame: seg.first_frame as u32,
-                                frame_count: seg.frame_count,
-                                data: seg.bytes,
-                            },
-                        )))?;
+                    for ticket in session.push(&arrived.latent)? {
+                        send(Out::Segment(ticket))?;
                     }
-                    send(event(pb::decode_event::Event::Progress(pb::Progress {
-                        phase: pb::Phase::Decode as i32,
-                        done: session.frames,
-                        total: job.num_frames as u32,
-                    })))?;
+                    send(Out::Event(pb::decode_event::Event::Progress(
+                        pb::Progress {
+                            phase: pb::Phase::Decode as i32,
+                            done: session.frames,
+                            total: job.num_frames as u32,
+                        },
+                    )))?;
                 }
-                tracing::info!(
-                    decode_ms = session.decode_ms,
-                    encode_ms = session.encode_ms,
-                    segments = session.segments,
-                    "decoded"
-                );
-                send(event(pb::decode_event::Event::Decoded(pb::Decoded {
+                send(Out::Decoded {
                     decode_ms: session.decode_ms,
-                    encode_ms: session.encode_ms,
                     frames: session.frames,
                     segments: session.segments,
-                })))?;
-                Ok(())
+                })
             })();
-            if let Err(e) = result {
-                tracing::info!(error = %format!("{e:#}"), "decode ended early");
-                let _ = tx.blocking_send(Err(status::internal("decoder", format!("{e:#}"))));
+            drop(out_tx);
+            // The forwarder ends when it has sent everything, or at the first failed segment
+            // (whose status it sent), or when the gateway went away.
+            let forwarded = handle.block_on(forwarder).unwrap_or(Forwarded::GatewayGone);
+            match (result, forwarded) {
+                (Ok(()), _) | (Err(_), Forwarded::Failed | Forwarded::GatewayGone) => {}
+                (Err(e), Forwarded::All) => {
+                    tracing::info!(error = %format!("{e:#}"), "decode ended early");
+                    let _ = tx.blocking_send(Err(status::internal("decoder", format!("{e:#}"))));
+                }
             }
             lock(&pending).remove(&id);
             active.fetch_sub(1, Ordering::Relaxed);
@@ -199,11 +271,24 @@ impl DecoderPool for DecoderService {
     }
 }
 
-/// Builds the VAE, listens on gRPC and the latent link, and registers with the gateway.
+/// The stage after its warm-up (see [`DecodeStage::warm_up`]): the instance registers only then.
+fn warm(stage: DecodeStage, cfg: &Config) -> anyhow::Result<DecodeStage> {
+    let shapes = cfg.serving.warmup_shapes();
+    let took = stage.warm_up(&shapes, cfg.serving.fps)?;
+    if !shapes.is_empty() {
+        tracing::info!(?shapes, ?took, "decoder warmed up (ms per shape)");
+    }
+    Ok(stage)
+}
+
+/// Builds the VAE, warms it up, listens on gRPC and the latent link, and registers with the
+/// gateway.
 pub async fn start(cfg: &Config) -> anyhow::Result<registration::RunningPool> {
     let build = cfg.clone();
-    let stage =
-        Arc::new(tokio::task::spawn_blocking(move || DecodeStage::from_config(&build)).await??);
+    let stage = Arc::new(
+        tokio::task::spawn_blocking(move || warm(DecodeStage::from_config(&build)?, &build))
+            .await??,
+    );
     let identity = link::identity(cfg)?;
     let pending: Pending = Arc::default();
     let (link_addr, link_task) =

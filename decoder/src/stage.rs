@@ -1,7 +1,13 @@
 //! A decoder instance's stage: the VAE (one rank, or a parallel-VAE instance of several) and the
-//! H.264 encoder, built once from the config, decoding any number of requests' latents chunk by
-//! chunk into fragmented-MP4 segments ([`DecodeStage`], [`DecodeSession`]), and the request it
+//! H.264 encoder pool, built once from the config, decoding any number of requests' latents chunk
+//! by chunk into fragmented-MP4 segments ([`DecodeStage`], [`DecodeSession`]), and the request it
 //! runs ([`DecodeJob`]).
+//!
+//! Encoding beside decoding. The VAE's thread only decodes: each segment whose frames are all
+//! decoded goes to the encoder pool ([`EncoderPool`]: colour conversion, H.264, muxing), and the
+//! VAE goes on with the next chunk while the segment encodes. [`DecodeSession::push`] returns a
+//! [`SegmentTicket`] per segment submitted; waiting on the tickets in order gives the segments in
+//! order.
 //!
 //! Ranks. One rank runs on the calling thread. Several run on persistent rank threads
 //! ([`ditstream_common::ranks`]), one per rank, each with its own model copy on its own GPU (on
@@ -17,16 +23,17 @@ use ditstream_common::collectives::CommWorld;
 use ditstream_common::collectives::DEFAULT_TIMEOUT;
 use ditstream_common::collectives::cpu::CpuComm;
 use ditstream_common::collectives::wire::TensorWire;
-use ditstream_common::config::{Config, DeviceKind, EncoderKind, VaeSplitDim};
+use ditstream_common::config::{Config, DeviceKind, EncoderKind, VaeSplitDim, WarmupShape};
 use ditstream_common::devices::{self, first_gpu};
 use ditstream_common::mesh::LatentGeometry;
 use ditstream_common::ms;
 use ditstream_common::ranks::{GroupStatus, RankGroup, RankState, Ranks, Threads};
-use ditstream_kernels::{Device, Tensor};
+use ditstream_kernels::{DType, Device, Tensor};
 
 use crate::encode::{
-    EncoderBackend, MediaSegment, OpenH264Options, RgbFrame, SegmentPlan, SegmentWriter,
-    VideoParams, X264Options, encode_single_fragment, vae_output_to_rgb,
+    EncoderBackend, EncoderPool, MediaSegment, OpenEncoder, OpenH264Options, RgbFrame, SegmentPlan,
+    StreamInfo, Ticket, VideoParams, X264Options, Yuv420Frame, encode_segment,
+    encode_single_fragment, vae_output_to_rgb,
 };
 use crate::models;
 use crate::parallel::{ParallelDecodeStream, ParallelVaeDecoder};
@@ -50,9 +57,10 @@ pub struct DecodeJob {
     pub segment_frames: usize,
 }
 
-/// The decoder pool's half: VAE and H.264 encoder.
+/// The decoder pool's half: VAE and H.264 encoder pool.
 pub struct DecodeStage {
-    encoder: EncoderBackend,
+    encoder: Arc<dyn OpenEncoder>,
+    encoders: EncoderPool,
     /// Latent channels the VAE decodes.
     z_dim: usize,
     /// Rank r's device.
@@ -226,22 +234,51 @@ impl Sharded {
     }
 }
 
-/// One request's decode state: the VAE's causal caches and the segment writer.
+/// One request's decode state: the VAE's causal caches and the frames of the segment being
+/// gathered.
 pub struct DecodeSession<'a> {
     stage: &'a DecodeStage,
     vae: SessionVae,
-    writer: SegmentWriter,
+    stream: Arc<StreamInfo>,
     latent_frames: usize,
     latent_frames_done: usize,
     latent_size: (usize, usize),
+    /// The decoded frames of the segment not yet submitted: chunks of video [1, 3, F, H, W] on
+    /// the host, in [−1, 1], each with the range of its frames that belong to the segment.
+    current: Vec<(Tensor, std::ops::Range<usize>)>,
+    /// Frames in `current`.
+    current_frames: usize,
     /// Video frames decoded so far.
     pub frames: u32,
-    /// Segments produced so far.
+    /// Segments submitted to the encoders so far.
     pub segments: u32,
-    /// VAE time so far.
+    /// VAE time so far (the device-to-host copy of the frames included).
     pub decode_ms: f64,
-    /// Colour conversion, encoding and muxing time so far.
+}
+
+/// One encoded segment and what encoding it took (colour conversion, H.264, muxing) on its
+/// encoder thread.
+#[derive(Debug)]
+pub struct Encoded {
+    /// The `moof` + `mdat`.
+    pub segment: MediaSegment,
+    /// Time spent encoding it.
     pub encode_ms: f64,
+}
+
+/// A segment being encoded: wait on it (blocking or async) for the segment, or why it failed.
+pub struct SegmentTicket(Ticket<anyhow::Result<Encoded>>);
+
+impl SegmentTicket {
+    /// Waits on this (non-async) thread.
+    pub fn wait(self) -> anyhow::Result<Encoded> {
+        self.0.wait().map_err(anyhow::Error::msg)?
+    }
+
+    /// Waits in an async task.
+    pub async fn recv(self) -> anyhow::Result<Encoded> {
+        self.0.recv().await.map_err(anyhow::Error::msg)?
+    }
 }
 
 /// A request's VAE state: one stream, or a session on a parallel-VAE instance (its streams live
@@ -275,13 +312,18 @@ impl DecodeStage {
             EncoderKind::X264 => EncoderBackend::X264(X264Options::default()),
         };
         // Fail at start-up, not on the first request, when the backend is not in this build.
+        let probe = VideoParams {
+            width: 16,
+            height: 16,
+            fps: 16,
+        };
         encoder
-            .open(VideoParams {
-                width: 16,
-                height: 16,
-                fps: 16,
-            })
+            .parameter_sets(probe)
+            .and_then(|sets| encoder.open_segment(probe, &sets))
             .with_context(|| format!("serving.encoder = {:?}", cfg.serving.encoder))?;
+        let encoder_threads = cfg.serving.encoder_threads();
+        let encoders = EncoderPool::new(encoder_threads)
+            .with_context(|| format!("starting {encoder_threads} encoder threads"))?;
         let vae = if vae_ranks == 1 {
             VaeRanks::Single(Arc::clone(&copies[0]))
         } else {
@@ -318,15 +360,28 @@ impl DecodeStage {
                 status,
             )
         };
-        tracing::info!(vae_ranks, devices = ?devices, "decoder stage ready");
+        tracing::info!(vae_ranks, devices = ?devices, encoder_threads, "decoder stage ready");
         Ok(DecodeStage {
-            encoder,
+            encoder: Arc::new(encoder),
+            encoders,
             z_dim,
             devices,
             whole: Arc::clone(&copies[0]),
             geometry,
             vae,
         })
+    }
+
+    /// The stage with `encoder` in place of the configured backend: the seam through which tests
+    /// make encoding fail.
+    pub fn with_encoder(mut self, encoder: Arc<dyn OpenEncoder>) -> DecodeStage {
+        self.encoder = encoder;
+        self
+    }
+
+    /// Encoder threads (0: segments encode on the VAE's thread).
+    pub fn encoder_threads(&self) -> usize {
+        self.encoders.threads()
     }
 
     /// How a video maps to the latent grid.
@@ -387,18 +442,68 @@ impl DecodeStage {
                 }
             }
         };
+        let stream = StreamInfo::new(&*self.encoder, video_params(p), segment_plan(p)?)?;
         Ok(DecodeSession {
             stage: self,
             vae,
-            writer: SegmentWriter::new(&self.encoder, video_params(p), segment_plan(p)?)?,
+            stream: Arc::new(stream),
             latent_frames: lt,
             latent_frames_done: 0,
             latent_size: (lh, lw),
+            current: Vec::new(),
+            current_frames: 0,
             frames: 0,
             segments: 0,
             decode_ms: 0.0,
-            encode_ms: 0.0,
         })
+    }
+
+    /// Decodes and encodes a zero latent of each shape once, the first three latent frames of it
+    /// (chunks 0, 1 and 2 meet every shape a decode has: caches of 0, 1 and 2 frames; later
+    /// chunks repeat chunk 2's): every kernel compiles, every GEMM and convolution is planned
+    /// (from the plan cache when it has them), and the memory pool grows to a chunk's peak before
+    /// the first request. Returns the time each shape took.
+    pub fn warm_up(&self, shapes: &[WarmupShape], fps: u32) -> anyhow::Result<Vec<f64>> {
+        let mut took = Vec::with_capacity(shapes.len());
+        for shape in shapes {
+            let t = Instant::now();
+            let num_frames = shape.num_frames.min(2 * self.geometry.temporal + 1);
+            let job = DecodeJob {
+                width: shape.width,
+                height: shape.height,
+                num_frames,
+                fps,
+                segment_frames: self.geometry.temporal,
+            };
+            let (lt, lh, lw) = self
+                .geometry
+                .latent_grid(num_frames, shape.height, shape.width);
+            let latent = Tensor::zeros(&[1, self.z_dim, lt, lh, lw], DType::F32, Device::Cpu)?;
+            self.render_streamed(&job, &latent).with_context(|| {
+                format!(
+                    "warming up the decoder at {}x{}, {} frames",
+                    shape.width, shape.height, shape.num_frames
+                )
+            })?;
+            took.push(ms(t.elapsed()));
+        }
+        Ok(took)
+    }
+
+    /// The streamed path without a service: `latent` decoded one latent frame per chunk as a
+    /// stream of chunks would be, its segments encoded beside the decode; returns the init
+    /// segment and every media segment concatenated (a whole fragmented MP4).
+    pub fn render_streamed(&self, p: &DecodeJob, latent: &Tensor) -> anyhow::Result<Vec<u8>> {
+        let mut session = self.start(p)?;
+        let mut mp4 = session.init_segment().0;
+        let mut tickets = Vec::new();
+        for t in 0..latent.shape()[2] {
+            tickets.extend(session.push(&latent.narrow(2, t, 1)?)?);
+        }
+        for ticket in tickets {
+            mp4.extend(ticket.wait()?.segment.bytes);
+        }
+        Ok(mp4)
     }
 
     /// The non-streamed path, for reference: the whole latent decoded at once, unsharded, on the
@@ -407,7 +512,7 @@ impl DecodeStage {
     pub fn render_whole(&self, p: &DecodeJob, latent: &Tensor) -> anyhow::Result<Vec<u8>> {
         let frames = to_rgb(&self.whole.decode(latent)?)?;
         Ok(encode_single_fragment(
-            &self.encoder,
+            &*self.encoder,
             video_params(p),
             segment_plan(p)?,
             &frames,
@@ -418,7 +523,7 @@ impl DecodeStage {
 impl DecodeSession<'_> {
     /// The init segment (`ftyp` + `moov`) and its MIME type with codecs.
     pub fn init_segment(&self) -> (Vec<u8>, String) {
-        (self.writer.init_segment().to_vec(), self.writer.mime_type())
+        (self.stream.init_segment(), self.stream.mime_type())
     }
 
     /// Decodes the next latent frames [1, C, n, h, w] (host or device) into video frames
@@ -475,23 +580,65 @@ impl DecodeSession<'_> {
         Ok(video)
     }
 
-    /// Decodes the next latent frames [1, C, n, h, w] and encodes the frames; returns the segments
-    /// they completed (after the last latent frame, the final segment too).
-    pub fn push(&mut self, latent: &Tensor) -> anyhow::Result<Vec<MediaSegment>> {
+    /// Decodes the next latent frames [1, C, n, h, w] and hands every segment they complete to
+    /// the encoders (after the last latent frame, the final segment too); returns the segments'
+    /// tickets, in order. Waits only while the encoders' queue is full.
+    pub fn push(&mut self, latent: &Tensor) -> anyhow::Result<Vec<SegmentTicket>> {
+        // The frames are handed over as the VAE left them (a shared host tensor, no copy): the
+        // conversion to f32, RGB and YUV happens on the encoder threads, so the VAE's thread goes
+        // straight back to the next chunk.
         let video = self.decode(latent)?;
-        let t = Instant::now();
-        let rgb = to_rgb(&video)?;
-        let mut ready: Vec<MediaSegment> = Vec::new();
-        for frame in &rgb {
-            ready.extend(self.writer.push_frame(frame)?);
+        let frames = video.shape()[2];
+        let mut tickets = Vec::new();
+        let mut from = 0;
+        for t in 0..frames {
+            let index = u64::from(self.frames);
+            self.frames += 1;
+            self.current_frames += 1;
+            let (_, first, planned) = self.stream.plan.segment_of(index);
+            if index + 1 == first + u64::from(planned) {
+                self.current.push((video.clone(), from..t + 1));
+                from = t + 1;
+                tickets.push(self.submit(first));
+            }
         }
-        if self.is_done() {
-            ready.extend(self.writer.finish()?);
+        if from < frames {
+            self.current.push((video, from..frames));
         }
-        self.encode_ms += ms(t.elapsed());
-        self.frames += rgb.len() as u32;
-        self.segments += ready.len() as u32;
-        Ok(ready)
+        if self.is_done() && self.current_frames > 0 {
+            let first = u64::from(self.frames) - self.current_frames as u64;
+            tickets.push(self.submit(first));
+        }
+        Ok(tickets)
+    }
+
+    /// Hands the gathered frames, the segment starting at `first`, to the encoders.
+    fn submit(&mut self, first: u64) -> SegmentTicket {
+        let chunks = std::mem::take(&mut self.current);
+        let count = std::mem::take(&mut self.current_frames);
+        let (encoder, stream) = (Arc::clone(&self.stage.encoder), Arc::clone(&self.stream));
+        self.segments += 1;
+        SegmentTicket(self.stage.encoders.submit(move || {
+            let t = Instant::now();
+            let last = first + count as u64 - 1;
+            let encode = || -> anyhow::Result<MediaSegment> {
+                let mut yuv = Vec::with_capacity(count);
+                for (video, range) in &chunks {
+                    yuv.extend(chunk_to_yuv(video, range.clone())?);
+                }
+                Ok(encode_segment(&*encoder, &stream, first, &yuv)?)
+            };
+            let segment = encode().with_context(|| {
+                format!(
+                    "encoding segment {} (frames {first}..={last})",
+                    stream.plan.segment_of(first).0
+                )
+            })?;
+            Ok(Encoded {
+                segment,
+                encode_ms: ms(t.elapsed()),
+            })
+        }))
     }
 
     /// Whether every latent frame has been decoded.
@@ -536,6 +683,26 @@ fn video_params(p: &DecodeJob) -> VideoParams {
 /// `segment_frames` each.
 fn segment_plan(p: &DecodeJob) -> anyhow::Result<SegmentPlan> {
     Ok(SegmentPlan::new(1, p.segment_frames as u32)?)
+}
+
+/// Frames `range` of VAE output [1, 3, F, H, W] in [−1, 1] (any device) → YUV 4:2:0 frames.
+fn chunk_to_yuv(video: &Tensor, range: std::ops::Range<usize>) -> anyhow::Result<Vec<Yuv420Frame>> {
+    let s = video.shape();
+    let (frames, h, w) = (s[2], s[3], s[4]);
+    let plane = h * w;
+    let data = video.to_vec_f32()?;
+    let mut out = Vec::with_capacity(range.len());
+    let mut frame = Vec::with_capacity(3 * plane);
+    for t in range {
+        frame.clear();
+        for c in 0..3 {
+            let at = (c * frames + t) * plane;
+            frame.extend_from_slice(&data[at..at + plane]);
+        }
+        let rgb = vae_output_to_rgb(&frame, 3, 1, h, w)?;
+        out.push(Yuv420Frame::from_rgb(&rgb[0])?);
+    }
+    Ok(out)
 }
 
 /// VAE output [1, 3, F, H, W] in [−1, 1] (any device) → RGB frames.

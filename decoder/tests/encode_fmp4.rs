@@ -16,7 +16,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail, ensure};
 use ditstream_decoder::encode::{
-    EncodeError, EncoderBackend, MediaSegment, OpenH264Options, RgbFrame, SegmentPlan,
+    EncodeError, EncoderBackend, MediaSegment, OpenEncoder, OpenH264Options, RgbFrame, SegmentPlan,
     SegmentWriter, VideoParams, X264Options, Yuv420Frame, encode_single_fragment, rgb_to_yuv420,
     vae_output_to_rgb,
 };
@@ -424,9 +424,10 @@ fn x264_without_the_ffmpeg_feature_says_so() {
 
 #[test]
 fn odd_sizes_and_bad_rates_are_refused_naming_the_value() {
+    let backend = EncoderBackend::default();
     let open = |width, height, fps| {
         SegmentWriter::new(
-            &EncoderBackend::default(),
+            &backend,
             VideoParams { width, height, fps },
             SegmentPlan::default(),
         )
@@ -468,8 +469,8 @@ fn odd_sizes_and_bad_rates_are_refused_naming_the_value() {
 #[test]
 fn vae_chunks_stream_as_segments() -> Result<()> {
     // Latent frame 0 → one video frame, each later latent frame → 4: feed [C, T, H, W] chunks of 1, 4, 4.
-    let mut writer =
-        SegmentWriter::new(&EncoderBackend::default(), params(), SegmentPlan::default())?;
+    let backend = EncoderBackend::default();
+    let mut writer = SegmentWriter::new(&backend, params(), SegmentPlan::default())?;
     let (h, w) = (HEIGHT as usize, WIDTH as usize);
     let mut sent = Vec::new();
     for (chunk, t) in [1usize, 4, 4].into_iter().enumerate() {

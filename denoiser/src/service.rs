@@ -298,11 +298,24 @@ impl DenoiserPool for DenoiserService {
     }
 }
 
-/// Builds the text encoder and transformer, serves gRPC and registers with the gateway.
+/// The stage after its warm-up (see [`DenoiseStage::warm_up`]): the pool registers only then.
+fn warm(stage: DenoiseStage, cfg: &Config) -> anyhow::Result<DenoiseStage> {
+    let shapes = cfg.serving.warmup_shapes();
+    let took = stage.warm_up(&shapes)?;
+    if !shapes.is_empty() {
+        tracing::info!(?shapes, ?took, "denoiser warmed up (ms per shape)");
+    }
+    Ok(stage)
+}
+
+/// Builds the text encoder and transformer, warms them up, serves gRPC and registers with the
+/// gateway.
 pub async fn start(cfg: &Config) -> anyhow::Result<registration::RunningPool> {
     let build = cfg.clone();
-    let stage =
-        Arc::new(tokio::task::spawn_blocking(move || DenoiseStage::from_config(&build)).await??);
+    let stage = Arc::new(
+        tokio::task::spawn_blocking(move || warm(DenoiseStage::from_config(&build)?, &build))
+            .await??,
+    );
     let identity = Arc::new(link::identity(cfg)?);
     let health_stage = Arc::clone(&stage);
     let health: registration::Health = Arc::new(move || health_stage.out_of_service());

@@ -11,13 +11,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Sender, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex};
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use ditstream_common::collectives::CommWorld;
 #[cfg(feature = "cuda")]
 use ditstream_common::collectives::DEFAULT_TIMEOUT;
 use ditstream_common::collectives::cpu::CpuComm;
 use ditstream_common::collectives::wire::TensorWire;
-use ditstream_common::config::{AttentionBackend, Config, DeviceKind, SamplerConfig};
+use ditstream_common::config::{AttentionBackend, Config, DeviceKind, SamplerConfig, WarmupShape};
 use ditstream_common::devices::{self, first_gpu};
 use ditstream_common::mesh::{LatentGeometry, Mesh};
 use ditstream_common::ranks::{GroupStatus, RankGroup, RankState, Ranks, Threads};
@@ -340,6 +340,40 @@ impl DenoiseStage {
             embeds.states.narrow(0, 0, 1)?,
             embeds.states.narrow(0, 1, 1)?,
         ))
+    }
+
+    /// Runs the text encoder once and one CFG step of each shape (the sampler's guidance, a fixed
+    /// prompt that then sits in the text cache), so that every kernel is compiled and every GEMM
+    /// planned before the first request. Returns the time each shape took (the first includes
+    /// the text encoder's first run).
+    pub fn warm_up(&self, shapes: &[WarmupShape]) -> anyhow::Result<Vec<f64>> {
+        let mut took = Vec::with_capacity(shapes.len());
+        let never = AtomicBool::new(false);
+        for shape in shapes {
+            let t = std::time::Instant::now();
+            let job = DenoiseJob {
+                prompt: "warm-up".into(),
+                negative_prompt: String::new(),
+                width: shape.width,
+                height: shape.height,
+                num_frames: shape.num_frames,
+                steps: 1,
+                guidance_scale: self.sampler.guidance_scale,
+                guidance_scale_2: self.sampler.guidance_scale_2,
+                seed: 0,
+            };
+            let (cond, uncond) = self.text_states(&job)?;
+            self.denoise_latent(&job, &cond, &uncond, &never, |_| Control::Continue)
+                .map_err(anyhow::Error::from)
+                .with_context(|| {
+                    format!(
+                        "warming up the denoiser at {}x{}, {} frames",
+                        shape.width, shape.height, shape.num_frames
+                    )
+                })?;
+            took.push(ditstream_common::ms(t.elapsed()));
+        }
+        Ok(took)
     }
 
     /// The denoised latent [1, C, T, H/8, W/8] (f32, on the host) from the request's seed.

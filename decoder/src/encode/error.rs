@@ -136,6 +136,21 @@ pub enum EncodeError {
         /// Access units received.
         encoded: u64,
     },
+    /// A segment handed to the encoder is not one of its stream's plan.
+    #[error(
+        "{frames} frames from frame {first_frame} are not a segment of the plan (the segment \
+         holding frame {first_frame} starts at frame {start} and holds {planned} frames)"
+    )]
+    SegmentFrames {
+        /// First frame given.
+        first_frame: u64,
+        /// Frames given.
+        frames: usize,
+        /// Where the plan's segment starts.
+        start: u64,
+        /// Its planned length.
+        planned: u32,
+    },
     /// A segment is too large for 32-bit MP4 box sizes.
     #[error(
         "segment {sequence_number} holds {bytes} bytes of samples, more than a 32-bit mdat can carry"

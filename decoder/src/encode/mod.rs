@@ -8,7 +8,8 @@
 //!   the GPU hosts have no FFmpeg) and x264 through FFmpeg (cargo feature `ffmpeg`).
 //! - [`h264`]: Annex B → MP4 sample form, SPS/PPS, the codec string.
 //! - [`fmp4`]: the box writer (one muxer for both backends).
-//! - [`segment`]: the streaming API, [`SegmentWriter`], and the [`SegmentPlan`].
+//! - [`segment`]: the streaming API, [`SegmentWriter`], the [`SegmentPlan`], and [`encode_segment`].
+//! - [`pool`]: the encoder threads that encode segments beside the VAE, in order.
 //!
 //! Colour: every path converts with the BT.601 matrix into limited range and says so twice (the SPS
 //! VUI and the MP4 `colr` box: primaries, transfer and matrix SMPTE 170M, `full_range = 0`), so
@@ -19,6 +20,7 @@ pub mod fmp4;
 pub mod frame;
 pub mod h264;
 mod openh264_backend;
+pub mod pool;
 pub mod segment;
 #[cfg(feature = "ffmpeg")]
 mod x264_backend;
@@ -27,7 +29,10 @@ pub use error::EncodeError;
 pub use frame::{RgbFrame, Yuv420Frame, rgb_to_yuv420, vae_output_to_rgb, vae_value_to_u8};
 pub use h264::{AccessUnit, ParameterSets};
 pub use openh264_backend::OpenH264Encoder;
-pub use segment::{MediaSegment, SegmentPlan, SegmentWriter, encode_single_fragment};
+pub use pool::{EncoderPool, Ticket};
+pub use segment::{
+    MediaSegment, SegmentPlan, SegmentWriter, StreamInfo, encode_segment, encode_single_fragment,
+};
 #[cfg(feature = "ffmpeg")]
 pub use x264_backend::X264Encoder;
 
@@ -150,16 +155,30 @@ impl Default for EncoderBackend {
     }
 }
 
-impl EncoderBackend {
-    /// Backend name (`"openh264"`, `"x264"`).
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::OpenH264(_) => "openh264",
-            Self::X264(_) => "x264",
-        }
-    }
+/// What segment encoding needs from a backend: the stream's parameter sets (for the init
+/// segment, before any frame exists) and a fresh encoder per segment whose parameter sets are
+/// those. [`EncoderBackend`] is the product's implementation; the trait is the seam through which
+/// tests inject an encoder that fails.
+pub trait OpenEncoder: Send + Sync {
+    /// Backend name (`"openh264"`, `"x264"`), for logs and errors.
+    fn name(&self) -> &'static str;
 
-    /// Opens an encoder for `params` (validated here).
+    /// The SPS and PPS every encoder opened for `params` writes (validated here).
+    fn parameter_sets(&self, params: VideoParams) -> Result<ParameterSets, EncodeError>;
+
+    /// A fresh encoder for `params` whose parameter sets must be `sets` (those of
+    /// [`parameter_sets`](Self::parameter_sets) for the same `params`): in-band SPS/PPS are checked
+    /// against them on every IDR, and an encoder announcing others is refused
+    /// ([`EncodeError::ParameterSetsChanged`]).
+    fn open_segment(
+        &self,
+        params: VideoParams,
+        sets: &ParameterSets,
+    ) -> Result<Box<dyn VideoEncoder>, EncodeError>;
+}
+
+impl EncoderBackend {
+    /// Opens an encoder for `params` (validated here), with its own parameter sets.
     pub fn open(&self, params: VideoParams) -> Result<Box<dyn VideoEncoder>, EncodeError> {
         params.validate()?;
         match self {
@@ -171,6 +190,47 @@ impl EncoderBackend {
                 backend: "x264",
                 reason: "this binary was built without the `ffmpeg` cargo feature".into(),
             }),
+        }
+    }
+}
+
+impl OpenEncoder for EncoderBackend {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::OpenH264(_) => "openh264",
+            Self::X264(_) => "x264",
+        }
+    }
+
+    fn parameter_sets(&self, params: VideoParams) -> Result<ParameterSets, EncodeError> {
+        params.validate()?;
+        match self {
+            // OpenH264 writes its SPS/PPS only with a first frame: a probe encodes one.
+            Self::OpenH264(options) => OpenH264Encoder::probe_parameter_sets(params, options),
+            // x264 has them at open (global header).
+            _ => Ok(self.open(params)?.parameter_sets().clone()),
+        }
+    }
+
+    fn open_segment(
+        &self,
+        params: VideoParams,
+        sets: &ParameterSets,
+    ) -> Result<Box<dyn VideoEncoder>, EncodeError> {
+        params.validate()?;
+        match self {
+            Self::OpenH264(options) => Ok(Box::new(OpenH264Encoder::with_parameter_sets(
+                params,
+                options,
+                sets.clone(),
+            )?)),
+            _ => {
+                let encoder = self.open(params)?;
+                if encoder.parameter_sets() != sets {
+                    return Err(EncodeError::ParameterSetsChanged { frame_index: 0 });
+                }
+                Ok(encoder)
+            }
         }
     }
 }

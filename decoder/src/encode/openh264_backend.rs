@@ -127,34 +127,47 @@ fn open_encoder(config: EncoderConfig) -> Result<Encoder, EncodeError> {
 }
 
 impl OpenH264Encoder {
-    /// Opens an encoder for `params` (already validated by the caller: even sizes, fps in range).
-    ///
-    /// OpenH264 writes its SPS/PPS only with the first frame, but the init segment is wanted before
-    /// any frame exists: a second encoder with the identical configuration encodes one grey frame and
-    /// its parameter sets are kept. The real encoder's in-band SPS/PPS are checked against them on every
-    /// IDR ([`EncodeError::ParameterSetsChanged`] if they ever differ).
+    /// Opens an encoder for `params` (already validated by the caller: even sizes, fps in range),
+    /// with the parameter sets of [`probe_parameter_sets`](Self::probe_parameter_sets).
     pub fn new(params: VideoParams, options: &OpenH264Options) -> Result<Self, EncodeError> {
-        let config = encoder_config(params, options)?;
-        let open = || open_encoder(config);
-        let parameter_sets = {
-            let mut probe = open()?;
-            let (w, h) = (params.width as usize, params.height as usize);
-            let grey = Yuv420Frame::new(
-                params.width,
-                params.height,
-                vec![128; w * h],
-                vec![128; w * h / 4],
-                vec![128; w * h / 4],
-            )?;
-            let stream = probe
-                .encode(&slices(&grey))
-                .map_err(|e| backend_err("probing parameter sets", e))?
-                .to_vec();
-            ParameterSets::from_annex_b(BACKEND, &stream)?
-        };
-        debug!(codec = %parameter_sets.codec_string(), width = params.width, height = params.height, "openh264 encoder opened");
+        let parameter_sets = Self::probe_parameter_sets(params, options)?;
+        Self::with_parameter_sets(params, options, parameter_sets)
+    }
+
+    /// The SPS/PPS an encoder of this configuration writes. OpenH264 writes them only with the
+    /// first frame, but the init segment is wanted before any frame exists: an encoder with the
+    /// identical configuration encodes one grey frame and its parameter sets are kept.
+    pub fn probe_parameter_sets(
+        params: VideoParams,
+        options: &OpenH264Options,
+    ) -> Result<ParameterSets, EncodeError> {
+        let mut probe = open_encoder(encoder_config(params, options)?)?;
+        let (w, h) = (params.width as usize, params.height as usize);
+        let grey = Yuv420Frame::new(
+            params.width,
+            params.height,
+            vec![128; w * h],
+            vec![128; w * h / 4],
+            vec![128; w * h / 4],
+        )?;
+        let stream = probe
+            .encode(&slices(&grey))
+            .map_err(|e| backend_err("probing parameter sets", e))?
+            .to_vec();
+        let sets = ParameterSets::from_annex_b(BACKEND, &stream)?;
+        debug!(codec = %sets.codec_string(), width = params.width, height = params.height, "openh264 parameter sets probed");
+        Ok(sets)
+    }
+
+    /// Opens an encoder whose in-band SPS/PPS must be `parameter_sets` (checked on every IDR:
+    /// [`EncodeError::ParameterSetsChanged`] if they ever differ).
+    pub fn with_parameter_sets(
+        params: VideoParams,
+        options: &OpenH264Options,
+        parameter_sets: ParameterSets,
+    ) -> Result<Self, EncodeError> {
         Ok(Self {
-            encoder: open()?,
+            encoder: open_encoder(encoder_config(params, options)?)?,
             params,
             parameter_sets,
             started: false,

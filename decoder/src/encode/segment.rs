@@ -1,11 +1,18 @@
 //! The streaming API: frames in, an init segment and then media segments out, each media segment
 //! returned by the call that supplies its last frame. Also the segment plan (which frames form which
-//! segment) and a non-streamed twin that writes the same frames as one fragment, for comparison.
+//! segment), [`encode_segment`] (one segment, alone: what the encoder pool runs), and a non-streamed
+//! twin that writes the same frames as one fragment, for comparison.
+//!
+//! Every segment is encoded by an encoder of its own, opened for it: a segment starts with an IDR
+//! frame, so nothing in it refers to an earlier one, and with no state carried from segment to
+//! segment (rate control included) the bytes of a segment depend only on its frames and its place
+//! in the plan. That is what lets segments encode in parallel and still give the same bytes as one
+//! after the other.
 
 use tracing::debug;
 
-use super::h264::AccessUnit;
-use super::{EncodeError, EncoderBackend, RgbFrame, VideoEncoder, VideoParams, Yuv420Frame, fmp4};
+use super::h264::{AccessUnit, ParameterSets};
+use super::{EncodeError, OpenEncoder, RgbFrame, VideoParams, Yuv420Frame, fmp4};
 
 /// How frames are grouped into segments: the first segment holds `first` frames, every later one
 /// `rest` frames (the last may be shorter). Every segment starts with a keyframe.
@@ -62,6 +69,23 @@ impl SegmentPlan {
         )
     }
 
+    /// Whether segment `sequence_number` directly follows a segment of one frame, i.e. its IDR
+    /// comes right after another IDR. H.264 wants two consecutive IDR pictures to differ in
+    /// `idr_pic_id`, but every fresh encoder numbers its first IDR alike: such a segment's encoder
+    /// first encodes a throwaway frame, so that its (second) IDR carries the next id. Only every
+    /// other one needs it (ids alternate between two values along a run of one-frame segments).
+    pub fn follows_lone_idr(&self, sequence_number: u32) -> bool {
+        let previous = match sequence_number {
+            0 | 1 => return false,
+            2 => self.first,
+            _ => self.rest,
+        };
+        // Not `is_multiple_of`: the workspace's rust-version (1.85) predates it (1.87).
+        #[allow(clippy::manual_is_multiple_of)]
+        let even = sequence_number % 2 == 0;
+        previous == 1 && even
+    }
+
     /// Planned segment lengths for a video of `frames` frames (the last one possibly shorter).
     pub fn lengths(&self, frames: u64) -> Vec<u32> {
         let mut out = Vec::new();
@@ -100,7 +124,7 @@ pub struct MediaSegment {
     pub bytes: Vec<u8>,
 }
 
-/// Frames → fMP4 segments, streaming.
+/// Frames → fMP4 segments, streaming, on the calling thread.
 ///
 /// ```text
 /// let mut w = SegmentWriter::new(&backend, VideoParams { width, height, fps }, SegmentPlan::default())?;
@@ -109,37 +133,71 @@ pub struct MediaSegment {
 /// for s in w.finish()? { send(s) }              // the last, possibly partial, segment
 /// ```
 /// Concatenating the init segment and all media segments in order gives a playable MP4.
-pub struct SegmentWriter {
-    encoder: Box<dyn VideoEncoder>,
-    params: VideoParams,
-    plan: SegmentPlan,
+pub struct SegmentWriter<'a> {
+    backend: &'a dyn OpenEncoder,
+    stream: StreamInfo,
     init: Vec<u8>,
     pushed: u64,
-    assembler: Assembler,
+    current: Vec<Yuv420Frame>,
     finished: bool,
 }
 
-impl SegmentWriter {
-    /// Opens `backend` for `params` (even width and height, fps in 1..=240) and builds the init segment.
+/// What every segment of one stream shares: its size and rate, its plan and its parameter sets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamInfo {
+    /// Frame size and rate.
+    pub params: VideoParams,
+    /// Which frames form which segment.
+    pub plan: SegmentPlan,
+    /// The SPS/PPS of the init segment, which every segment's encoder must write.
+    pub sets: ParameterSets,
+}
+
+impl StreamInfo {
+    /// `backend`'s parameter sets for `params` (validated here).
     pub fn new(
-        backend: &EncoderBackend,
+        backend: &dyn OpenEncoder,
         params: VideoParams,
         plan: SegmentPlan,
     ) -> Result<Self, EncodeError> {
-        let encoder = backend.open(params)?;
-        let init = fmp4::init_segment(
-            params.width,
-            params.height,
-            params.fps,
-            encoder.parameter_sets(),
-        );
         Ok(Self {
-            encoder,
             params,
             plan,
+            sets: backend.parameter_sets(params)?,
+        })
+    }
+
+    /// The init segment (`ftyp` + `moov`).
+    pub fn init_segment(&self) -> Vec<u8> {
+        fmp4::init_segment(
+            self.params.width,
+            self.params.height,
+            self.params.fps,
+            &self.sets,
+        )
+    }
+
+    /// MIME type for Media Source Extensions, e.g. `video/mp4; codecs="avc1.42c01e"`.
+    pub fn mime_type(&self) -> String {
+        format!("video/mp4; codecs=\"{}\"", self.sets.codec_string())
+    }
+}
+
+impl<'a> SegmentWriter<'a> {
+    /// Probes `backend` for `params` (even width and height, fps in 1..=240) and builds the init segment.
+    pub fn new(
+        backend: &'a dyn OpenEncoder,
+        params: VideoParams,
+        plan: SegmentPlan,
+    ) -> Result<Self, EncodeError> {
+        let stream = StreamInfo::new(backend, params, plan)?;
+        let init = stream.init_segment();
+        Ok(Self {
+            backend,
+            stream,
             init,
             pushed: 0,
-            assembler: Assembler::new(plan),
+            current: Vec::new(),
             finished: false,
         })
     }
@@ -151,17 +209,17 @@ impl SegmentWriter {
 
     /// RFC 6381 codec string from the stream's SPS, e.g. `avc1.42c01e`.
     pub fn codec_string(&self) -> String {
-        self.encoder.parameter_sets().codec_string()
+        self.stream.sets.codec_string()
     }
 
     /// MIME type for Media Source Extensions, e.g. `video/mp4; codecs="avc1.42c01e"`.
     pub fn mime_type(&self) -> String {
-        format!("video/mp4; codecs=\"{}\"", self.codec_string())
+        self.stream.mime_type()
     }
 
     /// Stream parameters.
     pub fn params(&self) -> VideoParams {
-        self.params
+        self.stream.params
     }
 
     /// Frames pushed so far.
@@ -169,48 +227,60 @@ impl SegmentWriter {
         self.pushed
     }
 
-    /// Encodes one RGB frame (converted to YUV 4:2:0, BT.601 limited range). Returns the segments this
-    /// frame completed: with both backends (no encoder delay) exactly one when the frame is the last of
-    /// its segment, none otherwise.
+    /// Takes one RGB frame (converted to YUV 4:2:0, BT.601 limited range). Returns the segment this
+    /// frame completed, encoded, when it is the last of its segment; none otherwise.
     pub fn push_frame(&mut self, frame: &RgbFrame) -> Result<Vec<MediaSegment>, EncodeError> {
         self.check_frame(frame.width(), frame.height())?;
         let yuv = Yuv420Frame::from_rgb(frame)?;
-        self.push_yuv(&yuv)
+        self.push_yuv(yuv)
     }
 
     /// As [`push_frame`](Self::push_frame) for a frame already in YUV 4:2:0 (BT.601, limited range).
-    pub fn push_yuv(&mut self, frame: &Yuv420Frame) -> Result<Vec<MediaSegment>, EncodeError> {
+    pub fn push_yuv(&mut self, frame: Yuv420Frame) -> Result<Vec<MediaSegment>, EncodeError> {
         if self.finished {
             return Err(EncodeError::Finished);
         }
         self.check_frame(frame.width(), frame.height())?;
-        let index = self.pushed;
-        let units = self
-            .encoder
-            .encode(frame, index, self.plan.is_segment_start(index))?;
+        let (_, first, planned) = self.stream.plan.segment_of(self.pushed);
         self.pushed += 1;
-        self.assembler.take(units)
+        self.current.push(frame);
+        if self.current.len() as u64 == u64::from(planned) {
+            let frames = std::mem::take(&mut self.current);
+            return Ok(vec![encode_segment(
+                self.backend,
+                &self.stream,
+                first,
+                &frames,
+            )?]);
+        }
+        Ok(Vec::new())
     }
 
-    /// Ends the stream: flushes the encoder and returns the remaining segments (the last one holds
-    /// fewer frames than planned when the frame count does not fill it). Further pushes fail.
+    /// Ends the stream: returns the last segment if it holds fewer frames than planned. Further
+    /// pushes fail.
     pub fn finish(&mut self) -> Result<Vec<MediaSegment>, EncodeError> {
-        if self.finished {
+        if self.finished || self.current.is_empty() {
+            self.finished = true;
             return Ok(Vec::new());
         }
         self.finished = true;
-        let units = self.encoder.flush()?;
-        let mut out = self.assembler.take(units)?;
-        out.extend(self.assembler.close(self.pushed)?);
-        Ok(out)
+        let frames = std::mem::take(&mut self.current);
+        let first = self.pushed - frames.len() as u64;
+        Ok(vec![encode_segment(
+            self.backend,
+            &self.stream,
+            first,
+            &frames,
+        )?])
     }
 
     fn check_frame(&self, width: u32, height: u32) -> Result<(), EncodeError> {
-        if (width, height) != (self.params.width, self.params.height) {
+        let params = self.stream.params;
+        if (width, height) != (params.width, params.height) {
             return Err(EncodeError::FrameSize {
                 frame_index: self.pushed,
-                width: self.params.width,
-                height: self.params.height,
+                width: params.width,
+                height: params.height,
                 got_width: width,
                 got_height: height,
             });
@@ -219,132 +289,116 @@ impl SegmentWriter {
     }
 }
 
-/// Encodes `frames` with the same encoder settings and keyframe plan as [`SegmentWriter`], but writes
-/// them as one MP4 of a single fragment (init segment + one `moof`/`mdat`): the non-streamed reference
-/// that streamed output is compared against.
-pub fn encode_single_fragment<'a>(
-    backend: &EncoderBackend,
-    params: VideoParams,
-    plan: SegmentPlan,
-    frames: impl IntoIterator<Item = &'a RgbFrame>,
-) -> Result<Vec<u8>, EncodeError> {
-    let mut encoder = backend.open(params)?;
-    let mut units = Vec::new();
-    let mut pushed = 0u64;
-    for frame in frames {
-        let yuv = Yuv420Frame::from_rgb(frame)?;
-        units.extend(encoder.encode(&yuv, pushed, plan.is_segment_start(pushed))?);
-        pushed += 1;
+/// Encodes the segment that starts at frame `first_frame` of `stream` (a segment start of its
+/// plan) and holds `frames` (its planned length, or fewer for the last segment) into `moof` +
+/// `mdat`, with an encoder of its own. Depends on nothing but its arguments: segments encode in
+/// any order, on any thread, to the same bytes.
+pub fn encode_segment(
+    backend: &dyn OpenEncoder,
+    stream: &StreamInfo,
+    first_frame: u64,
+    frames: &[Yuv420Frame],
+) -> Result<MediaSegment, EncodeError> {
+    let (sequence_number, _, _) = stream.plan.segment_of(first_frame);
+    let units = encode_units(backend, stream, first_frame, frames)?;
+    let bytes = fmp4::media_segment(sequence_number, first_frame, &units)?;
+    debug!(
+        sequence_number,
+        first_frame,
+        frame_count = frames.len(),
+        bytes = bytes.len(),
+        "media segment complete"
+    );
+    Ok(MediaSegment {
+        sequence_number,
+        first_frame,
+        frame_count: frames.len() as u32, // ≤ the plan's u32 segment length
+        bytes,
+    })
+}
+
+/// The access units of one segment (see [`encode_segment`]), checked: one per frame, in order, the
+/// first a keyframe.
+fn encode_units(
+    backend: &dyn OpenEncoder,
+    stream: &StreamInfo,
+    first_frame: u64,
+    frames: &[Yuv420Frame],
+) -> Result<Vec<AccessUnit>, EncodeError> {
+    let (sequence_number, start, planned) = stream.plan.segment_of(first_frame);
+    if start != first_frame || frames.is_empty() || frames.len() as u64 > u64::from(planned) {
+        return Err(EncodeError::SegmentFrames {
+            first_frame,
+            frames: frames.len(),
+            start,
+            planned,
+        });
+    }
+    let mut encoder = backend.open_segment(stream.params, &stream.sets)?;
+    if stream.plan.follows_lone_idr(sequence_number) {
+        // Segment starts at frame ≥ 1 here (sequence number ≥ 2); the throwaway frame takes the
+        // index before it, so timestamps still increase.
+        encoder.encode(&frames[0], first_frame - 1, false)?;
+    }
+    let mut units = Vec::with_capacity(frames.len());
+    for (i, frame) in frames.iter().enumerate() {
+        units.extend(encoder.encode(frame, first_frame + i as u64, i == 0)?);
     }
     units.extend(encoder.flush()?);
-    if units.len() as u64 != pushed {
+    units.retain(|u| u.frame_index >= first_frame);
+    if units.len() != frames.len() {
         return Err(EncodeError::FramesLost {
-            pushed,
+            pushed: frames.len() as u64,
             encoded: units.len() as u64,
         });
     }
-    for (expected, unit) in units.iter().enumerate() {
-        let expected = expected as u64;
+    for (i, unit) in units.iter().enumerate() {
+        let expected = first_frame + i as u64;
         if unit.frame_index != expected {
             return Err(EncodeError::FrameOrder {
                 expected,
                 got: unit.frame_index,
             });
         }
-        if plan.is_segment_start(expected) && !unit.keyframe {
-            return Err(EncodeError::KeyframeMissing {
-                frame_index: expected,
-                sequence_number: plan.segment_of(expected).0,
-            });
-        }
     }
-    let mut out = fmp4::init_segment(
-        params.width,
-        params.height,
-        params.fps,
-        encoder.parameter_sets(),
-    );
+    if !units[0].keyframe {
+        return Err(EncodeError::KeyframeMissing {
+            frame_index: first_frame,
+            sequence_number,
+        });
+    }
+    Ok(units)
+}
+
+/// Encodes `frames` exactly as [`SegmentWriter`] does (segment by segment, each with its own
+/// encoder), but writes them as one MP4 of a single fragment (init segment + one `moof`/`mdat`):
+/// the non-streamed reference that streamed output is compared against.
+pub fn encode_single_fragment<'f>(
+    backend: &dyn OpenEncoder,
+    params: VideoParams,
+    plan: SegmentPlan,
+    frames: impl IntoIterator<Item = &'f RgbFrame>,
+) -> Result<Vec<u8>, EncodeError> {
+    let stream = StreamInfo::new(backend, params, plan)?;
+    let yuv = frames
+        .into_iter()
+        .map(Yuv420Frame::from_rgb)
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut units = Vec::with_capacity(yuv.len());
+    let mut start = 0usize;
+    for len in plan.lengths(yuv.len() as u64) {
+        let end = start + len as usize;
+        units.extend(encode_units(
+            backend,
+            &stream,
+            start as u64,
+            &yuv[start..end],
+        )?);
+        start = end;
+    }
+    let mut out = stream.init_segment();
     out.extend(fmp4::media_segment(1, 0, &units)?);
     Ok(out)
-}
-
-/// Gathers access units (in frame order) into segments per the plan, checking the encoder's promises:
-/// one unit per frame, in order, a keyframe at every segment start.
-struct Assembler {
-    plan: SegmentPlan,
-    next_frame: u64,
-    pending: Vec<AccessUnit>,
-}
-
-impl Assembler {
-    fn new(plan: SegmentPlan) -> Self {
-        Self {
-            plan,
-            next_frame: 0,
-            pending: Vec::new(),
-        }
-    }
-
-    fn take(&mut self, units: Vec<AccessUnit>) -> Result<Vec<MediaSegment>, EncodeError> {
-        let mut done = Vec::new();
-        for unit in units {
-            if unit.frame_index != self.next_frame {
-                return Err(EncodeError::FrameOrder {
-                    expected: self.next_frame,
-                    got: unit.frame_index,
-                });
-            }
-            let (sequence_number, first_frame, planned) = self.plan.segment_of(unit.frame_index);
-            if unit.frame_index == first_frame && !unit.keyframe {
-                return Err(EncodeError::KeyframeMissing {
-                    frame_index: unit.frame_index,
-                    sequence_number,
-                });
-            }
-            self.next_frame += 1;
-            self.pending.push(unit);
-            if self.pending.len() as u64 == u64::from(planned) {
-                done.push(self.emit()?);
-            }
-        }
-        Ok(done)
-    }
-
-    /// Emits the last, partial segment if any; errors if the encoder lost frames.
-    fn close(&mut self, pushed: u64) -> Result<Option<MediaSegment>, EncodeError> {
-        if self.next_frame != pushed {
-            return Err(EncodeError::FramesLost {
-                pushed,
-                encoded: self.next_frame,
-            });
-        }
-        if self.pending.is_empty() {
-            Ok(None)
-        } else {
-            self.emit().map(Some)
-        }
-    }
-
-    fn emit(&mut self) -> Result<MediaSegment, EncodeError> {
-        let units = std::mem::take(&mut self.pending);
-        let first_frame = units.first().map_or(self.next_frame, |u| u.frame_index);
-        let (sequence_number, _, _) = self.plan.segment_of(first_frame);
-        let bytes = fmp4::media_segment(sequence_number, first_frame, &units)?;
-        let frame_count = units.len() as u32; // ≤ the plan's u32 segment length
-        debug!(
-            sequence_number,
-            first_frame,
-            frame_count,
-            bytes = bytes.len(),
-            "media segment complete"
-        );
-        Ok(MediaSegment {
-            sequence_number,
-            first_frame,
-            frame_count,
-            bytes,
-        })
-    }
 }
 
 #[cfg(test)]

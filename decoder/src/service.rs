@@ -224,6 +224,9 @@ impl DecoderPool for DecoderService {
                                 .map_err(|_| anyhow::anyhow!("no latent chunk for {} s", CHUNK_TIMEOUT.as_secs()))?
                                 .context("the latent link closed before the last chunk")?
                                 .map_err(anyhow::Error::from),
+                            // The gateway went away (or the forwarder ended on a failed
+                            // segment): no need to wait for the chunk.
+                            _ = tx.closed() => Err(gone()),
                             _ = out_tx.closed() => Err(gone()),
                         }
                     })?;

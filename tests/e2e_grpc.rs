@@ -647,8 +647,9 @@ impl OpenEncoder for FailsOnce {
         &self,
         params: VideoParams,
         sets: &ParameterSets,
+        first_frame: u64,
     ) -> Result<Box<dyn VideoEncoder>, EncodeError> {
-        let inner = self.0.open_segment(params, sets)?;
+        let inner = self.0.open_segment(params, sets, first_frame)?;
         Ok(Box::new(FailingEncoder(inner, Arc::clone(&self.1))))
     }
 }

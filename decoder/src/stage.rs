@@ -319,7 +319,7 @@ impl DecodeStage {
         };
         encoder
             .parameter_sets(probe)
-            .and_then(|sets| encoder.open_segment(probe, &sets))
+            .and_then(|sets| encoder.open_segment(probe, &sets, 0))
             .with_context(|| format!("serving.encoder = {:?}", cfg.serving.encoder))?;
         let encoder_threads = cfg.serving.encoder_threads();
         let encoders = EncoderPool::new(encoder_threads)

@@ -166,14 +166,15 @@ pub trait OpenEncoder: Send + Sync {
     /// The SPS and PPS every encoder opened for `params` writes (validated here).
     fn parameter_sets(&self, params: VideoParams) -> Result<ParameterSets, EncodeError>;
 
-    /// A fresh encoder for `params` whose parameter sets must be `sets` (those of
-    /// [`parameter_sets`](Self::parameter_sets) for the same `params`): in-band SPS/PPS are checked
-    /// against them on every IDR, and an encoder announcing others is refused
-    /// ([`EncodeError::ParameterSetsChanged`]).
+    /// A fresh encoder for the segment starting at frame `first_frame` of a stream of `params`,
+    /// whose parameter sets must be `sets` (those of [`parameter_sets`](Self::parameter_sets) for
+    /// the same `params`): in-band SPS/PPS are checked against them on every IDR, and an encoder
+    /// announcing others is refused ([`EncodeError::ParameterSetsChanged`] at `first_frame`).
     fn open_segment(
         &self,
         params: VideoParams,
         sets: &ParameterSets,
+        first_frame: u64,
     ) -> Result<Box<dyn VideoEncoder>, EncodeError>;
 }
 
@@ -216,6 +217,7 @@ impl OpenEncoder for EncoderBackend {
         &self,
         params: VideoParams,
         sets: &ParameterSets,
+        first_frame: u64,
     ) -> Result<Box<dyn VideoEncoder>, EncodeError> {
         params.validate()?;
         match self {
@@ -227,7 +229,9 @@ impl OpenEncoder for EncoderBackend {
             _ => {
                 let encoder = self.open(params)?;
                 if encoder.parameter_sets() != sets {
-                    return Err(EncodeError::ParameterSetsChanged { frame_index: 0 });
+                    return Err(EncodeError::ParameterSetsChanged {
+                        frame_index: first_frame,
+                    });
                 }
                 Ok(encoder)
             }

@@ -334,7 +334,7 @@ fn encode_units(
             planned,
         });
     }
-    let mut encoder = backend.open_segment(stream.params, &stream.sets)?;
+    let mut encoder = backend.open_segment(stream.params, &stream.sets, first_frame)?;
     if stream.plan.follows_lone_idr(sequence_number) {
         // Segment starts at frame ≥ 1 here (sequence number ≥ 2); the throwaway frame takes the
         // index before it, so timestamps still increase.

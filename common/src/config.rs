@@ -237,28 +237,136 @@ impl Preset {
         Preset::Wan22Ti2v5b,
     ];
 
-    /// The name used in YAML and on the wire.
-    pub fn name(self) -> &'static str {
-        match self {
-            Preset::Tiny => "tiny",
-            Preset::Wan21T2v1_3b => "wan2.1-t2v-1.3b",
-            Preset::Wan21T2v14b => "wan2.1-t2v-14b",
-            Preset::Wan22T2vA14b => "wan2.2-t2v-a14b",
-            Preset::Wan22Ti2v5b => "wan2.2-ti2v-5b",
-        }
+    /// The preset's row of the table: everything the crates know about a built-in model
+    /// without reading a checkpoint (reference/wan.md §1.1).
+    pub fn spec(self) -> &'static PresetSpec {
+        // The variants are declared in the table's order (a test checks every row's name).
+        &PRESETS[self as usize]
     }
 
-    /// Self-attention heads of the transformer (`num_attention_heads`; reference/wan.md §1).
+    /// The name used in YAML and on the wire.
+    pub fn name(self) -> &'static str {
+        self.spec().name
+    }
+
+    /// Self-attention heads of the transformer (`num_attention_heads`).
     pub fn num_heads(self) -> usize {
+        self.spec().heads
+    }
+}
+
+/// The VAE a preset decodes with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PresetVae {
+    /// The Wan 2.1 VAE's topology at base width 16 (the real one is 96): the embedded default's.
+    Tiny,
+    /// The Wan 2.1 VAE (z 16, 8×8 spatial, 4× temporal).
+    Wan21,
+    /// The Wan 2.2 VAE (z 48, 16×16 spatial, 4× temporal).
+    Wan22,
+}
+
+impl PresetVae {
+    /// How this VAE maps video to latents (under Wan's 1×2×2 patch).
+    pub fn geometry(self) -> LatentGeometry {
         match self {
-            // The tiny model has head dim 128 like the real ones, so it exercises the same kernels.
-            Preset::Tiny => 2,
-            Preset::Wan21T2v1_3b => 12,
-            Preset::Wan21T2v14b | Preset::Wan22T2vA14b => 40,
-            Preset::Wan22Ti2v5b => 24,
+            PresetVae::Tiny | PresetVae::Wan21 => LatentGeometry::WAN21,
+            PresetVae::Wan22 => LatentGeometry::WAN22,
         }
     }
 }
+
+/// One built-in model, as the transformer, the text encoder and the VAE are built for it; every
+/// crate reads a preset's numbers from here ([`Preset::spec`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PresetSpec {
+    /// The name used in YAML and on the wire.
+    pub name: &'static str,
+    /// Self-attention heads (head dim 128 throughout).
+    pub heads: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// The feed-forward's hidden width.
+    pub ffn_dim: usize,
+    /// Latent channels in and out of the transformer (the VAE's z).
+    pub latent_channels: usize,
+    /// Width of the text encoder's states (umT5-XXL's 4096; the tiny encoder's 64).
+    pub text_dim: usize,
+    /// Transformers that share the steps (Wan 2.2 A14B: a high-noise and a low-noise expert).
+    pub experts: usize,
+    /// Whether the text encoder is the built-in tiny one (else umT5-XXL at its real size).
+    pub tiny_text_encoder: bool,
+    /// The VAE.
+    pub vae: PresetVae,
+    /// Whether random weights of this size may run on the CPU (only the tiny model is small
+    /// enough to finish there).
+    pub runs_on_cpu: bool,
+}
+
+/// The table, one row per [`Preset`] in [`Preset::ALL`]'s order.
+const PRESETS: [PresetSpec; 5] = [
+    PresetSpec {
+        name: "tiny",
+        // Head dim 128 like the real ones, so the tiny model exercises the same kernels.
+        heads: 2,
+        layers: 2,
+        ffn_dim: 256,
+        latent_channels: 16,
+        text_dim: 64,
+        experts: 1,
+        tiny_text_encoder: true,
+        vae: PresetVae::Tiny,
+        runs_on_cpu: true,
+    },
+    PresetSpec {
+        name: "wan2.1-t2v-1.3b",
+        heads: 12,
+        layers: 30,
+        ffn_dim: 8960,
+        latent_channels: 16,
+        text_dim: 4096,
+        experts: 1,
+        tiny_text_encoder: false,
+        vae: PresetVae::Wan21,
+        runs_on_cpu: false,
+    },
+    PresetSpec {
+        name: "wan2.1-t2v-14b",
+        heads: 40,
+        layers: 40,
+        ffn_dim: 13824,
+        latent_channels: 16,
+        text_dim: 4096,
+        experts: 1,
+        tiny_text_encoder: false,
+        vae: PresetVae::Wan21,
+        runs_on_cpu: false,
+    },
+    PresetSpec {
+        name: "wan2.2-t2v-a14b",
+        heads: 40,
+        layers: 40,
+        ffn_dim: 13824,
+        latent_channels: 16,
+        text_dim: 4096,
+        experts: 2,
+        tiny_text_encoder: false,
+        vae: PresetVae::Wan21,
+        runs_on_cpu: false,
+    },
+    PresetSpec {
+        name: "wan2.2-ti2v-5b",
+        heads: 24,
+        layers: 30,
+        ffn_dim: 14336,
+        latent_channels: 48,
+        text_dim: 4096,
+        experts: 1,
+        tiny_text_encoder: false,
+        vae: PresetVae::Wan22,
+        runs_on_cpu: false,
+    },
+];
 
 impl fmt::Display for Preset {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -745,8 +853,8 @@ impl Config {
         })
     }
 
-    /// How the served model maps video to latents and tokens: the Wan 2.2 VAE's for the TI2V-5B
-    /// preset, the Wan 2.1 VAE's for every other preset; for a checkpoint, its
+    /// How the served model maps video to latents and tokens: its preset's VAE's
+    /// ([`PresetSpec::vae`]); for a checkpoint, its
     /// `vae/config.json` scale factors (`scale_factor_spatial`, `scale_factor_temporal`) where it
     /// names them, else Wan 2.1's (the decoder checks its VAE against this at start-up).
     pub fn geometry(&self) -> LatentGeometry {
@@ -773,7 +881,7 @@ impl Config {
                     patch: wan21.patch,
                 }
             }
-            (_, _, Some(Preset::Wan22Ti2v5b)) => LatentGeometry::WAN22,
+            (_, _, Some(preset)) => preset.spec().vae.geometry(),
             _ => LatentGeometry::WAN21,
         }
     }
@@ -1220,6 +1328,24 @@ mod tests {
             Ok(m) => panic!("expected an error for {parallel:?}, got mesh {m:?}"),
             Err(e) => e.to_string(),
         }
+    }
+
+    /// Each preset reads its own row: the YAML name it parses from is its row's name, and
+    /// the geometry follows the row's VAE.
+    #[test]
+    fn every_preset_reads_its_own_row() {
+        for preset in Preset::ALL {
+            let yaml = format!("model:\n  preset: {}\n", preset.spec().name);
+            let c = Config::parse(&yaml, "<t>").unwrap();
+            assert_eq!(c.model.preset, Some(preset), "{yaml}");
+            assert_eq!(c.geometry(), preset.spec().vae.geometry());
+        }
+        assert_eq!(
+            Preset::Wan22Ti2v5b.spec().vae.geometry(),
+            LatentGeometry::WAN22
+        );
+        assert_eq!(Preset::Wan22T2vA14b.spec().experts, 2);
+        assert_eq!(Preset::Wan21T2v1_3b.num_heads(), 12);
     }
 
     #[test]

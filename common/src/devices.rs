@@ -90,7 +90,7 @@ fn check_gpus(_: &Config, _: &[usize]) -> anyhow::Result<()> {
 
 /// Random weights of a real-size preset need a GPU: the CPU reference would take minutes per step.
 pub fn check_random_on(preset: Preset, devices: &[Device]) -> anyhow::Result<()> {
-    if preset != Preset::Tiny && devices.contains(&Device::Cpu) {
+    if !preset.spec().runs_on_cpu && devices.contains(&Device::Cpu) {
         bail!(
             "model.preset = {preset} with random weights: the CPU backend only runs `tiny` this \
              way; set `serving.device: cuda`, or point model.checkpoint at a checkpoint"

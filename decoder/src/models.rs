@@ -5,23 +5,26 @@
 use std::sync::Arc;
 
 use anyhow::bail;
-use ditstream_common::config::{Config, Preset, WeightSource as SourceKind};
+use ditstream_common::config::{Config, PresetVae, WeightSource as SourceKind};
 use ditstream_common::devices::{WEIGHT_SEED, check_random_on, distinct, dtype, on_each, per_rank};
 use ditstream_kernels::Device;
 use ditstream_kernels::weights::DrawnWeights;
 
 use crate::vae::{VaeConfig, WanVaeDecoder};
 
-/// The VAE the config serves: the tiny one, Wan 2.1's, or the checkpoint's `vae/config.json`.
+/// The VAE the config serves: its preset's (tiny or Wan 2.1's), or the checkpoint's
+/// `vae/config.json`.
 pub fn vae_config(cfg: &Config) -> anyhow::Result<VaeConfig> {
     let m = &cfg.model;
     match (m.weights, &m.checkpoint, m.preset) {
-        (SourceKind::Random, _, Some(Preset::Tiny)) => Ok(tiny_vae_config()),
-        (SourceKind::Random, _, Some(preset @ Preset::Wan22Ti2v5b)) => bail!(
-            "model.preset = {preset}: its VAE is the Wan 2.2 VAE (z 48), which is not \
-             built yet; the decoder runs the Wan 2.1 VAE (z 16)"
-        ),
-        (SourceKind::Random, _, Some(_)) => Ok(VaeConfig::wan21()),
+        (SourceKind::Random, _, Some(preset)) => match preset.spec().vae {
+            PresetVae::Tiny => Ok(tiny_vae_config()),
+            PresetVae::Wan21 => Ok(VaeConfig::wan21()),
+            PresetVae::Wan22 => bail!(
+                "model.preset = {preset}: its VAE is the Wan 2.2 VAE (z 48), which is not \
+                 built yet; the decoder runs the Wan 2.1 VAE (z 16)"
+            ),
+        },
         (SourceKind::Checkpoint, Some(dir), _) => {
             Ok(VaeConfig::from_file(&dir.join("vae").join("config.json"))?)
         }

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use ditstream_common::config::{Config, Preset, WeightSource as SourceKind};
+use ditstream_common::config::{Config, WeightSource as SourceKind};
 use ditstream_common::devices::{WEIGHT_SEED, check_random_on, distinct, dtype, on_each, per_rank};
 use ditstream_kernels::weights::DrawnWeights;
 use ditstream_kernels::{DType, Device};
@@ -54,8 +54,8 @@ pub fn denoiser_models(
             let high = DrawnWeights::draw(WEIGHT_SEED, |ws| {
                 WanTransformer::new(config.clone(), ws, dtype, Device::Cpu).map(drop)
             })?;
-            let low = match preset {
-                Preset::Wan22T2vA14b => Some(DrawnWeights::draw(LOW_EXPERT_SEED, |ws| {
+            let low = match preset.spec().experts {
+                2 => Some(DrawnWeights::draw(LOW_EXPERT_SEED, |ws| {
                     WanTransformer::new(config.clone(), ws, dtype, Device::Cpu).map(drop)
                 })?),
                 _ => None,
@@ -107,7 +107,9 @@ pub fn text_encoder(cfg: &Config, device: Device) -> anyhow::Result<TextEncoder>
         Device::Cuda(_) => dtype(cfg),
     };
     Ok(match (m.weights, &m.checkpoint, m.preset) {
-        (SourceKind::Random, _, Some(Preset::Tiny)) => TextEncoder::tiny(WEIGHT_SEED)?,
+        (SourceKind::Random, _, Some(preset)) if preset.spec().tiny_text_encoder => {
+            TextEncoder::tiny(WEIGHT_SEED)?
+        }
         (SourceKind::Random, _, Some(preset)) => {
             check_random_on(preset, &[device])?;
             let tokenizer = PromptTokenizer::from_json_bytes(
@@ -172,6 +174,7 @@ fn low_expert_boundary(dir: &Path) -> anyhow::Result<Option<f64>> {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
+    use ditstream_common::config::Preset;
     use ditstream_kernels::Tensor;
     use ditstream_kernels::weights::RandomWeights;
 

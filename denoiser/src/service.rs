@@ -77,7 +77,7 @@ pub struct DenoiserService {
     /// The decoder in this process (`serve`), for `LINK_KIND_IN_PROCESS`.
     in_process: Option<Pending>,
     /// Open latent-link connections, by decoder link address.
-    links: Arc<tokio::sync::Mutex<HashMap<String, link::Connection>>>,
+    links: Arc<tokio::sync::Mutex<HashMap<String, link::Link>>>,
     /// One loop at a time: a request holds the permit until its work has stopped.
     free: Arc<tokio::sync::Semaphore>,
     active: Arc<AtomicU32>,
@@ -139,10 +139,10 @@ impl DenoiserService {
     }
 
     /// A live connection to the decoder `target` names, reusing the last one.
-    async fn link(&self, target: &LinkTarget) -> Result<link::Connection, Status> {
+    async fn link(&self, target: &LinkTarget) -> Result<link::Link, Status> {
         if target.kind == pb::LinkKind::InProcess {
             return match &self.in_process {
-                Some(pending) => Ok(link::Connection::InProcess(Arc::clone(pending))),
+                Some(pending) => Ok(Arc::new(link::InProcess(Arc::clone(pending)))),
                 None => Err(status::invalid_field(
                     "decoder_link_kind",
                     "LINK_KIND_IN_PROCESS",
@@ -167,7 +167,7 @@ impl DenoiserService {
             ));
         };
         let gpu = self.stage.link_gpu();
-        let conn = link::Connection::connect(target.kind, at, &target.host, identity, gpu)
+        let conn = link::connect(target.kind, at, &target.host, identity, gpu)
             .await
             .map_err(|e| {
                 status::unreachable("decoder latent link", &target.address, format!("{e:#}"))

@@ -50,6 +50,10 @@ struct Args {
     /// Video frames (4k+1).
     #[arg(long, default_value_t = 17)]
     frames: usize,
+    /// The decoder's encoder threads (`serving.encoder_threads`; 0 encodes on the VAE's thread,
+    /// so the decoder takes one core and the denoiser keeps the other).
+    #[arg(long)]
+    encoder_threads: Option<usize>,
 }
 
 /// The bench's deployment config; `certs` holds what `ditstream certs` writes.
@@ -57,9 +61,14 @@ fn config(args: &Args, gateway: &str, certs: &Path) -> anyhow::Result<Config> {
     let c = certs.display();
     let yaml = format!(
         "model:\n  preset: tiny\nsampler:\n  steps: {}\n  shift: 3.0\nserving:\n  width: {}\n  height: {}\n  \
-         num_frames: {}\n  queue_depth: 64\npools:\n  gateway: {gateway}\n  registry_listen: 127.0.0.1:0\n  \
+         num_frames: {}\n  queue_depth: 64\n{}pools:\n  gateway: {gateway}\n  registry_listen: 127.0.0.1:0\n  \
          tls_ca: {c}/ca.pem\n  tls_cert: {c}/pool.pem\n  tls_key: {c}/pool-key.pem\n",
-        args.steps, args.width, args.height, args.frames
+        args.steps,
+        args.width,
+        args.height,
+        args.frames,
+        args.encoder_threads
+            .map_or(String::new(), |n| format!("  encoder_threads: {n}\n")),
     );
     let cfg = Config::parse(&yaml, "<bench>")?;
     cfg.validate(None)?;

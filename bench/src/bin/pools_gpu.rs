@@ -274,7 +274,7 @@ async fn link_latency(
     let pending: Pending = Arc::default();
     let (addr, listener) =
         link::listen(&cfg, identity, Arc::clone(&pending), ends.decoder_gpu).await?;
-    let conn = link::Connection::connect(
+    let conn = link::connect(
         link::wire_kind(kind),
         addr,
         "localhost",

@@ -61,9 +61,12 @@ pub enum LinkError {
         status: String,
     },
     /// The link cannot do what was asked with the library it was built against (e.g. CUDA
-    /// memory through a UCX built without CUDA transports).
+    /// memory through a UCX built without CUDA transports, or a kind this binary lacks).
     #[error("latent link: unsupported: {0}")]
     Unsupported(String),
+    /// A `pools.link*` setting is unusable.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
 }
 
 impl From<std::io::Error> for LinkError {

@@ -43,7 +43,7 @@ use crate::tls::Identity;
 use ditstream_kernels::{DType, Device, Tensor};
 use tokio::sync::{Mutex, oneshot};
 
-use super::pool::{Arrived, ChunkStream, Pending, pump};
+use super::pool::{Arrived, ChunkStream, Pending, frame_header, pump};
 
 const HELLO: &[u8; 4] = b"NCCL";
 const DENOISER_RANK: usize = 0;
@@ -255,15 +255,7 @@ impl NcclConnection {
                 .narrow(2, t, 1)
                 .map_err(|e| transport("latent frame", e))?;
             let (dtype, crc) = checksum(&part)?;
-            let header = ChunkHeader {
-                request_id: id.to_string(),
-                chunk_index: t as u32,
-                first_frame: t as u32,
-                last: t + 1 == frames,
-                shape: part.shape().iter().map(|&d| d as u64).collect(),
-                dtype,
-                checksum: crc,
-            };
+            let header = frame_header(id, t, frames, &part, dtype, crc);
             self.send_chunk(&mut stream, &header, part).await?;
         }
         stream

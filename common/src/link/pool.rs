@@ -1,17 +1,20 @@
-//! The pools' side of the latent link, over any transport: the decoder's listener that hands
-//! every arriving chunk to its request, and the denoiser's connections that send a latent one
-//! latent frame per chunk. The transport is the decoder's choice (`pools.link`); it registers
-//! it with the gateway, which passes it to the denoiser with the address. In `ditstream serve`
-//! both pools live in one process and the chunks are handed over in memory
-//! ([`Connection::InProcess`]): the same requests, the same per-request chunk channels.
+//! The pools' side of the latent link, over any transport. Two traits carry one chunk type
+//! ([`Arrived`]: a [`ChunkHeader`] and its latent frames): a denoiser sends each latent through a
+//! [`LatentLink`], one latent frame per chunk, and a decoder reads each request's chunks from a
+//! [`ChunkStream`] and hands them to that request ([`Pending`]). The backends: in process
+//! ([`InProcess`], `ditstream serve`, where both pools share one process and the tensor itself is
+//! handed over), QUIC, UCX (feature `ucx`) and NCCL (feature `cuda`). The transport is the
+//! decoder's choice (`pools.link`); it registers it with the gateway, which passes it to the
+//! denoiser with the address ([`connect`]).
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 use crate::config::{Config, LinkKind};
 use crate::link::{ChunkHeader, LatentChunk, LinkDType, LinkError, quic};
-use anyhow::bail;
 use ditstream_kernels::Tensor;
 use ditstream_proto::v1 as pb;
 use tokio::sync::mpsc;
@@ -40,15 +43,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// This member's TLS identity for every internal hop (registry, pool services, latent link),
 /// from the config's PEM files (relative paths start at the config file's folder).
-pub fn identity(cfg: &Config) -> anyhow::Result<crate::tls::Identity> {
-    use anyhow::Context;
+pub fn identity(cfg: &Config) -> Result<crate::tls::Identity, LinkError> {
     let p = &cfg.pools;
     crate::tls::Identity::from_pem_files(
         &cfg.path(&p.tls_cert),
         &cfg.path(&p.tls_key),
         &cfg.path(&p.tls_ca),
     )
-    .context("pools.tls_*: run `ditstream certs --out certs` to make a development set")
+    .map_err(|e| {
+        LinkError::Identity(format!(
+            "pools.tls_*: {e} (run `ditstream certs --out certs` to make a development set)"
+        ))
+    })
 }
 
 /// A configured link kind as the pools announce it on the wire.
@@ -89,12 +95,165 @@ fn host_arrived(chunk: LatentChunk) -> Result<Arrived, LinkError> {
     })
 }
 
-/// One request's stream of chunks, whatever the transport.
-pub(crate) trait ChunkStream: Send {
+/// The receiving end of a latent link: one request's chunks, in order, verified, whatever the
+/// transport (each backend's receiver implements it; [`pump`] drains it into [`Pending`]).
+pub trait ChunkStream: Send {
     /// The next verified chunk; `None` after the last.
-    fn next(
-        &mut self,
-    ) -> impl std::future::Future<Output = Result<Option<Arrived>, LinkError>> + Send;
+    fn next(&mut self) -> impl Future<Output = Result<Option<Arrived>, LinkError>> + Send;
+}
+
+/// What [`LatentLink::send_latent`] returns: the trait is used as `dyn LatentLink` (the
+/// transport is chosen at run time), so its future is boxed.
+pub type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<u32, LinkError>> + Send + 'a>>;
+
+/// The sending end of a latent link: one denoiser's live connection to one decoder instance.
+pub trait LatentLink: Send + Sync {
+    /// Sends `latent` [1, C, T, H, W] one latent frame per chunk (chunk t = latent frame t, the
+    /// last one flagged) on a new request stream, so the decoder starts on the first frame
+    /// while the rest are in flight. Returns the chunk count.
+    fn send_latent<'a>(&'a self, id: &'a str, latent: &'a Tensor) -> SendFuture<'a>;
+
+    /// Whether the connection can still carry requests (a closed one is replaced).
+    fn is_open(&self) -> bool;
+}
+
+/// A live link, shared by the requests that use it.
+pub type Link = Arc<dyn LatentLink>;
+
+/// The header of latent frame `t` of a `frames`-frame latent, sent as chunk `t`.
+pub(crate) fn frame_header(
+    id: &str,
+    t: usize,
+    frames: usize,
+    part: &Tensor,
+    dtype: LinkDType,
+    checksum: u32,
+) -> ChunkHeader {
+    ChunkHeader {
+        request_id: id.to_string(),
+        chunk_index: t as u32,
+        first_frame: t as u32,
+        last: t + 1 == frames,
+        shape: part.shape().iter().map(|&d| d as u64).collect(),
+        dtype,
+        checksum,
+    }
+}
+
+fn frames_of(latent: &Tensor) -> Result<usize, LinkError> {
+    match latent.shape() {
+        [1, _, t, _, _] => Ok(*t),
+        other => Err(LinkError::Malformed(format!(
+            "a latent to send is [1, C, T, H, W], not {other:?}"
+        ))),
+    }
+}
+
+fn frame(latent: &Tensor, t: usize) -> Result<Tensor, LinkError> {
+    latent
+        .narrow(2, t, 1)
+        .map_err(|e| LinkError::Malformed(format!("latent frame {t}: {e}")))
+}
+
+/// Latent frame `t` as host bytes (the QUIC and UCX links carry f32 host chunks).
+fn host_chunk(
+    id: &str,
+    latent: &Tensor,
+    t: usize,
+    frames: usize,
+) -> Result<LatentChunk, LinkError> {
+    let part = frame(latent, t)?;
+    let values = part
+        .to_vec_f32()
+        .map_err(|e| LinkError::Malformed(format!("latent frame {t} to the host: {e}")))?;
+    let payload = values
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect::<Vec<u8>>();
+    let header = frame_header(
+        id,
+        t,
+        frames,
+        &part,
+        LinkDType::F32,
+        crc32fast::hash(&payload),
+    );
+    Ok(LatentChunk { header, payload })
+}
+
+/// The decoder in this process (`ditstream serve`): each frame goes straight to its request's
+/// channel; no bytes travel, so there is nothing to checksum.
+pub struct InProcess(pub Pending);
+
+impl LatentLink for InProcess {
+    fn send_latent<'a>(&'a self, id: &'a str, latent: &'a Tensor) -> SendFuture<'a> {
+        Box::pin(async move {
+            let frames = frames_of(latent)?;
+            for t in 0..frames {
+                let latent = frame(latent, t)?;
+                let header = frame_header(id, t, frames, &latent, LinkDType::F32, 0);
+                if !deliver(&self.0, id, Ok(Arrived { header, latent })).await {
+                    return Err(LinkError::Transport(format!(
+                        "request {id} is no longer decoding"
+                    )));
+                }
+            }
+            Ok(frames as u32)
+        })
+    }
+
+    fn is_open(&self) -> bool {
+        true
+    }
+}
+
+impl LatentLink for quic::Connection {
+    fn send_latent<'a>(&'a self, id: &'a str, latent: &'a Tensor) -> SendFuture<'a> {
+        Box::pin(async move {
+            let frames = frames_of(latent)?;
+            let mut sender = quic::ChunkSender::open(self).await?;
+            for t in 0..frames {
+                sender.send(&host_chunk(id, latent, t, frames)?).await?;
+            }
+            sender.finish()?;
+            Ok(frames as u32)
+        })
+    }
+
+    fn is_open(&self) -> bool {
+        self.close_reason().is_none()
+    }
+}
+
+#[cfg(feature = "ucx")]
+impl LatentLink for crate::link::ucx::Connection {
+    fn send_latent<'a>(&'a self, id: &'a str, latent: &'a Tensor) -> SendFuture<'a> {
+        Box::pin(async move {
+            let frames = frames_of(latent)?;
+            let mut sender = crate::link::ucx::ChunkSender::open(self);
+            for t in 0..frames {
+                sender.send(host_chunk(id, latent, t, frames)?).await?;
+            }
+            sender.finish().await?;
+            Ok(frames as u32)
+        })
+    }
+
+    fn is_open(&self) -> bool {
+        // A UCX endpoint reports failure on the next send; the caller reconnects then.
+        true
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl LatentLink for super::nccl::NcclConnection {
+    fn send_latent<'a>(&'a self, id: &'a str, latent: &'a Tensor) -> SendFuture<'a> {
+        Box::pin(super::nccl::NcclConnection::send_latent(self, id, latent))
+    }
+
+    fn is_open(&self) -> bool {
+        super::nccl::NcclConnection::is_open(self)
+    }
 }
 
 impl ChunkStream for quic::ChunkReceiver {
@@ -154,15 +313,19 @@ pub async fn listen(
     identity: &crate::tls::Identity,
     pending: Pending,
     gpu: usize,
-) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), LinkError> {
     let at = crate::config::socket_addr("pools.link_listen", &cfg.pools.link_listen)?;
     let nccl = match cfg.pools.link {
         LinkKind::Ucx => return listen_ucx(at, pending),
         LinkKind::Quic => false,
         LinkKind::Nccl if cfg!(feature = "cuda") => true,
-        LinkKind::Nccl => bail!(
-            "pools.link = nccl: this binary was built without CUDA (build with `--features cuda`)"
-        ),
+        LinkKind::Nccl => {
+            return Err(LinkError::Unsupported(
+                "pools.link = nccl: this binary was built without CUDA (build with \
+                 `--features cuda`)"
+                    .into(),
+            ));
+        }
     };
     // QUIC carries the chunks, or (NCCL) their headers beside the GPU-to-GPU transfers.
     let endpoint = quic::listen(at, identity)?;
@@ -202,7 +365,7 @@ async fn serve_nccl(conn: quinn::Connection, _: usize, _: Pending) {
 fn listen_ucx(
     at: SocketAddr,
     pending: Pending,
-) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), LinkError> {
     use crate::link::ucx;
     let listener = ucx::listen(at, &ucx::UcxConfig::default())?;
     let bound = listener.local_addr();
@@ -224,138 +387,42 @@ fn listen_ucx(
 fn listen_ucx(
     _: SocketAddr,
     _: Pending,
-) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    bail!("pools.link = ucx: this binary was built without UCX (build with `--features ucx`)")
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), LinkError> {
+    Err(LinkError::Unsupported(
+        "pools.link = ucx: this binary was built without UCX (build with `--features ucx`)".into(),
+    ))
 }
 
-/// One live connection from a denoiser to a decoder.
-#[derive(Clone)]
-pub enum Connection {
-    /// The decoder in this process: chunks go straight to its requests' channels.
-    InProcess(Pending),
-    /// QUIC.
-    Quic(quic::Connection),
-    /// UCX.
-    #[cfg(feature = "ucx")]
-    Ucx(crate::link::ucx::Connection),
-    /// NCCL, with QUIC beside it for headers.
-    #[cfg(feature = "cuda")]
-    Nccl(super::nccl::NcclConnection),
-}
-
-impl Connection {
-    /// Connects to the decoder at `address` with the transport it registered; an NCCL link
-    /// sends from GPU `gpu` (where the denoiser's latents are).
-    pub async fn connect(
-        kind: pb::LinkKind,
-        address: SocketAddr,
-        host: &str,
-        identity: &crate::tls::Identity,
-        gpu: usize,
-    ) -> anyhow::Result<Connection> {
-        let _ = gpu; // only an NCCL link uses it
-        match kind {
-            pb::LinkKind::Quic => Ok(Connection::Quic(
-                quic::connect(address, host, identity).await?,
-            )),
-            #[cfg(feature = "ucx")]
-            pb::LinkKind::Ucx => {
-                use crate::link::ucx;
-                Ok(Connection::Ucx(
-                    ucx::connect(address, &ucx::UcxConfig::default()).await?,
-                ))
-            }
-            #[cfg(feature = "cuda")]
-            pb::LinkKind::Nccl => Ok(Connection::Nccl(
-                super::nccl::NcclConnection::connect(address, host, identity, gpu).await?,
-            )),
-            other => bail!(
-                "decoder link kind {}: this binary speaks quic{}{} across processes",
-                other.as_str_name(),
-                if cfg!(feature = "ucx") { ", ucx" } else { "" },
-                if cfg!(feature = "cuda") { ", nccl" } else { "" },
-            ),
+/// Connects to the decoder at `address` over the transport it registered (the in-process
+/// link is not reached by address: the denoiser builds [`InProcess`] itself); an NCCL link sends
+/// from GPU `gpu` (where the denoiser's latents are).
+pub async fn connect(
+    kind: pb::LinkKind,
+    address: SocketAddr,
+    host: &str,
+    identity: &crate::tls::Identity,
+    gpu: usize,
+) -> Result<Link, LinkError> {
+    let _ = gpu; // only an NCCL link uses it
+    match kind {
+        pb::LinkKind::Quic => Ok(Arc::new(quic::connect(address, host, identity).await?)),
+        #[cfg(feature = "ucx")]
+        pb::LinkKind::Ucx => {
+            use crate::link::ucx;
+            Ok(Arc::new(
+                ucx::connect(address, &ucx::UcxConfig::default()).await?,
+            ))
         }
-    }
-
-    /// Whether the connection can still carry requests.
-    pub fn is_open(&self) -> bool {
-        match self {
-            Connection::InProcess(_) => true,
-            Connection::Quic(c) => c.close_reason().is_none(),
-            // A UCX endpoint reports failure on the next send; the caller reconnects then.
-            #[cfg(feature = "ucx")]
-            Connection::Ucx(_) => true,
-            #[cfg(feature = "cuda")]
-            Connection::Nccl(c) => c.is_open(),
-        }
-    }
-
-    /// Sends `latent` [1, C, T, H, W] one latent frame per chunk on a new request stream, so the
-    /// decoder starts on the first frame while the rest are in flight. Returns the chunk count.
-    pub async fn send_latent(&self, id: &str, latent: &Tensor) -> anyhow::Result<u32> {
-        let frames = latent.shape()[2];
-        let chunk = |t: usize| -> anyhow::Result<LatentChunk> {
-            let part = latent.narrow(2, t, 1)?;
-            let shape: Vec<u64> = part.shape().iter().map(|&d| d as u64).collect();
-            Ok(LatentChunk::from_f32(
-                id,
-                t as u32,
-                t as u32,
-                t + 1 == frames,
-                &shape,
-                &part.to_vec_f32()?,
-            )?)
-        };
-        match self {
-            Connection::InProcess(pending) => {
-                for t in 0..frames {
-                    let part = latent.narrow(2, t, 1)?;
-                    let header = ChunkHeader {
-                        request_id: id.to_string(),
-                        chunk_index: t as u32,
-                        first_frame: t as u32,
-                        last: t + 1 == frames,
-                        shape: part.shape().iter().map(|&d| d as u64).collect(),
-                        dtype: LinkDType::F32,
-                        // No bytes travel: the tensor itself is handed over, nothing to check.
-                        checksum: 0,
-                    };
-                    if !deliver(
-                        pending,
-                        id,
-                        Ok(Arrived {
-                            header,
-                            latent: part,
-                        }),
-                    )
-                    .await
-                    {
-                        bail!("request {id} is no longer decoding");
-                    }
-                }
-            }
-            Connection::Quic(conn) => {
-                let mut sender = quic::ChunkSender::open(conn).await?;
-                for t in 0..frames {
-                    sender.send(&chunk(t)?).await?;
-                }
-                sender.finish()?;
-            }
-            #[cfg(feature = "ucx")]
-            Connection::Ucx(conn) => {
-                let mut sender = crate::link::ucx::ChunkSender::open(conn);
-                for t in 0..frames {
-                    sender.send(chunk(t)?).await?;
-                }
-                sender.finish().await?;
-            }
-            #[cfg(feature = "cuda")]
-            Connection::Nccl(conn) => {
-                conn.send_latent(id, latent).await?;
-            }
-        }
-        Ok(frames as u32)
+        #[cfg(feature = "cuda")]
+        pb::LinkKind::Nccl => Ok(Arc::new(
+            super::nccl::NcclConnection::connect(address, host, identity, gpu).await?,
+        )),
+        other => Err(LinkError::Unsupported(format!(
+            "decoder link kind {}: this binary speaks quic{}{} across processes",
+            other.as_str_name(),
+            if cfg!(feature = "ucx") { ", ucx" } else { "" },
+            if cfg!(feature = "cuda") { ", nccl" } else { "" },
+        ))),
     }
 }
 

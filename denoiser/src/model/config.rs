@@ -79,25 +79,20 @@ fn default_eps() -> f64 {
 }
 
 impl WanConfig {
-    /// The dimensions of a built-in preset (reference/wan.md §1.1). `tiny` is the embedded
-    /// default: 2 heads of dim 128 (so it runs the real kernels' shapes), 2 layers.
+    /// The dimensions of a built-in preset (its row of [`Preset::spec`]'s table). `tiny` is the
+    /// embedded default: 2 heads of dim 128 (so it runs the real kernels' shapes), 2 layers.
     pub fn preset(preset: Preset) -> WanConfig {
-        let (heads, layers, ffn, channels, text_dim) = match preset {
-            Preset::Tiny => (2, 2, 256, 16, 64),
-            Preset::Wan21T2v1_3b => (12, 30, 8960, 16, 4096),
-            Preset::Wan21T2v14b | Preset::Wan22T2vA14b => (40, 40, 13824, 16, 4096),
-            Preset::Wan22Ti2v5b => (24, 30, 14336, 48, 4096),
-        };
+        let spec = preset.spec();
         WanConfig {
             patch_size: [1, 2, 2],
-            num_attention_heads: heads,
+            num_attention_heads: spec.heads,
             attention_head_dim: 128,
-            in_channels: channels,
-            out_channels: channels,
-            text_dim,
+            in_channels: spec.latent_channels,
+            out_channels: spec.latent_channels,
+            text_dim: spec.text_dim,
             freq_dim: 256,
-            ffn_dim: ffn,
-            num_layers: layers,
+            ffn_dim: spec.ffn_dim,
+            num_layers: spec.layers,
             cross_attn_norm: true,
             qk_norm: Some("rms_norm_across_heads".to_string()),
             eps: 1e-6,

@@ -17,7 +17,7 @@
 use ditstream_kernels::weights::WeightSource;
 use ditstream_kernels::{
     AttentionOptions, DType, Device, Tensor, apply_rope, attention, gated_residual, gelu_tanh,
-    layer_norm, layer_norm_modulate, linear, rms_norm, rope_tables_3d, silu,
+    layer_norm, layer_norm_modulate, linear, linear_gelu_tanh, rms_norm, rope_tables_3d, silu,
 };
 
 use super::{ModelError, WanConfig};
@@ -99,6 +99,15 @@ impl Linear {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
         Ok(linear(x, &self.weight, self.bias.as_ref())?)
+    }
+
+    /// GELU(tanh) of [`forward`](Self::forward), fused into the GEMM where there is a bias (the
+    /// activation then sees the f32 sum, rounded once).
+    fn forward_gelu(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        Ok(match &self.bias {
+            Some(bias) => linear_gelu_tanh(x, &self.weight, bias)?,
+            None => gelu_tanh(&linear(x, &self.weight, None)?)?,
+        })
     }
 }
 
@@ -419,7 +428,7 @@ impl WanTransformer {
 
         let (t1, t2) = &self.text_embedder;
         let context = context.to_device(self.device)?.to_dtype(self.dtype)?;
-        let context = t2.forward(&gelu_tanh(&t1.forward(&context)?)?)?;
+        let context = t2.forward(&t1.forward_gelu(&context)?)?;
         let (rope_cos, rope_sin) =
             rope_tables_3d(grid, cfg.attention_head_dim, ROPE_THETA, self.device)?;
         Ok((
@@ -509,7 +518,7 @@ impl WanTransformer {
 
         // Feed-forward: h = LN(x)·(1 + m4) + m3; x + W2·GELU(W1·h)·m5.
         let h = norm_modulate(&x, &m[3], &m[4], eps, self.dtype)?;
-        let f = blk.ffn_out.forward(&gelu_tanh(&blk.ffn_in.forward(&h)?)?)?;
+        let f = blk.ffn_out.forward(&blk.ffn_in.forward_gelu(&h)?)?;
         Ok(gated_residual(&x, &f, &m[5])?)
     }
 

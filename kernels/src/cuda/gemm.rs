@@ -19,7 +19,21 @@ use crate::{DType, KernelError, Result};
 /// cuBLASLt's workspace: NVIDIA's recommendation for Hopper (32 MiB).
 const WORKSPACE_BYTES: usize = 32 << 20;
 
-/// One GEMM shape, column-major: D [m × n] = op(A) [m × k] · B [k × n] (+ bias [m] broadcast over n).
+/// What cuBLASLt applies to the f32 accumulator before it rounds and stores D.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Epilogue {
+    /// D = op(A)·B.
+    None,
+    /// D = op(A)·B plus bias[m] broadcast over n.
+    Bias,
+    /// The bias, then GELU with the tanh approximation (`CUBLASLT_EPILOGUE_GELU_BIAS`, the same
+    /// formula as PyTorch's `approximate="tanh"`), so the FFN's activation costs no pass over
+    /// memory of its own.
+    GeluBias,
+}
+
+/// One GEMM shape, column-major: D [m × n] = op(A) [m × k] · B [k × n] (+ bias [m] broadcast over n,
+/// then GELU, per the [`Epilogue`]).
 /// A is stored [k × m] (ld k) when `transa`, else [m × k] (ld m); B is [k × n] (ld k); D is [m × n]
 /// (ld m). A, B and D all have `dtype`; accumulation and scaling are f32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -34,8 +48,8 @@ pub(crate) struct GemmKey {
     pub stride_a: i64,
     pub stride_b: i64,
     pub stride_d: i64,
-    /// Whether the bias epilogue is on (bias in `dtype`, one value per row of D).
-    pub bias: bool,
+    /// The epilogue (a bias is in `dtype`, one value per row of D).
+    pub epilogue: Epilogue,
 }
 
 /// Descriptors and algorithm for one [`GemmKey`].
@@ -213,12 +227,13 @@ fn build_plan(
         &i32::from(key.transa),
     )?;
     set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?;
-    if key.bias {
-        set_desc(
-            desc,
-            DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE,
-            &lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-        )?;
+    let epilogue = match key.epilogue {
+        Epilogue::None => None,
+        Epilogue::Bias => Some(lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS),
+        Epilogue::GeluBias => Some(lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS),
+    };
+    if let Some(epilogue) = epilogue {
+        set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
     }
     let pref = lt::create_matmul_pref()?;
     let workspace = WORKSPACE_BYTES;

@@ -28,7 +28,7 @@ pub use elementwise::{
     add, affine, clamp, gated_residual, gelu_tanh, modulate, mul, scale, silu, sub,
 };
 pub use embedding::{Indices, embedding};
-pub use matmul::{linear, matmul};
+pub use matmul::{linear, linear_gelu_tanh, matmul};
 pub use norm::{
     layer_norm, layer_norm_modulate, rms_norm, rms_norm_channels, rms_norm_channels_silu,
 };

@@ -50,8 +50,8 @@ use super::Halo;
 use super::cpu::ConvGeometry;
 use crate::cuda::cudnn::{self, DnnConvKey, DnnLayout};
 use crate::cuda::{
-    ConvAlgo, CudaBackend, CudaStorage, KernelSource, auto_conv_algo, conv_algo, gemm::GemmKey,
-    gemm::gemm, grid_1d, suffix,
+    ConvAlgo, CudaBackend, CudaStorage, KernelSource, auto_conv_algo, conv_algo, gemm::Epilogue,
+    gemm::GemmKey, gemm::gemm, grid_1d, suffix,
 };
 use crate::tensor::Storage;
 use crate::{DType, KernelError, Result, Tensor};
@@ -931,7 +931,7 @@ fn im2col_conv3d(
                 stride_a: 0,
                 stride_b: 0,
                 stride_d: 0,
-                bias: false,
+                epilogue: Epilogue::None,
             };
             gemm(backend, op, key, col_ptr, w_ptr, partial_ptr, None)?;
             let out_b = out_ptr + b * out_item;

@@ -11,7 +11,7 @@
 //! Operands of different dtypes are promoted to f32 (exact for bf16) and the f32 result cast back, so a
 //! bf16 activation times f32 weights computes what the CPU reference computes.
 
-use crate::cuda::{CudaBackend, gemm::GemmKey, gemm::gemm};
+use crate::cuda::{CudaBackend, gemm::Epilogue, gemm::GemmKey, gemm::gemm};
 use crate::{DType, Result, Tensor};
 
 /// The operands in one dtype: theirs when they agree, else f32.
@@ -23,12 +23,15 @@ fn common_dtype(a: &Tensor, b: &Tensor) -> DType {
     }
 }
 
-/// x [rows, in] · w [out, in]ᵀ + bias [out] → [rows, out] in x's dtype (`out_shape` carries x's batch dims).
+/// x [rows, in] · w [out, in]ᵀ + bias [out] → [rows, out] in x's dtype (`out_shape` carries x's batch
+/// dims), then GELU(tanh) in the GEMM's epilogue when `gelu` (which needs a bias: the model's FFN has
+/// one).
 pub(super) fn linear(
     op: &'static str,
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
+    gelu: bool,
     (rows, in_features, out_features): (usize, usize, usize),
     out_shape: &[usize],
 ) -> Result<Tensor> {
@@ -36,11 +39,29 @@ pub(super) fn linear(
     if rows == 0 || out_features == 0 || in_features == 0 {
         // Nothing to multiply: the result is the bias (or zeros) per row.
         let zeros = Tensor::zeros(out_shape, x.dtype(), x.device())?;
-        return match bias {
-            Some(b) => crate::add(&zeros, b),
-            None => Ok(zeros),
+        let out = match bias {
+            Some(b) => crate::add(&zeros, b)?,
+            None => zeros,
+        };
+        return if gelu {
+            crate::gelu_tanh(&out)
+        } else {
+            Ok(out)
         };
     }
+    let epilogue = match (bias.is_some(), gelu) {
+        (false, false) => Epilogue::None,
+        (true, false) => Epilogue::Bias,
+        (true, true) => Epilogue::GeluBias,
+        (false, true) => {
+            return Err(crate::KernelError::arg(
+                op,
+                "bias",
+                "none",
+                "the fused GELU epilogue needs a bias",
+            ));
+        }
+    };
     let (xc, wc) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?);
     // The bias epilogue reads the bias in the output's dtype (rounding an f32 bias to bf16 costs at most
     // half a bf16 ulp of the bias, below the output's own rounding).
@@ -57,7 +78,7 @@ pub(super) fn linear(
         stride_a: 0,
         stride_b: 0,
         stride_d: 0,
-        bias: bias.is_some(),
+        epilogue,
     };
     let bias_ptr = bias
         .as_ref()
@@ -105,7 +126,7 @@ pub(super) fn matmul(
         stride_a: (k * n) as i64,
         stride_b: (m * k) as i64,
         stride_d: (m * n) as i64,
-        bias: false,
+        epilogue: Epilogue::None,
     };
     gemm(
         &backend,

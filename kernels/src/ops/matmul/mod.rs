@@ -56,7 +56,24 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// x [.., in] · W [out, in]ᵀ + bias `[out]` → [.., out] in x's dtype (PyTorch `nn.Linear`), f32
 /// accumulation.
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    const OP: &str = "linear";
+    linear_then("linear", x, w, bias, false)
+}
+
+/// GELU(tanh)(x [.., in] · W [out, in]ᵀ + bias `[out]`) → [.., out] in x's dtype: the Wan FFN's
+/// up-projection and activation in one op. The activation is applied to the f32 sum before the
+/// one rounding to x's dtype (on CUDA in cuBLASLt's epilogue, so it costs no pass of its own);
+/// `gelu_tanh(linear(..))` rounds twice, so in bf16 the two differ by up to one bf16 ulp.
+pub fn linear_gelu_tanh(x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    linear_then("linear_gelu_tanh", x, w, Some(bias), true)
+}
+
+fn linear_then(
+    op: &'static str,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    gelu: bool,
+) -> Result<Tensor> {
     let contract = "x [.., in], w [out, in], bias [out]";
     let shapes_ok = x.rank() >= 1
         && w.rank() == 2
@@ -65,7 +82,7 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     if !shapes_ok {
         let mut shapes = vec![x.shape(), w.shape()];
         shapes.extend(bias.map(|b| b.shape()));
-        return Err(KernelError::shape(OP, contract, &shapes));
+        return Err(KernelError::shape(op, contract, &shapes));
     }
     let (out_features, in_features) = (w.shape()[0], w.shape()[1]);
     let rows: usize = x.shape()[..x.rank() - 1].iter().product();
@@ -74,29 +91,35 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     out_shape[last] = out_features;
     let mut operands = vec![x, w];
     operands.extend(bias);
-    match same_device(OP, &operands)? {
+    match same_device(op, &operands)? {
         Device::Cpu => {
-            let bias = bias.map(|b| b.cpu_f32(OP)).transpose()?;
-            let out = cpu::linear(
-                &x.cpu_f32(OP)?,
-                &w.cpu_f32(OP)?,
+            let bias = bias.map(|b| b.cpu_f32(op)).transpose()?;
+            let mut out = cpu::linear(
+                &x.cpu_f32(op)?,
+                &w.cpu_f32(op)?,
                 bias.as_deref(),
                 rows,
                 in_features,
                 out_features,
             );
+            if gelu {
+                for v in &mut out {
+                    *v = crate::ops::elementwise::cpu::gelu_tanh(*v);
+                }
+            }
             Tensor::from_f32_cpu(out, &out_shape, x.dtype())
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => cuda::linear(
-            OP,
+            op,
             x,
             w,
             bias,
+            gelu,
             (rows, in_features, out_features),
             &out_shape,
         ),
         #[cfg(not(feature = "cuda"))]
-        device @ Device::Cuda(_) => unsupported(OP, device),
+        device @ Device::Cuda(_) => unsupported(op, device),
     }
 }

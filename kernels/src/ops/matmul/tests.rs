@@ -85,6 +85,39 @@ fn linear_hand_computed_and_bf16_output() -> Result<()> {
     Ok(())
 }
 
+/// The fused op is the two ops it replaces, exactly in f32 (the activation sees the same f32 sum).
+/// In bf16 the fused op rounds once and `gelu_tanh(linear(..))` twice: the first rounding moves
+/// the pre-activation y by ≤ ½ ulp(y), which GELU (slope ≤ 1.13) turns into ≤ 0.57 ulp(y), and
+/// each output rounding adds ≤ ½ ulp of the output: |fused − unfused| ≤ 0.57 ulp(y) + ulp(out).
+#[test]
+fn linear_gelu_is_gelu_of_linear() -> Result<()> {
+    let x = Tensor::randn(&[3, 5, 40], DType::F32, 7, Device::Cpu)?;
+    let w = Tensor::randn(&[24, 40], DType::F32, 8, Device::Cpu)?;
+    let b = Tensor::randn(&[24], DType::F32, 9, Device::Cpu)?;
+    let fused = linear_gelu_tanh(&x, &w, &b)?;
+    let unfused = crate::gelu_tanh(&linear(&x, &w, Some(&b))?)?;
+    assert_eq!(fused.shape(), [3, 5, 24]);
+    assert_eq!(fused.to_vec_f32()?, unfused.to_vec_f32()?);
+
+    let xb = x.to_dtype(DType::BF16)?;
+    let fused = linear_gelu_tanh(&xb, &w, &b)?;
+    assert_eq!(fused.dtype(), DType::BF16);
+    let unfused = crate::gelu_tanh(&linear(&xb, &w, Some(&b))?)?.to_vec_f32()?;
+    let pre = linear(&xb.to_dtype(DType::F32)?, &w, Some(&b))?.to_vec_f32()?;
+    let ulp = |v: f32| 2f32.powi(v.abs().max(1e-30).log2().floor() as i32 - 7);
+    for ((f, u), y) in fused.to_vec_f32()?.iter().zip(&unfused).zip(&pre) {
+        let bound = 0.57 * ulp(*y) + ulp(*u);
+        assert!(
+            (f - u).abs() <= bound,
+            "fused {f} vs unfused {u} (pre-activation {y})"
+        );
+    }
+    let e = linear_gelu_tanh(&x, &w, &Tensor::zeros(&[3], DType::F32, Device::Cpu)?)
+        .expect_err("bias of the wrong size");
+    assert!(e.to_string().contains("linear_gelu_tanh"), "{e}");
+    Ok(())
+}
+
 #[test]
 fn shape_errors_name_the_shapes() {
     let x = Tensor::zeros(&[2, 3], DType::F32, Device::Cpu).expect("zeros");

@@ -94,7 +94,7 @@ impl Pipeline {
         let latent = self
             .denoise
             .denoise_latent(&job, &cond, &uncond, &never, |_| Control::Continue)?;
-        self.decode.render_streamed(&decode_job(p), &latent)
+        Ok(self.decode.render_streamed(&decode_job(p), &latent)?)
     }
 
     /// The non-streamed path, for reference (see [`DecodeStage::render_whole`]).
@@ -105,7 +105,7 @@ impl Pipeline {
         let latent = self
             .denoise
             .denoise_latent(&job, &cond, &uncond, &never, |_| Control::Continue)?;
-        self.decode.render_whole(&decode_job(p), &latent)
+        Ok(self.decode.render_whole(&decode_job(p), &latent)?)
     }
 
     /// The pipeline with `encoder` in place of the configured backend (see

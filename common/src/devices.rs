@@ -5,10 +5,121 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context, bail};
 use ditstream_kernels::{DType, Device};
 
-use crate::config::{Config, DeviceKind, Dtype, Preset};
+use crate::config::{Config, ConfigError, DeviceKind, Dtype, Preset};
+
+/// Why a stage's ranks cannot be placed on the devices the config names.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// The GPUs listed do not cover the ranks.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The CUDA backend's settings could not be resolved (an invalid environment override).
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Kernel(#[from] ditstream_kernels::KernelError),
+    /// The process's CUDA backend already runs with other settings.
+    #[cfg(feature = "cuda")]
+    #[error("cuda: settings: {source}")]
+    CudaSettings {
+        /// The kernels' refusal.
+        source: ditstream_kernels::KernelError,
+    },
+    /// The CUDA driver could not count the devices.
+    #[cfg(feature = "cuda")]
+    #[error("serving.device = cuda: {} cannot be opened: {source}", listed(.configured, .gpus))]
+    Unopenable {
+        /// `serving.gpus` as configured (empty: unset).
+        configured: Vec<usize>,
+        /// The GPU of each rank.
+        gpus: Vec<usize>,
+        /// The driver's failure (boxed: it is large, and this error is rare).
+        source: Box<ditstream_kernels::KernelError>,
+    },
+    /// A rank's GPU is not on this machine.
+    #[cfg(feature = "cuda")]
+    #[error(
+        "{}: GPU {missing} does not exist; this machine has {count} CUDA device(s){}",
+        listed(.configured, .gpus),
+        ordinals(.count)
+    )]
+    NoSuchGpu {
+        /// `serving.gpus` as configured (empty: unset).
+        configured: Vec<usize>,
+        /// The GPU of each rank.
+        gpus: Vec<usize>,
+        /// The first GPU that does not exist.
+        missing: usize,
+        /// CUDA devices on this machine.
+        count: usize,
+    },
+    /// `device: cuda` in a build without the `cuda` feature.
+    #[cfg(not(feature = "cuda"))]
+    #[error(
+        "serving.device = cuda: this binary was built without CUDA; build it with \
+         `--features cuda` (scripts/build-gpu-serve.sh) or set `device: cpu`"
+    )]
+    NoCuda,
+    /// Random weights of a real-size preset asked for on the CPU.
+    #[error(
+        "model.preset = {preset} with random weights: the CPU backend only runs `tiny` this \
+         way; set `serving.device: cuda`, or point model.checkpoint at a checkpoint"
+    )]
+    RandomOnCpu {
+        /// The preset.
+        preset: Preset,
+    },
+    /// A rank of a group meant for NCCL sits on the CPU.
+    #[cfg(feature = "cuda")]
+    #[error("a rank of a CUDA group was placed on the CPU")]
+    CpuRank {
+        /// The rank.
+        rank: usize,
+    },
+}
+
+/// How `serving.gpus` reads in an error: as configured, or the default it stands for.
+#[cfg(feature = "cuda")]
+fn listed(configured: &[usize], gpus: &[usize]) -> String {
+    if configured.is_empty() {
+        format!("serving.gpus (unset, so {gpus:?})")
+    } else {
+        format!("serving.gpus = {configured:?}")
+    }
+}
+
+/// The valid ordinals of `count` devices, for an error (nothing when there are none).
+#[cfg(feature = "cuda")]
+fn ordinals(count: &usize) -> String {
+    match *count {
+        0 => String::new(),
+        n => format!(" (ordinals 0..={})", n - 1),
+    }
+}
+
+/// Why [`on_each`] built nothing: the build's own error `E`, with the device when several were
+/// built at once.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError<E> {
+    /// The only device's build failed.
+    #[error(transparent)]
+    Build(E),
+    /// The build on `device` failed (one of several).
+    #[error("building on {device}: {source}")]
+    On {
+        /// The device.
+        device: Device,
+        /// The build's error.
+        source: E,
+    },
+    /// A build thread panicked.
+    #[error("a model-building thread panicked")]
+    Panicked {
+        /// The device it built for.
+        device: Device,
+    },
+}
 
 /// Seed of every random weight (the tiny model's and the random real-size presets'): fixed, so
 /// every process of a deployment (gateway, denoiser and decoder pools) serves the same model.
@@ -26,7 +137,7 @@ pub fn dtype(cfg: &Config) -> DType {
 /// of `serving.gpus` (one each; see [`Config::rank_gpus`]), checked to exist, with the CUDA
 /// backend set up as the config's `cuda:` section says. `what` names the ranks' owner in errors
 /// ("the denoiser mesh", "a decoder instance").
-pub fn rank_devices(cfg: &Config, what: &str, ranks: usize) -> anyhow::Result<Vec<Device>> {
+pub fn rank_devices(cfg: &Config, what: &str, ranks: usize) -> Result<Vec<Device>, DeviceError> {
     match cfg.serving.device {
         DeviceKind::Cpu => Ok(vec![Device::Cpu; ranks]),
         DeviceKind::Cuda => {
@@ -41,7 +152,7 @@ pub fn rank_devices(cfg: &Config, what: &str, ranks: usize) -> anyhow::Result<Ve
 /// The CUDA backend's settings from `cuda:` (the environment overriding each), fixed for the
 /// process before its first kernel; both stages of `serve` ask for the same.
 #[cfg(feature = "cuda")]
-fn configure_cuda(cfg: &Config) -> anyhow::Result<()> {
+fn configure_cuda(cfg: &Config) -> Result<(), DeviceError> {
     use ditstream_kernels::cuda::{CudaConfig, CudnnSearch, ensure_cuda_config};
     let c = &cfg.cuda;
     let search = match c.cudnn_search {
@@ -50,51 +161,43 @@ fn configure_cuda(cfg: &Config) -> anyhow::Result<()> {
     };
     let settings =
         CudaConfig::resolve(c.kernel_cache.clone(), c.include_dir.clone(), Some(search))?;
-    ensure_cuda_config(settings).context("cuda: settings")?;
+    ensure_cuda_config(settings).map_err(|source| DeviceError::CudaSettings { source })?;
     Ok(())
 }
 
 #[cfg(not(feature = "cuda"))]
-fn configure_cuda(_: &Config) -> anyhow::Result<()> {
+fn configure_cuda(_: &Config) -> Result<(), DeviceError> {
     Ok(())
 }
 
 #[cfg(feature = "cuda")]
-fn check_gpus(cfg: &Config, gpus: &[usize]) -> anyhow::Result<()> {
-    let listed = if cfg.serving.gpus.is_empty() {
-        format!("serving.gpus (unset, so {gpus:?})")
-    } else {
-        format!("serving.gpus = {:?}", cfg.serving.gpus)
-    };
-    let count = ditstream_kernels::cuda::cuda_device_count()
-        .with_context(|| format!("serving.device = cuda: {listed} cannot be opened"))?;
-    if let Some(missing) = gpus.iter().find(|&&g| g >= count) {
-        bail!(
-            "{listed}: GPU {missing} does not exist; this machine has {count} CUDA device(s){}",
-            match count {
-                0 => String::new(),
-                n => format!(" (ordinals 0..={})", n - 1),
-            }
-        );
+fn check_gpus(cfg: &Config, gpus: &[usize]) -> Result<(), DeviceError> {
+    let count =
+        ditstream_kernels::cuda::cuda_device_count().map_err(|source| DeviceError::Unopenable {
+            configured: cfg.serving.gpus.clone(),
+            gpus: gpus.to_vec(),
+            source: Box::new(source),
+        })?;
+    if let Some(&missing) = gpus.iter().find(|&&g| g >= count) {
+        return Err(DeviceError::NoSuchGpu {
+            configured: cfg.serving.gpus.clone(),
+            gpus: gpus.to_vec(),
+            missing,
+            count,
+        });
     }
     Ok(())
 }
 
 #[cfg(not(feature = "cuda"))]
-fn check_gpus(_: &Config, _: &[usize]) -> anyhow::Result<()> {
-    bail!(
-        "serving.device = cuda: this binary was built without CUDA; build it with \
-         `--features cuda` (scripts/build-gpu-serve.sh) or set `device: cpu`"
-    )
+fn check_gpus(_: &Config, _: &[usize]) -> Result<(), DeviceError> {
+    Err(DeviceError::NoCuda)
 }
 
 /// Random weights of a real-size preset need a GPU: the CPU reference would take minutes per step.
-pub fn check_random_on(preset: Preset, devices: &[Device]) -> anyhow::Result<()> {
+pub fn check_random_on(preset: Preset, devices: &[Device]) -> Result<(), DeviceError> {
     if !preset.spec().runs_on_cpu && devices.contains(&Device::Cpu) {
-        bail!(
-            "model.preset = {preset} with random weights: the CPU backend only runs `tiny` this \
-             way; set `serving.device: cuda`, or point model.checkpoint at a checkpoint"
-        );
+        return Err(DeviceError::RandomOnCpu { preset });
     }
     Ok(())
 }
@@ -111,26 +214,29 @@ pub fn distinct(devices: &[Device]) -> Vec<Device> {
 }
 
 /// Builds one value per device, each on its own thread (uploads to several GPUs overlap).
-pub fn on_each<T: Send>(
+pub fn on_each<T: Send, E: Send>(
     devices: &[Device],
-    build: impl Fn(Device) -> anyhow::Result<T> + Sync,
-) -> anyhow::Result<Vec<T>> {
+    build: impl Fn(Device) -> Result<T, E> + Sync,
+) -> Result<Vec<T>, BuildError<E>> {
     if let [only] = devices {
-        return Ok(vec![build(*only)?]);
+        return Ok(vec![build(*only).map_err(BuildError::Build)?]);
     }
     std::thread::scope(|scope| {
         let handles: Vec<_> = devices
             .iter()
             .map(|&device| {
                 let build = &build;
-                scope.spawn(move || build(device).with_context(|| format!("building on {device}")))
+                let handle = scope.spawn(move || {
+                    build(device).map_err(|source| BuildError::On { device, source })
+                });
+                (device, handle)
             })
             .collect();
         handles
             .into_iter()
-            .map(|h| {
+            .map(|(device, h)| {
                 h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a model-building thread panicked")))
+                    .unwrap_or_else(|_| Err(BuildError::Panicked { device }))
             })
             .collect()
     })
@@ -159,12 +265,13 @@ pub fn first_gpu(devices: &[Device]) -> usize {
 
 /// The GPU ordinals of `devices` (all `Device::Cuda` with `device: cuda`).
 #[cfg(feature = "cuda")]
-pub fn gpu_ordinals(devices: &[Device]) -> anyhow::Result<Vec<usize>> {
+pub fn gpu_ordinals(devices: &[Device]) -> Result<Vec<usize>, DeviceError> {
     devices
         .iter()
-        .map(|d| match d {
+        .enumerate()
+        .map(|(rank, d)| match d {
             Device::Cuda(g) => Ok(*g),
-            Device::Cpu => bail!("a rank of a CUDA group was placed on the CPU"),
+            Device::Cpu => Err(DeviceError::CpuRank { rank }),
         })
         .collect()
 }
@@ -202,5 +309,22 @@ mod tests {
             ),
             "{e:#}"
         );
+    }
+
+    #[test]
+    fn a_failed_build_names_its_device_when_there_are_several() {
+        let fail = |_| Err::<(), _>("no weights");
+        let e = on_each(&[Device::Cpu], fail).err().unwrap();
+        assert_eq!(e.to_string(), "no weights");
+        let e = on_each(&[Device::Cpu, Device::Cpu], fail).err().unwrap();
+        assert_eq!(e.to_string(), "building on cpu: no weights");
+        // The first device's thread panics (the second builds nothing real).
+        let e = on_each(&[Device::Cpu, Device::Cuda(0)], |d| -> Result<(), &str> {
+            assert!(d != Device::Cpu, "on purpose");
+            Ok(())
+        })
+        .err()
+        .unwrap();
+        assert_eq!(e.to_string(), "a model-building thread panicked");
     }
 }

@@ -106,6 +106,18 @@ impl Drop for CallGuard {
     }
 }
 
+/// A listener could not bind its address.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: cannot listen on {addr}: {source}")]
+pub struct ListenError {
+    /// The listener (its config key).
+    pub what: &'static str,
+    /// The address.
+    pub addr: SocketAddr,
+    /// What the OS said.
+    pub source: io::Error,
+}
+
 /// A bound listener with its security and limits.
 pub struct Listener {
     tcp: TcpListener,
@@ -125,10 +137,10 @@ impl Listener {
         addr: SocketAddr,
         security: Security,
         limits: &ConnectionLimits,
-    ) -> anyhow::Result<Listener> {
+    ) -> Result<Listener, ListenError> {
         let tcp = TcpListener::bind(addr)
             .await
-            .map_err(|e| anyhow::anyhow!("{what}: cannot listen on {addr}: {e}"))?;
+            .map_err(|source| ListenError { what, addr, source })?;
         Ok(Listener {
             tcp,
             security,
@@ -571,5 +583,35 @@ impl http_body::Body for Guarded {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_taken_address_names_the_listener_and_the_address() {
+        let limits = ConnectionLimits::default();
+        let first = Listener::bind(
+            "a.listen",
+            "127.0.0.1:0".parse().unwrap(),
+            Security::Plaintext,
+            &limits,
+        )
+        .await
+        .unwrap();
+        let addr = first.local_addr().unwrap();
+        let e = Listener::bind("b.listen", addr, Security::Plaintext, &limits)
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            e.to_string()
+                .starts_with(&format!("b.listen: cannot listen on {addr}: ")),
+            "{e}"
+        );
     }
 }

@@ -19,15 +19,82 @@
 //! job is caught on its rank and counts as a failed job; a rank thread that is gone takes the
 //! group out of service ([`RankGroup::out_of_service`]).
 
+use std::error::Error;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
-use crate::collectives::CommWorld;
 use crate::collectives::cpu::{CpuRank, CpuWorld};
-use anyhow::{Context, anyhow, bail};
+use crate::collectives::{CollectiveError, CommWorld};
+
+/// Why a [`RankGroup`] could not start, form its communicators or take a job.
+#[derive(Debug, thiserror::Error)]
+pub enum RankError {
+    /// A rank's thread could not be started.
+    #[error("spawning {name} rank {rank}'s thread: {source}")]
+    Spawn {
+        /// The group's name (`denoise`, `vae`).
+        name: String,
+        /// The rank.
+        rank: usize,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// A rank's thread has stopped: the group can run nothing more.
+    #[error("rank {rank}'s thread has stopped; restart the process")]
+    Gone {
+        /// The first rank found gone.
+        rank: usize,
+    },
+    /// [`RankGroup::run`] was given a job count other than one per rank.
+    #[error("{jobs} jobs for {ranks} ranks")]
+    JobCount {
+        /// Jobs given.
+        jobs: usize,
+        /// Ranks in the group.
+        ranks: usize,
+    },
+    /// Forming the group's communicators failed (`source`: the first rank's failure).
+    #[error("forming the communicators of {ranks} ranks: {source}")]
+    Forming {
+        /// Ranks in the group.
+        ranks: usize,
+        /// The first failure: a rank that could not join, or a thread gone.
+        source: Box<RankError>,
+    },
+    /// A rank could not join the fresh world or connect its communicators.
+    #[error("rank {rank} could not join: {source}")]
+    Join {
+        /// The rank.
+        rank: usize,
+        /// Why, as the rank reported it.
+        source: Box<RankError>,
+    },
+    /// Joining or connecting panicked on the rank's thread.
+    #[error("panicked: {message}")]
+    Panicked {
+        /// The panic's message.
+        message: String,
+    },
+    /// An NCCL rank has no GPU in the backend's list.
+    #[cfg(feature = "cuda")]
+    #[error("rank {rank} has no GPU in {gpus:?}")]
+    NoGpu {
+        /// The rank.
+        rank: usize,
+        /// GPU ordinal of each rank.
+        gpus: Vec<usize>,
+    },
+    /// The backend could not make or join a world.
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    /// A rank state could not build its communicators from a joined world, for a reason of its
+    /// own (the stage's error type, boxed: [`RankState::connect`] serves every stage).
+    #[error(transparent)]
+    Connect(Box<dyn Error + Send + Sync>),
+}
 
 /// How the ranks of a group join a fresh communicator world.
 pub trait Backend: Send + Sync + 'static {
@@ -36,10 +103,15 @@ pub trait Backend: Send + Sync + 'static {
     /// What the coordinator hands each rank so that it can join the same fresh world.
     type Ticket: Send + 'static;
     /// One ticket per rank of a fresh world of `ranks` ranks (on the coordinator's thread).
-    fn tickets(&self, ranks: usize) -> anyhow::Result<Vec<Self::Ticket>>;
+    fn tickets(&self, ranks: usize) -> Result<Vec<Self::Ticket>, RankError>;
     /// Joins the world as `rank` of `ranks` (on the rank's thread; collective: every rank of the
     /// group calls it with its ticket of the same round).
-    fn join(&self, rank: usize, ranks: usize, ticket: Self::Ticket) -> anyhow::Result<Self::World>;
+    fn join(
+        &self,
+        rank: usize,
+        ranks: usize,
+        ticket: Self::Ticket,
+    ) -> Result<Self::World, RankError>;
 }
 
 /// The in-process CPU backend: ranks are threads of this process.
@@ -49,11 +121,11 @@ impl Backend for Threads {
     type World = CpuRank;
     type Ticket = CpuRank;
 
-    fn tickets(&self, ranks: usize) -> anyhow::Result<Vec<CpuRank>> {
+    fn tickets(&self, ranks: usize) -> Result<Vec<CpuRank>, RankError> {
         Ok(CpuWorld::new(ranks).ranks())
     }
 
-    fn join(&self, _rank: usize, _ranks: usize, ticket: CpuRank) -> anyhow::Result<CpuRank> {
+    fn join(&self, _rank: usize, _ranks: usize, ticket: CpuRank) -> Result<CpuRank, RankError> {
         Ok(ticket)
     }
 }
@@ -73,16 +145,16 @@ impl Backend for Nccl {
     type World = crate::collectives::nccl::NcclWorld;
     type Ticket = crate::collectives::nccl::NcclId;
 
-    fn tickets(&self, ranks: usize) -> anyhow::Result<Vec<Self::Ticket>> {
+    fn tickets(&self, ranks: usize) -> Result<Vec<Self::Ticket>, RankError> {
         let id = crate::collectives::nccl::NcclId::new()?;
         Ok(vec![id; ranks])
     }
 
-    fn join(&self, rank: usize, ranks: usize, id: Self::Ticket) -> anyhow::Result<Self::World> {
-        let gpu = *self
-            .gpus
-            .get(rank)
-            .with_context(|| format!("rank {rank} has no GPU in {:?}", self.gpus))?;
+    fn join(&self, rank: usize, ranks: usize, id: Self::Ticket) -> Result<Self::World, RankError> {
+        let gpu = *self.gpus.get(rank).ok_or_else(|| RankError::NoGpu {
+            rank,
+            gpus: self.gpus.clone(),
+        })?;
         Ok(crate::collectives::nccl::NcclWorld::init(
             gpu,
             rank,
@@ -101,7 +173,8 @@ pub trait RankState<W: CommWorld>: Send + 'static {
     type Out: Send + 'static;
     /// Builds the communicators this rank needs from a freshly joined world (collective: every
     /// rank of the group calls it); per-request state from earlier communicators is dropped.
-    fn connect(&mut self, world: &W) -> anyhow::Result<()>;
+    /// A failure of the state's own goes in [`RankError::Connect`].
+    fn connect(&mut self, world: &W) -> Result<(), RankError>;
     /// Drops the communicators and everything that depends on them.
     fn disconnect(&mut self);
     /// Runs one job.
@@ -115,7 +188,7 @@ pub trait RankState<W: CommWorld>: Send + 'static {
 /// A message to a rank thread.
 enum Msg<T, J, O> {
     /// Join a fresh world with this ticket and connect.
-    Join(T, Sender<anyhow::Result<()>>),
+    Join(T, Sender<Result<(), RankError>>),
     /// Run a job; the reply is the job's output, or the panic message if it panicked.
     Run(J, Sender<Result<O, String>>),
 }
@@ -133,7 +206,8 @@ type Sent<B, S> = Msg<
 #[derive(Debug, Default)]
 pub struct GroupStatus {
     connections: AtomicU64,
-    out_of_service: OnceLock<String>,
+    /// The first rank found gone, and why the group is out of service.
+    out_of_service: OnceLock<(usize, String)>,
 }
 
 impl GroupStatus {
@@ -145,7 +219,7 @@ impl GroupStatus {
 
     /// Why the group can run nothing more (a rank thread is gone), if it cannot.
     pub fn out_of_service(&self) -> Option<&str> {
-        self.out_of_service.get().map(String::as_str)
+        self.out_of_service.get().map(|(_, why)| why.as_str())
     }
 }
 
@@ -161,7 +235,7 @@ pub struct RankGroup<B: Backend, S: RankState<B::World>> {
 impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
     /// Starts one thread per state (rank r owns `states[r]`, thread `{name}-rank-{r}`) and forms
     /// the communicators; an error if any rank cannot join.
-    pub fn start(name: &str, backend: B, states: Vec<S>) -> anyhow::Result<Self> {
+    pub fn start(name: &str, backend: B, states: Vec<S>) -> Result<Self, RankError> {
         let backend = Arc::new(backend);
         let ranks = states.len();
         let mut group = RankGroup {
@@ -177,7 +251,11 @@ impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
             let thread = std::thread::Builder::new()
                 .name(format!("{name}-rank-{rank}"))
                 .spawn(move || rank_loop(&*backend, rank, ranks, state, &rx))
-                .with_context(|| format!("spawning {name} rank {rank}'s thread"))?;
+                .map_err(|source| RankError::Spawn {
+                    name: name.to_string(),
+                    rank,
+                    source,
+                })?;
             group.senders.push(tx);
             group.threads.push(thread);
         }
@@ -212,9 +290,9 @@ impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
     }
 
     /// Every rank joins a fresh world and connects; waits for all of them.
-    fn connect(&mut self) -> anyhow::Result<()> {
-        if let Some(why) = self.status.out_of_service() {
-            bail!("{why}");
+    fn connect(&mut self) -> Result<(), RankError> {
+        if let Some(&(rank, _)) = self.status.out_of_service.get() {
+            return Err(RankError::Gone { rank });
         }
         let tickets = self.backend.tickets(self.size())?;
         let mut replies = Vec::with_capacity(self.size());
@@ -228,10 +306,12 @@ impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
         // Every rank answers (a rank whose peers never arrive times out in the backend).
         let mut first_error = None;
         for (rank, rx) in replies.into_iter().enumerate() {
-            let outcome = rx
-                .recv()
-                .map_err(|_| self.gone(rank))
-                .and_then(|r| r.with_context(|| format!("rank {rank} could not join")));
+            let outcome = rx.recv().map_err(|_| self.gone(rank)).and_then(|r| {
+                r.map_err(|e| RankError::Join {
+                    rank,
+                    source: Box::new(e),
+                })
+            });
             if let Err(e) = outcome {
                 first_error.get_or_insert(e);
             }
@@ -242,18 +322,21 @@ impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
                 self.connected = true;
                 Ok(())
             }
-            Some(e) => Err(e.context(format!(
-                "forming the communicators of {} ranks",
-                self.size()
-            ))),
+            Some(e) => Err(RankError::Forming {
+                ranks: self.size(),
+                source: Box::new(e),
+            }),
         }
     }
 
     /// Sends `jobs[r]` to rank r (forming fresh communicators first if the last job failed) and
     /// returns where each rank's reply will arrive, in rank order.
-    pub fn run(&mut self, jobs: Vec<S::Job>) -> anyhow::Result<Vec<Receiver<Reply<S::Out>>>> {
+    pub fn run(&mut self, jobs: Vec<S::Job>) -> Result<Vec<Receiver<Reply<S::Out>>>, RankError> {
         if jobs.len() != self.size() {
-            bail!("{} jobs for {} ranks", jobs.len(), self.size());
+            return Err(RankError::JobCount {
+                jobs: jobs.len(),
+                ranks: self.size(),
+            });
         }
         if !self.connected {
             self.connect()?;
@@ -278,7 +361,7 @@ impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
     pub fn reply(&mut self, rank: usize, rx: &Receiver<Reply<S::Out>>) -> Reply<S::Out> {
         let reply = match rx.recv() {
             Ok(reply) => reply,
-            Err(_) => Err(format!("{:#}", self.gone(rank))),
+            Err(_) => Err(self.gone(rank).to_string()),
         };
         if failed::<B, S>(&reply) {
             self.connected = false;
@@ -294,10 +377,10 @@ impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
             .collect()
     }
 
-    fn gone(&mut self, rank: usize) -> anyhow::Error {
-        let why = format!("rank {rank}'s thread has stopped; restart the process");
-        let _ = self.status.out_of_service.set(why.clone()); // the first cause stays
-        anyhow!(why)
+    fn gone(&mut self, rank: usize) -> RankError {
+        let gone = RankError::Gone { rank };
+        let _ = self.status.out_of_service.set((rank, gone.to_string())); // the first cause stays
+        gone
     }
 }
 
@@ -305,7 +388,7 @@ impl<B: Backend, S: RankState<B::World>> RankGroup<B, S> {
 /// holds, so one stage type serves the CPU and NCCL backends.
 pub trait Ranks<J, O>: Send {
     /// See [`RankGroup::run`].
-    fn run(&mut self, jobs: Vec<J>) -> anyhow::Result<Vec<Receiver<Reply<O>>>>;
+    fn run(&mut self, jobs: Vec<J>) -> Result<Vec<Receiver<Reply<O>>>, RankError>;
     /// See [`RankGroup::replies`].
     fn replies(&mut self, rxs: &[Receiver<Reply<O>>]) -> Vec<Reply<O>>;
     /// Number of ranks.
@@ -319,7 +402,7 @@ pub trait Ranks<J, O>: Send {
 }
 
 impl<B: Backend, S: RankState<B::World>> Ranks<S::Job, S::Out> for RankGroup<B, S> {
-    fn run(&mut self, jobs: Vec<S::Job>) -> anyhow::Result<Vec<Receiver<Reply<S::Out>>>> {
+    fn run(&mut self, jobs: Vec<S::Job>) -> Result<Vec<Receiver<Reply<S::Out>>>, RankError> {
         RankGroup::run(self, jobs)
     }
     fn replies(&mut self, rxs: &[Receiver<Reply<S::Out>>]) -> Vec<Reply<S::Out>> {
@@ -370,10 +453,14 @@ fn rank_loop<B: Backend, S: RankState<B::World>>(
                     state.connect(&fresh)?;
                     Ok(fresh)
                 }))
-                .unwrap_or_else(|panic| Err(anyhow!("panicked: {}", panic_message(&*panic))));
+                .unwrap_or_else(|panic| {
+                    Err(RankError::Panicked {
+                        message: panic_message(&*panic),
+                    })
+                });
                 let outcome = joined.map(|fresh| world = Some(fresh));
                 if let Err(e) = &outcome {
-                    tracing::warn!(error = %format!("{e:#}"), "rank could not join");
+                    tracing::warn!(error = %e, "rank could not join");
                 }
                 let _ = reply.send(outcome);
             }
@@ -413,6 +500,7 @@ mod tests {
     use super::*;
     use crate::collectives::cpu::CpuComm;
     use crate::collectives::{Communicator, ReduceOp};
+    use anyhow::{Context, bail};
 
     /// Each rank adds its input over the group; rank 1 can be told to fail or panic.
     struct Summer {
@@ -428,7 +516,7 @@ mod tests {
     impl RankState<CpuRank> for Summer {
         type Job = Job;
         type Out = anyhow::Result<f32>;
-        fn connect(&mut self, world: &CpuRank) -> anyhow::Result<()> {
+        fn connect(&mut self, world: &CpuRank) -> Result<(), RankError> {
             let all: Vec<usize> = (0..world.world_size()).collect();
             self.comm = world.split(&[all])?;
             Ok(())
@@ -503,5 +591,51 @@ mod tests {
         assert_eq!(out, vec![Ok(6.0); 3]);
         assert_eq!(g.connections(), 3);
         assert!(g.out_of_service().is_none());
+    }
+
+    /// Fails (or panics) while connecting on one rank.
+    enum BadJoin {
+        Fails,
+        Panics,
+    }
+
+    impl RankState<CpuRank> for Option<BadJoin> {
+        type Job = ();
+        type Out = ();
+        fn connect(&mut self, _: &CpuRank) -> Result<(), RankError> {
+            match self {
+                None => Ok(()),
+                Some(BadJoin::Fails) => Err(RankError::Connect("no communicators here".into())),
+                Some(BadJoin::Panics) => panic!("connect panicked on purpose"),
+            }
+        }
+        fn disconnect(&mut self) {}
+        fn failed(_: &()) -> bool {
+            false
+        }
+        fn run(&mut self, _: ()) {}
+    }
+
+    #[test]
+    fn a_failed_join_names_the_group_size_the_rank_and_the_cause() {
+        for (bad, cause) in [
+            (BadJoin::Fails, "no communicators here"),
+            (BadJoin::Panics, "panicked: connect panicked on purpose"),
+        ] {
+            let states = vec![None, Some(bad), None];
+            let e = RankGroup::start("test", Threads, states).err().unwrap();
+            assert_eq!(
+                e.to_string(),
+                format!("forming the communicators of 3 ranks: rank 1 could not join: {cause}")
+            );
+        }
+    }
+
+    #[test]
+    fn one_job_per_rank() {
+        let mut g = group();
+        let e = g.run(vec![Job::Add(1.0), Job::Add(1.0)]).err().unwrap();
+        assert_eq!(e.to_string(), "2 jobs for 3 ranks");
+        assert!(g.is_connected(), "a refused run leaves the group as it was");
     }
 }

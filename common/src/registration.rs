@@ -11,9 +11,31 @@ use std::time::Duration;
 use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::pool_registry_client::PoolRegistryClient;
 
-use crate::config::{Config, socket_addr};
-use crate::net;
-use crate::tls::Identity;
+use crate::config::{Config, ConfigError, socket_addr};
+use crate::net::{self, ListenError};
+use crate::tls::{Identity, TlsError};
+
+/// Why a pool's gRPC service could not start serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The listen address is not an address.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The control plane's TLS server config could not be built.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// The address could not be bound.
+    #[error(transparent)]
+    Listen(#[from] ListenError),
+    /// The bound socket could not report its address.
+    #[error("{source}")]
+    LocalAddr {
+        /// The listener's config key.
+        key: &'static str,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+}
 
 type Client = PoolRegistryClient<tonic::transport::Channel>;
 
@@ -51,7 +73,7 @@ pub async fn serve<S>(
     listen: &str,
     identity: &Identity,
     service: S,
-) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)>
+) -> Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>), ServeError>
 where
     S: tower::Service<
             http::Request<tonic::body::Body>,
@@ -67,7 +89,9 @@ where
     let security = net::Security::Tls(identity.mtls_server()?);
     let listener =
         net::Listener::bind(key, socket_addr(key, listen)?, security, &cfg.connections).await?;
-    let addr = listener.local_addr()?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| ServeError::LocalAddr { key, source })?;
     let router = net::server(&cfg.connections).add_service(service);
     Ok((
         addr,

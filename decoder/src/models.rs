@@ -4,36 +4,36 @@
 
 use std::sync::Arc;
 
-use anyhow::bail;
 use ditstream_common::config::{Config, PresetVae, WeightSource as SourceKind};
 use ditstream_common::devices::{WEIGHT_SEED, check_random_on, distinct, dtype, on_each, per_rank};
 use ditstream_kernels::Device;
 use ditstream_kernels::weights::DrawnWeights;
 
+use crate::error::StageError;
 use crate::vae::{VaeConfig, WanVaeDecoder};
 
 /// The VAE the config serves: its preset's (tiny or Wan 2.1's), or the checkpoint's
 /// `vae/config.json`.
-pub fn vae_config(cfg: &Config) -> anyhow::Result<VaeConfig> {
+pub fn vae_config(cfg: &Config) -> Result<VaeConfig, StageError> {
     let m = &cfg.model;
     match (m.weights, &m.checkpoint, m.preset) {
         (SourceKind::Random, _, Some(preset)) => match preset.spec().vae {
             PresetVae::Tiny => Ok(tiny_vae_config()),
             PresetVae::Wan21 => Ok(VaeConfig::wan21()),
-            PresetVae::Wan22 => bail!(
-                "model.preset = {preset}: its VAE is the Wan 2.2 VAE (z 48), which is not \
-                 built yet; the decoder runs the Wan 2.1 VAE (z 16)"
-            ),
+            PresetVae::Wan22 => Err(StageError::UnbuiltVae { preset }),
         },
         (SourceKind::Checkpoint, Some(dir), _) => {
             Ok(VaeConfig::from_file(&dir.join("vae").join("config.json"))?)
         }
-        _ => bail!("model: validation should have refused this combination"),
+        _ => Err(StageError::unvalidated(m)),
     }
 }
 
 /// One VAE decoder per rank, on the rank's device; ranks that share a device share one.
-pub fn vae_decoders(cfg: &Config, devices: &[Device]) -> anyhow::Result<Vec<Arc<WanVaeDecoder>>> {
+pub fn vae_decoders(
+    cfg: &Config,
+    devices: &[Device],
+) -> Result<Vec<Arc<WanVaeDecoder>>, StageError> {
     let dtype = dtype(cfg);
     let m = &cfg.model;
     let distinct = distinct(devices);
@@ -45,18 +45,13 @@ pub fn vae_decoders(cfg: &Config, devices: &[Device]) -> anyhow::Result<Vec<Arc<
                 WanVaeDecoder::from_weights_on(config.clone(), ws, Device::Cpu, dtype).map(drop)
             })?;
             on_each(&distinct, |device| {
-                Ok(WanVaeDecoder::from_weights_on(
-                    config.clone(),
-                    &drawn,
-                    device,
-                    dtype,
-                )?)
+                WanVaeDecoder::from_weights_on(config.clone(), &drawn, device, dtype)
             })?
         }
         (SourceKind::Checkpoint, Some(dir), _) => on_each(&distinct, |device| {
-            Ok(WanVaeDecoder::load_on(&dir.join("vae"), device, dtype)?)
+            WanVaeDecoder::load_on(&dir.join("vae"), device, dtype)
         })?,
-        _ => bail!("model: validation should have refused this combination"),
+        _ => return Err(StageError::unvalidated(m)),
     };
     Ok(per_rank(devices, &distinct, copies))
 }

@@ -14,7 +14,6 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context;
 use ditstream_common::config::Config;
 use ditstream_proto::v1 as pb;
 use ditstream_proto::v1::decoder_pool_server::{DecoderPool, DecoderPoolServer};
@@ -26,6 +25,7 @@ use ditstream_common::link::pool::{self as link, Pending};
 use ditstream_common::mesh::LatentGeometry;
 use ditstream_common::{registration, status};
 
+use crate::error::StageError;
 use crate::stage::{DecodeJob, DecodeStage, MAX_SEGMENT_FRAMES, SegmentTicket};
 
 /// How long a request may wait for its next latent chunk before the decode fails.
@@ -108,10 +108,8 @@ async fn forward(
                     })
                 }
                 Err(e) => {
-                    tracing::info!(error = %format!("{e:#}"), "decode ended early");
-                    let _ = tx
-                        .send(Err(status::internal("decoder", format!("{e:#}"))))
-                        .await;
+                    tracing::info!(error = %e, "decode ended early");
+                    let _ = tx.send(Err(status::internal("decoder", e))).await;
                     return Forwarded::Failed;
                 }
             },
@@ -204,8 +202,8 @@ impl DecoderPool for DecoderService {
         let forwarder = handle.spawn(forward(out_rx, tx.clone()));
         tokio::task::spawn_blocking(move || {
             let _span = tracing::info_span!("decode", id = %logged_id).entered();
-            let gone = || anyhow::anyhow!("the gateway went away");
-            let result = (|| -> anyhow::Result<()> {
+            let gone = || StageError::GatewayGone;
+            let result = (|| -> Result<(), StageError> {
                 let mut session = stage.start(&job)?;
                 let (data, mime_type) = session.init_segment();
                 let send = |o: Out| out_tx.blocking_send(o).map_err(|_| gone());
@@ -221,9 +219,9 @@ impl DecoderPool for DecoderService {
                     let arrived = handle.block_on(async {
                         tokio::select! {
                             chunk = tokio::time::timeout(CHUNK_TIMEOUT, chunk_rx.recv()) => chunk
-                                .map_err(|_| anyhow::anyhow!("no latent chunk for {} s", CHUNK_TIMEOUT.as_secs()))?
-                                .context("the latent link closed before the last chunk")?
-                                .map_err(anyhow::Error::from),
+                                .map_err(|_| StageError::ChunkTimeout { seconds: CHUNK_TIMEOUT.as_secs() })?
+                                .ok_or(StageError::LinkClosed)?
+                                .map_err(StageError::from),
                             // The gateway went away (or the forwarder ended on a failed
                             // segment): no need to wait for the chunk.
                             _ = tx.closed() => Err(gone()),
@@ -232,10 +230,13 @@ impl DecoderPool for DecoderService {
                     })?;
                     let s = &arrived.header.shape;
                     if s.len() != 5 || s[0] != 1 || s[1] != channels || s[3] != h || s[4] != w {
-                        anyhow::bail!(
-                            "chunk {} has shape {s:?}; this request's latent is [1, {channels}, n, {h}, {w}]",
-                            arrived.header.chunk_index
-                        );
+                        return Err(StageError::ArrivedShape {
+                            chunk_index: arrived.header.chunk_index,
+                            shape: s.clone(),
+                            channels,
+                            height: h,
+                            width: w,
+                        });
                     }
                     for ticket in session.push(&arrived.latent)? {
                         send(Out::Segment(ticket))?;
@@ -261,8 +262,8 @@ impl DecoderPool for DecoderService {
             match (result, forwarded) {
                 (Ok(()), _) | (Err(_), Forwarded::Failed | Forwarded::GatewayGone) => {}
                 (Err(e), Forwarded::All) => {
-                    tracing::info!(error = %format!("{e:#}"), "decode ended early");
-                    let _ = tx.blocking_send(Err(status::internal("decoder", format!("{e:#}"))));
+                    tracing::info!(error = %e, "decode ended early");
+                    let _ = tx.blocking_send(Err(status::internal("decoder", e)));
                 }
             }
             lock(&pending).remove(&id);
@@ -275,7 +276,7 @@ impl DecoderPool for DecoderService {
 }
 
 /// The stage after its warm-up (see [`DecodeStage::warm_up`]): the instance registers only then.
-fn warm(stage: DecodeStage, cfg: &Config) -> anyhow::Result<DecodeStage> {
+fn warm(stage: DecodeStage, cfg: &Config) -> Result<DecodeStage, StageError> {
     let shapes = cfg.serving.warmup_shapes();
     let took = stage.warm_up(&shapes, cfg.serving.fps)?;
     if !shapes.is_empty() {
@@ -286,7 +287,7 @@ fn warm(stage: DecodeStage, cfg: &Config) -> anyhow::Result<DecodeStage> {
 
 /// Builds the VAE, warms it up, listens on gRPC and the latent link, and registers with the
 /// gateway.
-pub async fn start(cfg: &Config) -> anyhow::Result<registration::RunningPool> {
+pub async fn start(cfg: &Config) -> Result<registration::RunningPool, StageError> {
     let build = cfg.clone();
     let stage = Arc::new(
         tokio::task::spawn_blocking(move || warm(DecodeStage::from_config(&build)?, &build))

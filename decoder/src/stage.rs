@@ -17,7 +17,6 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use anyhow::{Context, bail};
 use ditstream_common::collectives::CommWorld;
 #[cfg(feature = "cuda")]
 use ditstream_common::collectives::DEFAULT_TIMEOUT;
@@ -27,7 +26,7 @@ use ditstream_common::config::{Config, DeviceKind, EncoderKind, VaeSplitDim, War
 use ditstream_common::devices::{self, first_gpu};
 use ditstream_common::mesh::LatentGeometry;
 use ditstream_common::ms;
-use ditstream_common::ranks::{GroupStatus, RankGroup, RankState, Ranks, Threads};
+use ditstream_common::ranks::{GroupStatus, RankError, RankGroup, RankState, Ranks, Threads};
 use ditstream_kernels::{DType, Device, Tensor};
 
 use crate::encode::{
@@ -35,6 +34,7 @@ use crate::encode::{
     StreamInfo, Ticket, VideoParams, X264Options, Yuv420Frame, encode_segment,
     encode_single_fragment, vae_output_to_rgb,
 };
+use crate::error::StageError;
 use crate::models;
 use crate::parallel::{ParallelDecodeStream, ParallelVaeDecoder};
 use crate::vae::{DecodeStream, WanVaeDecoder};
@@ -108,9 +108,9 @@ enum VaeOut {
     /// Done: rank 0's gathered video chunk [1, 3, F, H, W] on the host, or nothing.
     Done(Option<Tensor>),
     /// Refused before any communication (the instance is as it was).
-    Refused(anyhow::Error),
+    Refused(StageError),
     /// Failed while communicating: the instance must form fresh communicators.
-    Failed(anyhow::Error),
+    Failed(StageError),
 }
 
 /// One rank of a parallel-VAE instance.
@@ -144,11 +144,14 @@ where
     type Job = VaeJob;
     type Out = VaeOut;
 
-    fn connect(&mut self, world: &W) -> anyhow::Result<()> {
+    fn connect(&mut self, world: &W) -> Result<(), RankError> {
         let all: Vec<usize> = (0..world.world_size()).collect();
-        let comm = world
-            .split(&[all])?
-            .context("every rank is in the instance's one group")?;
+        let comm = world.split(&[all])?.ok_or_else(|| {
+            RankError::Connect(Box::new(StageError::NotInGroup {
+                rank: world.rank(),
+                ranks: world.world_size(),
+            }))
+        })?;
         self.decoder = Some(ParallelVaeDecoder::new(
             Arc::clone(&self.vae),
             comm,
@@ -168,7 +171,7 @@ where
 
     fn run(&mut self, job: VaeJob) -> VaeOut {
         let Some(decoder) = self.decoder.as_mut() else {
-            return VaeOut::Refused(anyhow::anyhow!("this VAE rank is not connected"));
+            return VaeOut::Refused(StageError::NotConnected);
         };
         match job {
             VaeJob::Start {
@@ -184,9 +187,9 @@ where
             },
             VaeJob::Chunk { session, latent } => {
                 let Some(stream) = self.streams.get_mut(&session) else {
-                    return VaeOut::Refused(anyhow::anyhow!("no VAE stream for session {session}"));
+                    return VaeOut::Refused(StageError::NoSession { session });
                 };
-                let mut step = || -> anyhow::Result<Option<Tensor>> {
+                let mut step = || -> Result<Option<Tensor>, StageError> {
                     let band = stream.band_of(&latent)?;
                     let frames = decoder.decode_chunk(stream, &band)?;
                     // Gathered device to device to rank 0, then to the host for encoding.
@@ -210,7 +213,7 @@ where
 
 impl Sharded {
     /// Runs `job(rank)` on every rank; rank 0's output, or the first error.
-    fn step(&mut self, job: impl Fn() -> VaeJob) -> anyhow::Result<Option<Tensor>> {
+    fn step(&mut self, job: impl Fn() -> VaeJob) -> Result<Option<Tensor>, StageError> {
         let jobs = (0..self.ranks.size()).map(|_| job()).collect();
         let replies = self.ranks.run(jobs)?;
         let mut first = None;
@@ -220,10 +223,13 @@ impl Sharded {
                 Ok(VaeOut::Done(video)) if rank == 0 => first = video,
                 Ok(VaeOut::Done(_)) => {}
                 Ok(VaeOut::Refused(e) | VaeOut::Failed(e)) => {
-                    error.get_or_insert(e.context(format!("VAE rank {rank}")));
+                    error.get_or_insert(StageError::Rank {
+                        rank,
+                        source: Box::new(e),
+                    });
                 }
-                Err(panicked) => {
-                    error.get_or_insert(anyhow::anyhow!("VAE rank {rank}: {panicked}"));
+                Err(message) => {
+                    error.get_or_insert(StageError::RankPanicked { rank, message });
                 }
             }
         }
@@ -267,17 +273,22 @@ pub struct Encoded {
 }
 
 /// A segment being encoded: wait on it (blocking or async) for the segment, or why it failed.
-pub struct SegmentTicket(Ticket<anyhow::Result<Encoded>>);
+pub struct SegmentTicket(Ticket<Result<Encoded, StageError>>);
 
 impl SegmentTicket {
     /// Waits on this (non-async) thread.
-    pub fn wait(self) -> anyhow::Result<Encoded> {
-        self.0.wait().map_err(anyhow::Error::msg)?
+    pub fn wait(self) -> Result<Encoded, StageError> {
+        self.0
+            .wait()
+            .map_err(|message| StageError::EncoderThread { message })?
     }
 
     /// Waits in an async task.
-    pub async fn recv(self) -> anyhow::Result<Encoded> {
-        self.0.recv().await.map_err(anyhow::Error::msg)?
+    pub async fn recv(self) -> Result<Encoded, StageError> {
+        self.0
+            .recv()
+            .await
+            .map_err(|message| StageError::EncoderThread { message })?
     }
 }
 
@@ -291,7 +302,7 @@ enum SessionVae {
 impl DecodeStage {
     /// Builds the VAE on the devices the config names, forms a parallel-VAE instance's
     /// communicators, and checks the encoder backend.
-    pub fn from_config(cfg: &Config) -> anyhow::Result<DecodeStage> {
+    pub fn from_config(cfg: &Config) -> Result<DecodeStage, StageError> {
         let vae_ranks = cfg.vae_layout().size();
         let devices = devices::rank_devices(cfg, "a decoder instance", vae_ranks)?;
         let copies = models::vae_decoders(cfg, &devices)?;
@@ -299,13 +310,12 @@ impl DecodeStage {
         let geometry = cfg.geometry();
         let (spatial, temporal) = copies[0].config().scale_factors();
         if (spatial, temporal) != (geometry.spatial, geometry.temporal) {
-            bail!(
-                "the VAE compresses {spatial}x{spatial} in space and {temporal}x in time, but the \
-                 model's geometry says {}x{} and {}x",
-                geometry.spatial,
-                geometry.spatial,
-                geometry.temporal
-            );
+            return Err(StageError::Geometry {
+                spatial,
+                temporal,
+                geometry_spatial: geometry.spatial,
+                geometry_temporal: geometry.temporal,
+            });
         }
         let encoder = match cfg.serving.encoder {
             EncoderKind::Openh264 => EncoderBackend::OpenH264(OpenH264Options::default()),
@@ -320,10 +330,16 @@ impl DecodeStage {
         encoder
             .parameter_sets(probe)
             .and_then(|sets| encoder.open_segment(probe, &sets, 0))
-            .with_context(|| format!("serving.encoder = {:?}", cfg.serving.encoder))?;
+            .map_err(|source| StageError::EncoderBackend {
+                encoder: cfg.serving.encoder,
+                source,
+            })?;
         let encoder_threads = cfg.serving.encoder_threads();
-        let encoders = EncoderPool::new(encoder_threads)
-            .with_context(|| format!("starting {encoder_threads} encoder threads"))?;
+        let encoders =
+            EncoderPool::new(encoder_threads).map_err(|source| StageError::EncoderThreads {
+                threads: encoder_threads,
+                source,
+            })?;
         let vae = if vae_ranks == 1 {
             VaeRanks::Single(Arc::clone(&copies[0]))
         } else {
@@ -347,9 +363,7 @@ impl DecodeStage {
                     VaeRank::for_ranks(&copies, split),
                 )?),
                 #[cfg(not(feature = "cuda"))]
-                DeviceKind::Cuda => {
-                    bail!("serving.device = cuda: this binary was built without CUDA")
-                }
+                DeviceKind::Cuda => return Err(StageError::NoCuda),
             };
             let status = ranks.status();
             VaeRanks::Sharded(
@@ -423,7 +437,7 @@ impl DecodeStage {
     }
 
     /// Starts a request's decode; the init segment is ready at once.
-    pub fn start(&self, p: &DecodeJob) -> anyhow::Result<DecodeSession<'_>> {
+    pub fn start(&self, p: &DecodeJob) -> Result<DecodeSession<'_>, StageError> {
         let (lt, lh, lw) = self.geometry.latent_grid(p.num_frames, p.height, p.width);
         let vae = match &self.vae {
             VaeRanks::Single(vae) => SessionVae::Single(vae.new_stream(lh, lw)?),
@@ -463,7 +477,7 @@ impl DecodeStage {
     /// chunks repeat chunk 2's): every kernel compiles, every GEMM and convolution is planned
     /// (from the plan cache when it has them), and the memory pool grows to a chunk's peak before
     /// the first request. Returns the time each shape took.
-    pub fn warm_up(&self, shapes: &[WarmupShape], fps: u32) -> anyhow::Result<Vec<f64>> {
+    pub fn warm_up(&self, shapes: &[WarmupShape], fps: u32) -> Result<Vec<f64>, StageError> {
         let mut took = Vec::with_capacity(shapes.len());
         for shape in shapes {
             let t = Instant::now();
@@ -479,12 +493,13 @@ impl DecodeStage {
                 .geometry
                 .latent_grid(num_frames, shape.height, shape.width);
             let latent = Tensor::zeros(&[1, self.z_dim, lt, lh, lw], DType::F32, Device::Cpu)?;
-            self.render_streamed(&job, &latent).with_context(|| {
-                format!(
-                    "warming up the decoder at {}x{}, {} frames",
-                    shape.width, shape.height, shape.num_frames
-                )
-            })?;
+            self.render_streamed(&job, &latent)
+                .map_err(|e| StageError::WarmUp {
+                    width: shape.width,
+                    height: shape.height,
+                    num_frames: shape.num_frames,
+                    source: Box::new(e),
+                })?;
             took.push(ms(t.elapsed()));
         }
         Ok(took)
@@ -493,7 +508,7 @@ impl DecodeStage {
     /// The streamed path without a service: `latent` decoded one latent frame per chunk as a
     /// stream of chunks would be, its segments encoded beside the decode; returns the init
     /// segment and every media segment concatenated (a whole fragmented MP4).
-    pub fn render_streamed(&self, p: &DecodeJob, latent: &Tensor) -> anyhow::Result<Vec<u8>> {
+    pub fn render_streamed(&self, p: &DecodeJob, latent: &Tensor) -> Result<Vec<u8>, StageError> {
         let mut session = self.start(p)?;
         let mut mp4 = session.init_segment().0;
         let mut tickets = Vec::new();
@@ -509,7 +524,7 @@ impl DecodeStage {
     /// The non-streamed path, for reference: the whole latent decoded at once, unsharded, on the
     /// first rank's device, then every frame encoded into a single-fragment MP4 with the same
     /// keyframes. Streaming must produce the same pictures.
-    pub fn render_whole(&self, p: &DecodeJob, latent: &Tensor) -> anyhow::Result<Vec<u8>> {
+    pub fn render_whole(&self, p: &DecodeJob, latent: &Tensor) -> Result<Vec<u8>, StageError> {
         let frames = to_rgb(&self.whole.decode(latent)?)?;
         Ok(encode_single_fragment(
             &*self.encoder,
@@ -528,23 +543,24 @@ impl DecodeSession<'_> {
 
     /// Decodes the next latent frames [1, C, n, h, w] (host or device) into video frames
     /// [1, 3, F, H, W] on the host, in [−1, 1], without encoding them (the VAE caches advance).
-    pub fn decode(&mut self, latent: &Tensor) -> anyhow::Result<Tensor> {
+    pub fn decode(&mut self, latent: &Tensor) -> Result<Tensor, StageError> {
         let s = latent.shape();
         let n = s.get(2).copied().unwrap_or(0);
         let (lh, lw) = self.latent_size;
         if s.len() != 5 || s[0] != 1 || s[1] != self.stage.z_dim || s[3] != lh || s[4] != lw {
-            bail!(
-                "latent chunk shape {s:?}: this request's latent is [1, {}, n, {lh}, {lw}]",
-                self.stage.z_dim
-            );
+            return Err(StageError::ChunkShape {
+                shape: s.to_vec(),
+                z_dim: self.stage.z_dim,
+                height: lh,
+                width: lw,
+            });
         }
         if n == 0 || self.latent_frames_done + n > self.latent_frames {
-            bail!(
-                "latent frames {}..{} exceed the request's {} latent frames",
-                self.latent_frames_done,
-                self.latent_frames_done + n,
-                self.latent_frames
-            );
+            return Err(StageError::TooManyFrames {
+                done: self.latent_frames_done,
+                end: self.latent_frames_done + n,
+                total: self.latent_frames,
+            });
         }
         let t = Instant::now();
         let video = match (&mut self.vae, &self.stage.vae) {
@@ -560,10 +576,10 @@ impl DecodeSession<'_> {
             ) => {
                 let mut sharded = lock(sharded);
                 if !sharded.ranks.is_connected() || sharded.ranks.connections() != *connections {
-                    bail!(
-                        "the decoder instance failed on another request and its ranks were \
-                         re-formed: this request's decode state is gone"
-                    );
+                    return Err(StageError::SessionLost {
+                        session: *session,
+                        connections: *connections,
+                    });
                 }
                 let session = *session;
                 sharded
@@ -571,9 +587,9 @@ impl DecodeSession<'_> {
                         session,
                         latent: latent.clone(),
                     })?
-                    .context("rank 0 of a VAE instance always receives the frames")?
+                    .ok_or(StageError::NoFrames { session })?
             }
-            _ => bail!("a decode session of another stage"),
+            _ => return Err(StageError::ForeignSession),
         };
         self.decode_ms += ms(t.elapsed());
         self.latent_frames_done += n;
@@ -583,7 +599,7 @@ impl DecodeSession<'_> {
     /// Decodes the next latent frames [1, C, n, h, w] and hands every segment they complete to
     /// the encoders (after the last latent frame, the final segment too); returns the segments'
     /// tickets, in order. Waits only while the encoders' queue is full.
-    pub fn push(&mut self, latent: &Tensor) -> anyhow::Result<Vec<SegmentTicket>> {
+    pub fn push(&mut self, latent: &Tensor) -> Result<Vec<SegmentTicket>, StageError> {
         // The frames are handed over as the VAE left them (a shared host tensor, no copy): the
         // conversion to f32, RGB and YUV happens on the encoder threads, so the VAE's thread goes
         // straight back to the next chunk.
@@ -621,18 +637,18 @@ impl DecodeSession<'_> {
         SegmentTicket(self.stage.encoders.submit(move || {
             let t = Instant::now();
             let last = first + count as u64 - 1;
-            let encode = || -> anyhow::Result<MediaSegment> {
+            let encode = || -> Result<MediaSegment, StageError> {
                 let mut yuv = Vec::with_capacity(count);
                 for (video, range) in &chunks {
                     yuv.extend(chunk_to_yuv(video, range.clone())?);
                 }
                 Ok(encode_segment(&*encoder, &stream, first, &yuv)?)
             };
-            let segment = encode().with_context(|| {
-                format!(
-                    "encoding segment {} (frames {first}..={last})",
-                    stream.plan.segment_of(first).0
-                )
+            let segment = encode().map_err(|e| StageError::EncodeSegment {
+                segment: stream.plan.segment_of(first).0,
+                first,
+                last,
+                source: Box::new(e),
             })?;
             Ok(Encoded {
                 segment,
@@ -660,7 +676,7 @@ impl Drop for DecodeSession<'_> {
         if sharded.ranks.is_connected()
             && let Err(e) = sharded.step(|| VaeJob::End { session })
         {
-            tracing::warn!(error = %format!("{e:#}"), session, "ending a VAE session failed");
+            tracing::warn!(error = %e, session, "ending a VAE session failed");
         }
     }
 }
@@ -681,12 +697,15 @@ fn video_params(p: &DecodeJob) -> VideoParams {
 
 /// Frame 0 alone (the first picture leaves as soon as latent frame 0 is decoded), then
 /// `segment_frames` each.
-fn segment_plan(p: &DecodeJob) -> anyhow::Result<SegmentPlan> {
+fn segment_plan(p: &DecodeJob) -> Result<SegmentPlan, StageError> {
     Ok(SegmentPlan::new(1, p.segment_frames as u32)?)
 }
 
 /// Frames `range` of VAE output [1, 3, F, H, W] in [−1, 1] (any device) → YUV 4:2:0 frames.
-fn chunk_to_yuv(video: &Tensor, range: std::ops::Range<usize>) -> anyhow::Result<Vec<Yuv420Frame>> {
+fn chunk_to_yuv(
+    video: &Tensor,
+    range: std::ops::Range<usize>,
+) -> Result<Vec<Yuv420Frame>, StageError> {
     let s = video.shape();
     let (frames, h, w) = (s[2], s[3], s[4]);
     let plane = h * w;
@@ -706,7 +725,7 @@ fn chunk_to_yuv(video: &Tensor, range: std::ops::Range<usize>) -> anyhow::Result
 }
 
 /// VAE output [1, 3, F, H, W] in [−1, 1] (any device) → RGB frames.
-pub fn to_rgb(video: &Tensor) -> anyhow::Result<Vec<RgbFrame>> {
+pub fn to_rgb(video: &Tensor) -> Result<Vec<RgbFrame>, StageError> {
     let s = video.shape();
     Ok(vae_output_to_rgb(
         &video.to_vec_f32()?,

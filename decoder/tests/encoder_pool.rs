@@ -20,7 +20,7 @@ fn stage(encoder_threads: usize) -> Result<DecodeStage> {
     );
     let cfg = Config::parse(&yaml, "<test>")?;
     cfg.validate(Some(1))?;
-    DecodeStage::from_config(&cfg)
+    Ok(DecodeStage::from_config(&cfg)?)
 }
 
 fn job(num_frames: usize, segment_frames: usize) -> DecodeJob {

@@ -2,9 +2,11 @@
 //! the denoise loop on one rank (`denoise`), sequence and CFG parallelism over a device mesh
 //! (`parallel`), the text encoder (`text`); and the pool's runtime: the models built from the
 //! config (`models`), the stage that runs a request on its ranks (`stage`), and the
-//! `DenoiserPool` gRPC service with the pool process's start (`service`).
+//! `DenoiserPool` gRPC service with the pool process's start (`service`), which fail with
+//! [`StageError`] (`error`).
 
 pub mod denoise;
+pub mod error;
 pub mod model;
 pub mod models;
 pub mod parallel;
@@ -12,3 +14,5 @@ pub mod sampler;
 pub mod service;
 pub mod stage;
 pub mod text;
+
+pub use error::StageError;

@@ -10,13 +10,13 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context, bail};
 use ditstream_common::config::{Config, WeightSource as SourceKind};
 use ditstream_common::devices::{WEIGHT_SEED, check_random_on, distinct, dtype, on_each, per_rank};
 use ditstream_kernels::weights::DrawnWeights;
 use ditstream_kernels::{DType, Device};
 
-use crate::model::{WanConfig, WanTransformer};
+use crate::error::StageError;
+use crate::model::{ModelError, WanConfig, WanTransformer};
 use crate::text::{PromptTokenizer, T5Config, T5Encoder, TextEncoder, WAN_MAX_LEN};
 
 /// Seed of Wan2.2-A14B's low-noise expert with random weights (another model than the high one).
@@ -43,7 +43,7 @@ pub struct DenoiserModels {
 pub fn denoiser_models(
     cfg: &Config,
     devices: &[Device],
-) -> anyhow::Result<Vec<Arc<DenoiserModels>>> {
+) -> Result<Vec<Arc<DenoiserModels>>, StageError> {
     let dtype = dtype(cfg);
     let m = &cfg.model;
     let distinct = distinct(devices);
@@ -61,7 +61,7 @@ pub fn denoiser_models(
                 _ => None,
             };
             on_each(&distinct, |device| {
-                Ok(DenoiserModels {
+                Ok::<_, ModelError>(DenoiserModels {
                     high: WanTransformer::new(config.clone(), &high, dtype, device)?,
                     low: match &low {
                         Some(low) => Some((
@@ -76,7 +76,7 @@ pub fn denoiser_models(
         (SourceKind::Checkpoint, Some(dir), _) => {
             let boundary = low_expert_boundary(dir)?;
             on_each(&distinct, |device| {
-                Ok(DenoiserModels {
+                Ok::<_, ModelError>(DenoiserModels {
                     high: WanTransformer::from_dir(&dir.join("transformer"), dtype, device)?,
                     low: match boundary {
                         Some(b) => Some((
@@ -88,7 +88,7 @@ pub fn denoiser_models(
                 })
             })?
         }
-        _ => bail!("model: validation should have refused this combination"),
+        _ => return Err(StageError::unvalidated(m)),
     };
     Ok(per_rank(devices, &distinct, copies))
 }
@@ -99,7 +99,7 @@ pub fn denoiser_models(
 /// or for a random real-size preset (GPU only) umT5-XXL at its real size, drawn on the GPU
 /// ([`T5Encoder::random`]: well under a second there, minutes on one host core), with the built-in
 /// tokenizer, there being no umT5 tokenizer without a checkpoint.
-pub fn text_encoder(cfg: &Config, device: Device) -> anyhow::Result<TextEncoder> {
+pub fn text_encoder(cfg: &Config, device: Device) -> Result<TextEncoder, StageError> {
     let m = &cfg.model;
     // The CPU computes in f32 (bf16 weights would be widened on every call).
     let text_dtype = match device {
@@ -130,44 +130,55 @@ pub fn text_encoder(cfg: &Config, device: Device) -> anyhow::Result<TextEncoder>
         (SourceKind::Checkpoint, Some(dir), _) => {
             TextEncoder::from_pretrained_on(dir, WAN_MAX_LEN, text_dtype, device)?
         }
-        _ => bail!("model: validation should have refused this combination"),
+        _ => return Err(StageError::unvalidated(m)),
     })
 }
 
 /// The transformer dimensions the config serves: a preset's, or the checkpoint's
 /// `transformer/config.json` (the high-noise expert's, for Wan2.2-A14B: both have the same).
-pub fn transformer_config(cfg: &Config) -> anyhow::Result<WanConfig> {
+pub fn transformer_config(cfg: &Config) -> Result<WanConfig, StageError> {
     let m = &cfg.model;
     match (m.weights, &m.checkpoint, m.preset) {
         (SourceKind::Random, _, Some(preset)) => Ok(WanConfig::preset(preset)),
         (SourceKind::Checkpoint, Some(dir), _) => {
             Ok(WanConfig::from_dir(&dir.join("transformer"))?)
         }
-        _ => bail!("model: validation should have refused this combination"),
+        _ => Err(StageError::unvalidated(m)),
     }
 }
 
 /// The boundary ratio of a Wan2.2-A14B checkpoint's low-noise expert (`transformer_2/` and the
 /// `boundary_ratio` of `model_index.json`), or `None` for a single-transformer checkpoint.
-fn low_expert_boundary(dir: &Path) -> anyhow::Result<Option<f64>> {
+fn low_expert_boundary(dir: &Path) -> Result<Option<f64>, StageError> {
     if !dir.join("transformer_2").is_dir() {
         return Ok(None);
     }
     let index = dir.join("model_index.json");
-    let text =
-        std::fs::read_to_string(&index).with_context(|| format!("reading {}", index.display()))?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", index.display()))?;
-    let boundary = json
+    let text = match std::fs::read_to_string(&index) {
+        Ok(text) => text,
+        Err(source) => {
+            return Err(StageError::ReadIndex {
+                path: index,
+                source,
+            });
+        }
+    };
+    let json: serde_json::Value = match serde_json::from_str(&text) {
+        Ok(json) => json,
+        Err(source) => {
+            return Err(StageError::ParseIndex {
+                path: index,
+                source,
+            });
+        }
+    };
+    match json
         .get("boundary_ratio")
         .and_then(serde_json::Value::as_f64)
-        .with_context(|| {
-            format!(
-                "{}: transformer_2/ exists but boundary_ratio is not a number",
-                index.display()
-            )
-        })?;
-    Ok(Some(boundary))
+    {
+        Some(boundary) => Ok(Some(boundary)),
+        None => Err(StageError::BoundaryRatio { path: index }),
+    }
 }
 
 #[cfg(test)]

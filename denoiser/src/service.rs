@@ -29,6 +29,7 @@ use ditstream_common::mesh::LatentGeometry;
 use ditstream_common::{ms, registration, status};
 
 use crate::denoise::{Control, DenoiseError};
+use crate::error::StageError;
 use crate::stage::{DenoiseJob, DenoiseStage};
 
 /// Where a request's latent goes, as the gateway named it.
@@ -236,7 +237,7 @@ impl DenoiserPool for DenoiserService {
                         Control::Cancel
                     }
                 });
-                Ok::<_, anyhow::Error>((latent, text_ms, ms(t.elapsed())))
+                Ok::<_, StageError>((latent, text_ms, ms(t.elapsed())))
             })
             .await;
             watch.abort();
@@ -251,10 +252,8 @@ impl DenoiserPool for DenoiserService {
                     return;
                 }
                 Ok(Err(e)) => {
-                    tracing::warn!(error = %format!("{e:#}"), "text encoding failed");
-                    let _ = tx
-                        .send(Err(status::internal("denoiser", format!("{e:#}"))))
-                        .await;
+                    tracing::warn!(error = %e, "text encoding failed");
+                    let _ = tx.send(Err(status::internal("denoiser", e))).await;
                     return;
                 }
                 Err(e) => {
@@ -299,7 +298,7 @@ impl DenoiserPool for DenoiserService {
 }
 
 /// The stage after its warm-up (see [`DenoiseStage::warm_up`]): the pool registers only then.
-fn warm(stage: DenoiseStage, cfg: &Config) -> anyhow::Result<DenoiseStage> {
+fn warm(stage: DenoiseStage, cfg: &Config) -> Result<DenoiseStage, StageError> {
     let shapes = cfg.serving.warmup_shapes();
     let took = stage.warm_up(&shapes)?;
     if !shapes.is_empty() {
@@ -310,13 +309,14 @@ fn warm(stage: DenoiseStage, cfg: &Config) -> anyhow::Result<DenoiseStage> {
 
 /// Builds the text encoder and transformer, warms them up, serves gRPC and registers with the
 /// gateway.
-pub async fn start(cfg: &Config) -> anyhow::Result<registration::RunningPool> {
+pub async fn start(cfg: &Config) -> Result<registration::RunningPool, StageError> {
     let build = cfg.clone();
     let stage = Arc::new(
         tokio::task::spawn_blocking(move || warm(DenoiseStage::from_config(&build)?, &build))
             .await??,
     );
-    let identity = Arc::new(link::identity(cfg)?);
+    let identity = link::identity(cfg)?;
+    let identity = Arc::new(identity);
     let health_stage = Arc::clone(&stage);
     let health: registration::Health = Arc::new(move || health_stage.out_of_service());
     let service = DenoiserService::new(stage, Some(Arc::clone(&identity)), None);

@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Sender, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex};
 
-use anyhow::{Context, bail};
 use ditstream_common::collectives::CommWorld;
 #[cfg(feature = "cuda")]
 use ditstream_common::collectives::DEFAULT_TIMEOUT;
@@ -20,13 +19,14 @@ use ditstream_common::collectives::wire::TensorWire;
 use ditstream_common::config::{AttentionBackend, Config, DeviceKind, SamplerConfig, WarmupShape};
 use ditstream_common::devices::{self, first_gpu};
 use ditstream_common::mesh::{LatentGeometry, Mesh};
-use ditstream_common::ranks::{GroupStatus, RankGroup, RankState, Ranks, Threads};
+use ditstream_common::ranks::{GroupStatus, RankError, RankGroup, RankState, Ranks, Threads};
 use ditstream_kernels::{Device, Tensor};
 
 use crate::denoise::{
     Control, DenoiseError, DenoiseParams, Experts, StepProgress, denoise_interruptible,
     initial_noise,
 };
+use crate::error::StageError;
 use crate::models::{self, DenoiserModels};
 use crate::parallel::{self, MeshComms, ParallelError, check_mesh};
 use crate::text::TextEncoder;
@@ -143,8 +143,9 @@ where
     type Job = MeshJob;
     type Out = DenoiseOut;
 
-    fn connect(&mut self, world: &W) -> anyhow::Result<()> {
-        self.comms = Some(MeshComms::new(world, self.mesh)?);
+    fn connect(&mut self, world: &W) -> Result<(), RankError> {
+        let comms = MeshComms::new(world, self.mesh).map_err(|e| RankError::Connect(e.into()))?;
+        self.comms = Some(comms);
         Ok(())
     }
 
@@ -222,7 +223,7 @@ fn ask(caller: &Sender<StepReport>, step: StepProgress) -> Control {
 impl DenoiseStage {
     /// Builds the text encoder and transformer(s) the config names (validated already), on the
     /// devices it names, and forms the mesh's communicators.
-    pub fn from_config(cfg: &Config) -> anyhow::Result<DenoiseStage> {
+    pub fn from_config(cfg: &Config) -> Result<DenoiseStage, StageError> {
         let mesh = cfg.validate(None)?;
         let devices = devices::rank_devices(cfg, "the denoiser mesh", mesh.world_size())?;
         // The text encoder is built (read from a checkpoint, or drawn on the GPU) while the
@@ -231,19 +232,16 @@ impl DenoiseStage {
         let (text, copies) = std::thread::scope(|scope| {
             let text = scope.spawn(|| models::text_encoder(cfg, devices[0]));
             let copies = models::denoiser_models(cfg, &devices);
-            let text = text
-                .join()
-                .unwrap_or_else(|_| Err(anyhow::anyhow!("building the text encoder panicked")));
+            let text = text.join().unwrap_or(Err(StageError::TextEncoderPanicked));
             (text, copies)
         });
         let (text, copies) = (text?, copies?);
         let high = &copies[0].high;
         if high.config().text_dim != text.d_model() {
-            bail!(
-                "the transformer's text_dim {} differs from the text encoder's width {}",
-                high.config().text_dim,
-                text.d_model()
-            );
+            return Err(StageError::TextDim {
+                text_dim: high.config().text_dim,
+                width: text.d_model(),
+            });
         }
         check_mesh(&mesh, high.config(), mesh.world_size())?;
         let latent_channels = high.config().in_channels;
@@ -269,9 +267,7 @@ impl DenoiseStage {
                     DenoiseRank::for_ranks(&copies, &devices, mesh, cfg.attention.backend),
                 )?),
                 #[cfg(not(feature = "cuda"))]
-                DeviceKind::Cuda => {
-                    bail!("serving.device = cuda: this binary was built without CUDA")
-                }
+                DeviceKind::Cuda => return Err(StageError::NoCuda),
             };
             let status = group.status();
             DenoiseRanks::Mesh(Mutex::new(group), status)
@@ -334,7 +330,7 @@ impl DenoiseStage {
 
     /// Prompt and negative prompt, encoded in one batch (repeats come from the cache):
     /// each [1, 512, text_dim], on the text encoder's device (rank 0's, or the host for `tiny`).
-    pub fn text_states(&self, p: &DenoiseJob) -> anyhow::Result<(Tensor, Tensor)> {
+    pub fn text_states(&self, p: &DenoiseJob) -> Result<(Tensor, Tensor), StageError> {
         let embeds = self.text.encode(&[&p.prompt, &p.negative_prompt])?;
         Ok((
             embeds.states.narrow(0, 0, 1)?,
@@ -346,7 +342,7 @@ impl DenoiseStage {
     /// prompt that then sits in the text cache), so that every kernel is compiled and every GEMM
     /// planned before the first request. Returns the time each shape took (the first includes
     /// the text encoder's first run).
-    pub fn warm_up(&self, shapes: &[WarmupShape]) -> anyhow::Result<Vec<f64>> {
+    pub fn warm_up(&self, shapes: &[WarmupShape]) -> Result<Vec<f64>, StageError> {
         let mut took = Vec::with_capacity(shapes.len());
         let never = AtomicBool::new(false);
         for shape in shapes {
@@ -364,12 +360,11 @@ impl DenoiseStage {
             };
             let (cond, uncond) = self.text_states(&job)?;
             self.denoise_latent(&job, &cond, &uncond, &never, |_| Control::Continue)
-                .map_err(anyhow::Error::from)
-                .with_context(|| {
-                    format!(
-                        "warming up the denoiser at {}x{}, {} frames",
-                        shape.width, shape.height, shape.num_frames
-                    )
+                .map_err(|source| StageError::WarmUp {
+                    width: shape.width,
+                    height: shape.height,
+                    num_frames: shape.num_frames,
+                    source,
                 })?;
             took.push(ditstream_common::ms(t.elapsed()));
         }
@@ -460,7 +455,7 @@ fn run_on_mesh(
     drop(progress_tx);
     let replies = group
         .run(jobs)
-        .map_err(|e| failed(format!("mesh {mesh}: {e:#}")))?;
+        .map_err(|e| failed(format!("mesh {mesh}: {e}")))?;
     // Ends when rank 0's job ends (its sender is dropped with the job).
     for (step, verdict) in progress_rx {
         let _ = verdict.send(on_step(step));

@@ -410,7 +410,10 @@ async fn main() -> anyhow::Result<()> {
         let t = Instant::now();
         let dn_cfg = args.config(args.denoiser_gpu, &registry, &args.link, &certs)?;
         let dc_cfg = args.config(args.decoder_gpu, &registry, &args.link, &certs)?;
-        let (dn, dc) = tokio::try_join!(denoiser::start(&dn_cfg), decoder::start(&dc_cfg))?;
+        let (dn, dc) = tokio::try_join!(
+            async { anyhow::Ok(denoiser::start(&dn_cfg).await?) },
+            async { anyhow::Ok(decoder::start(&dc_cfg).await?) },
+        )?;
         println!("pools        built in {:.1} s", t.elapsed().as_secs_f64());
         let mut client = VideoServiceClient::connect(format!("http://{gw_addr}")).await?;
         let ready = Instant::now();

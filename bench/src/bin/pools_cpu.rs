@@ -12,7 +12,7 @@
 //! `cargo run --release -p ditstream-bench --bin pools_cpu [--features ucx] -- --requests 4`
 //! Pools and denoiser share the machine's cores here: steady state reaches 1/T_denoise only where
 //! decoding a request takes less than denoising one (pick `--steps`, `--width`, `--height`,
-//! `--frames` so), the work a GPU pair splits.
+//! `--frames` so), the work a GPU pair splits; `--encoder-threads 0` keeps the decoder on one core.
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -13,6 +13,12 @@
 # target/ is git-ignored: carry target/gpu to the GPU machine with the working tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# openh264-sys2 silently builds OpenH264 without its assembly when nasm is missing (and a build
+# that saw nasm appear half-way fails to link): these executables encode, so insist on it.
+command -v nasm >/dev/null || {
+  echo "$(basename "$0"): nasm is missing; run scripts/install-deps.sh first" >&2
+  exit 1
+}
 
 mkdir -p target/gpu
 json=$(cargo test --release -p ditstream --features cuda,ucx --test gpu_serving --no-run \

@@ -11,6 +11,12 @@
 # they must stay under the 64 MiB a working tree may be; pack target/gpu with xz if not).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# openh264-sys2 silently builds OpenH264 without its assembly when nasm is missing (and a build
+# that saw nasm appear half-way fails to link): these executables encode, so insist on it.
+command -v nasm >/dev/null || {
+  echo "$(basename "$0"): nasm is missing; run scripts/install-deps.sh first" >&2
+  exit 1
+}
 
 mkdir -p target/gpu
 json=$(cargo test --release -p ditstream --features cuda --test gpu_serving --no-run \

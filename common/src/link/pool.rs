@@ -96,7 +96,7 @@ fn host_arrived(chunk: LatentChunk) -> Result<Arrived, LinkError> {
 }
 
 /// The receiving end of a latent link: one request's chunks, in order, verified, whatever the
-/// transport (each backend's receiver implements it; [`pump`] drains it into [`Pending`]).
+/// transport (each backend's receiver implements it; the pool end drains it into [`Pending`]).
 pub trait ChunkStream: Send {
     /// The next verified chunk; `None` after the last.
     fn next(&mut self) -> impl Future<Output = Result<Option<Arrived>, LinkError>> + Send;

@@ -1,18 +1,14 @@
-//! The `ditstream` service: requests and their limits (`request`), admission's cost model
-//! (`cost`), the gateway with the one request lifecycle (`gateway`), both stages in one process
-//! and a request's split into their jobs (`pipeline`), `serve` (the gateway and both pools in one
-//! process), the disaggregated processes (`roles`), the client (`generate`), the HTTP API (`http`), `/metrics` (`metrics`), and `plan`. The
-//! pools themselves (models, stages, gRPC services) live in `ditstream-denoiser` and
-//! `ditstream-decoder`; what both use (rank threads, the latent link, registration, statuses) in
-//! `ditstream-common`. The binary (`main.rs`) only parses the command line.
+//! The `ditstream` service's processes: `serve` (the gateway and both pools in one process), the
+//! disaggregated roles (`roles`), the client (`generate`) and `plan`. The front a client talks to
+//! (the gateway, the HTTP API, `/metrics`, request limits, the cost model) is `ditstream-gateway`,
+//! re-exported here under its module names; the pools (models, stages, gRPC services) live in
+//! `ditstream-denoiser` and `ditstream-decoder`; what all use (rank threads, the latent link,
+//! registration, statuses) in `ditstream-common`. The binary (`main.rs`) only parses the command
+//! line.
 
-pub mod cost;
-pub mod gateway;
+pub use ditstream_gateway::{cost, gateway, http, metrics, pipeline, request};
+
 pub mod generate;
-pub mod http;
-pub mod metrics;
-pub mod pipeline;
 pub mod plan;
-pub mod request;
 pub mod roles;
 pub mod serve;

@@ -233,7 +233,7 @@ mod tests {
 
     #[test]
     fn the_default_request_fits_and_huge_ones_are_refused_naming_the_limit() {
-        let cfg = Config::parse(crate::serve::EMBEDDED_CONFIG, "<embedded>").unwrap();
+        let cfg = Config::parse(include_str!("../../configs/cpu-tiny.yaml"), "<embedded>").unwrap();
         let m = model(&cfg);
         let ok = m.admit(&params(&cfg, 256, 160, 17, 8)).unwrap();
         assert!(ok.seconds < 60.0, "{ok:?}");

@@ -350,7 +350,8 @@ async fn create(
         })) => a,
         Some(Err(status)) => return Err(status.into()),
         _ => {
-            return Err(tonic::Status::internal(
+            return Err(status::internal(
+                "http api",
                 "the request's stream did not start with Accepted",
             )
             .into());
@@ -545,7 +546,7 @@ async fn thumbnail(h: &Http, id: &str) -> Result<Response, ApiError> {
         thumbnail::first_frame_png(&mp4).map_err(|e| e.to_string())
     })
     .await
-    .map_err(|e| ApiError::from(tonic::Status::internal(e.to_string())))?
+    .map_err(|e| ApiError::from(status::internal("thumbnail task", e)))?
     .map_err(|e| ApiError {
         status: StatusCode::CONFLICT,
         kind: "invalid_request_error",

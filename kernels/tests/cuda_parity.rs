@@ -267,7 +267,9 @@ fn norms_match_cpu() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     use ditstream_kernels as k;
     for dtype in [DType::F32, DType::BF16] {
-        for d in [1, 33, 1536] {
+        // d = 33 runs the element-wise kernels; 1536 and 5120 (the DiT widths) the register-held
+        // `_rows` ones (for 5120 in bf16, 160 threads of four 16-byte words).
+        for d in [1, 33, 1536, 5120] {
             let x = randn(&[3, 5, d], dtype, 20);
             let g = x.to_device(dev)?;
             // Sums of d terms of size ~1 (normalised outputs ~1): atol ~ d·2⁻²⁴ with margin.
@@ -355,6 +357,47 @@ fn rope_matches_cpu() -> Result<()> {
             rtol(dtype),
         );
     }
+    // The fused q/k op against its CPU twin (`apply_rope(rms_norm(x))`): 3 heads of 128 (the
+    // register-held kernel) and of 6 (d = 18, not whole 16-byte words: the two kernels). The norm's
+    // f32 sum of d squares differs by ≲ d·2⁻²⁴ relative (rms_norm's atol); the rotation mixes two
+    // such values with |cos|, |sin| ≤ 1: × 2. In bf16 the norm is rounded before the rotation, and
+    // GPU and CPU may round one normed value to neighbouring bf16s (an f32 difference straddling a
+    // rounding boundary): one bf16 ulp of the largest normed value, 2⁻⁷·max|n|, on each of the
+    // pair's two terms.
+    for hd in [128, 6] {
+        let (cos, sin) = k::rope_tables_3d(grid, hd, 1e4, Device::Cpu)?;
+        let (gcos, gsin) = k::rope_tables_3d(grid, hd, 1e4, dev)?;
+        let d = 3 * hd;
+        let w = randn(&[d], DType::BF16, 32);
+        for dtype in [DType::F32, DType::BF16] {
+            let x = randn(&[2, 24, d], dtype, 31);
+            let cpu = k::rms_norm_rope(&x, &w, 1e-6, &cos, &sin, 3)?;
+            let max_normed = k::rms_norm(&x, &w, 1e-6)?
+                .to_vec_f32()?
+                .iter()
+                .fold(0f32, |m, v| m.max(v.abs()));
+            let atol = 2.0 * (1e-5 + 1e-6 * d as f32)
+                + if dtype == DType::BF16 {
+                    2.0 * 2f32.powi(-7) * max_normed
+                } else {
+                    0.0
+                };
+            check(
+                "rms_norm_rope",
+                &k::rms_norm_rope(
+                    &x.to_device(dev)?,
+                    &w.to_device(dev)?,
+                    1e-6,
+                    &gcos,
+                    &gsin,
+                    3,
+                )?,
+                &cpu,
+                atol,
+                rtol(dtype),
+            );
+        }
+    }
     Ok(())
 }
 
@@ -407,6 +450,49 @@ fn gemms_match_cpu() -> Result<()> {
                     &k::linear_gelu_tanh(&x, &w, &b)?,
                     1.13 * atol,
                     rtol(x_dtype),
+                );
+            }
+        }
+    }
+    // The residual branch in one GEMM (C = residual, beta 1): no gate, a shared gate and a per-sample
+    // gate (folded into the weights by `mul`, identical on both sides), at a DiT shape and a small
+    // one. The GEMM's terms are x·(g·w): `linear`'s bound × max|g| (< 4.5 for these draws), plus in
+    // bf16 the bias rounded to bf16 on the GPU (as for `linear`, × max|g|); the residual enters the
+    // f32 sum on both sides, and rtol covers the output's one rounding.
+    for (rows, inf, outf) in [(37, 130, 70), (256, 1536, 1536)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let x = randn(&[2, rows, inf], dtype, 46);
+            let w = randn(&[outf, inf], dtype, 47);
+            let b = randn(&[outf], DType::F32, 48);
+            let r = randn(&[2, rows, outf], dtype, 49);
+            let shared = randn(&[1, 1, outf], DType::F32, 50);
+            let per_sample = randn(&[2, 1, outf], DType::F32, 51);
+            let (gx, gw, gb, gr) = (
+                x.to_device(dev)?,
+                w.to_device(dev)?,
+                b.to_device(dev)?,
+                r.to_device(dev)?,
+            );
+            for (label, gate) in [
+                ("none", None),
+                ("shared", Some(&shared)),
+                ("per_sample", Some(&per_sample)),
+            ] {
+                let ggate = gate.map(|g| g.to_device(dev)).transpose()?;
+                let max_g = gate.map_or(Ok(1f32), |g| {
+                    g.to_vec_f32()
+                        .map(|v| v.iter().fold(0f32, |m, x| m.max(x.abs())))
+                })?;
+                let mut atol = 1e-5 * inf as f32;
+                if dtype == DType::BF16 {
+                    atol += 8.0 * 2f32.powi(-9);
+                }
+                check(
+                    &format!("linear_residual_{label}"),
+                    &k::linear_residual(&gx, &gw, Some(&gb), &gr, ggate.as_ref())?,
+                    &k::linear_residual(&x, &w, Some(&b), &r, gate)?,
+                    atol * max_g.max(1.0),
+                    rtol(dtype),
                 );
             }
         }

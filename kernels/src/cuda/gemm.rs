@@ -267,8 +267,11 @@ fn build_plan(
     Ok(plan)
 }
 
-/// Runs the GEMM `key` on the backend's stream: D = op(A)·B (+ bias). `a`, `b`, `d`, `bias` are device
-/// addresses of buffers in `key.dtype` large enough for the key's shape.
+/// Runs the GEMM `key` on the backend's stream: D = op(A)·B (+ C) (+ bias). `a`, `b`, `d`, `bias`
+/// and `c` are device addresses of buffers in `key.dtype` large enough for the key's shape; C has
+/// D's layout and, when given, enters the f32 accumulator (beta = 1), so a residual added this way
+/// is rounded once, with the product.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm(
     backend: &CudaBackend,
     op: &'static str,
@@ -277,6 +280,7 @@ pub(crate) fn gemm(
     b: u64,
     d: u64,
     bias: Option<u64>,
+    c: Option<u64>,
 ) -> Result<()> {
     let mut guard = backend.blas.lock().unwrap_or_else(|e| e.into_inner());
     let blas = match &mut *guard {
@@ -296,13 +300,15 @@ pub(crate) fn gemm(
         )
         .map_err(|e| backend.err(op, "cublasLtMatmulDescSetAttribute", e))?;
     }
-    let (alpha, beta) = (1.0f32, 0.0f32);
+    let (alpha, beta) = (1.0f32, if c.is_some() { 1.0f32 } else { 0.0 });
+    let c = c.unwrap_or(d);
     backend
         .ctx
         .bind_to_thread()
         .map_err(|e| backend.err(op, "cuCtxSetCurrent", e))?;
     // SAFETY: the plan's layouts describe the buffers the caller passed (checked shapes); alpha/beta are
-    // f32 host scalars (scale type 32F); C = D with beta 0; the workspace is WORKSPACE_BYTES long.
+    // f32 host scalars (scale type 32F); C has D's layout (C = D with beta 0, not read); the
+    // workspace is WORKSPACE_BYTES long.
     unsafe {
         lt::matmul(
             handle,
@@ -313,7 +319,7 @@ pub(crate) fn gemm(
             plan.a,
             b as *const c_void,
             plan.b,
-            d as *const c_void,
+            c as *const c_void,
             plan.d,
             d as *mut c_void,
             plan.d,

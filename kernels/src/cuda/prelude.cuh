@@ -37,16 +37,32 @@ struct Layout {
     i64 stride[3][MAX_RANK];
 };
 
-// Offsets of flat index i (row-major over layout.shape) in up to three strided operands.
+// Offsets of flat index i (row-major over layout.shape) in up to three strided operands. The
+// coordinates come from one division per axis: in 32 bits where the index and the axis fit (every
+// DiT and VAE tensor: < 2^31 elements), as 64-bit division is a long software sequence on the GPU
+// and made these kernels instruction-bound; the strides still multiply in 64 bits.
 __device__ __forceinline__ void offsets(const Layout& l, i64 i, i64* o0, i64* o1, i64* o2) {
     i64 a = 0, b = 0, c = 0;
-    for (int axis = l.rank - 1; axis >= 0; --axis) {
-        i64 n = l.shape[axis];
-        i64 coord = i % n;
-        i /= n;
-        a += coord * l.stride[0][axis];
-        b += coord * l.stride[1][axis];
-        c += coord * l.stride[2][axis];
+    if (i <= 0x7fffffff) {
+        unsigned u = (unsigned)i;
+        for (int axis = l.rank - 1; axis >= 0; --axis) {
+            // An axis longer than u is the outermost one reached: its coordinate is u itself.
+            const i64 n = l.shape[axis];
+            const unsigned coord = n > (i64)u ? u : u % (unsigned)n;
+            u = n > (i64)u ? 0 : u / (unsigned)n;
+            a += (i64)coord * l.stride[0][axis];
+            b += (i64)coord * l.stride[1][axis];
+            c += (i64)coord * l.stride[2][axis];
+        }
+    } else {
+        for (int axis = l.rank - 1; axis >= 0; --axis) {
+            i64 n = l.shape[axis];
+            i64 coord = i % n;
+            i /= n;
+            a += coord * l.stride[0][axis];
+            b += coord * l.stride[1][axis];
+            c += coord * l.stride[2][axis];
+        }
     }
     *o0 = a;
     *o1 = b;

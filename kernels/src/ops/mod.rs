@@ -28,9 +28,10 @@ pub use elementwise::{
     add, affine, clamp, gated_residual, gelu_tanh, modulate, mul, scale, silu, sub,
 };
 pub use embedding::{Indices, embedding};
-pub use matmul::{linear, linear_gelu_tanh, matmul};
+pub use matmul::{linear, linear_gelu_tanh, linear_residual, matmul};
 pub use norm::{
     layer_norm, layer_norm_modulate, rms_norm, rms_norm_channels, rms_norm_channels_silu,
+    rms_norm_rope,
 };
 pub use random::random_normal;
 pub use rope::{apply_rope, rope_band_dims, rope_tables_3d};

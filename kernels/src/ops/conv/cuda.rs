@@ -933,7 +933,7 @@ fn im2col_conv3d(
                 stride_d: 0,
                 epilogue: Epilogue::None,
             };
-            gemm(backend, op, key, col_ptr, w_ptr, partial_ptr, None)?;
+            gemm(backend, op, key, col_ptr, w_ptr, partial_ptr, None, None)?;
             let out_b = out_ptr + b * out_item;
             let mut launch = backend.stream.launch_builder(&scatter);
             launch

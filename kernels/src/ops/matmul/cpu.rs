@@ -151,3 +151,37 @@ pub(super) fn linear(
     );
     out
 }
+
+/// `groups` runs of rows, run g: residual + bias_g + x_g · w_gᵀ, with w [groups, out, in] and bias
+/// [groups, out] (one group: [out, in] and [out]); the residual buffer becomes the output.
+pub(super) fn linear_residual(
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    mut out: Vec<f32>,
+    groups: usize,
+    (rows, in_features, out_features): (usize, usize, usize),
+) -> Vec<f32> {
+    let rows_per_group = rows / groups.max(1);
+    for g in 0..groups {
+        let (r0, r1) = (g * rows_per_group, (g + 1) * rows_per_group);
+        let out_g = &mut out[r0 * out_features..r1 * out_features];
+        if let Some(bias) = bias.filter(|_| out_features > 0) {
+            let bias_g = &bias[g * out_features..(g + 1) * out_features];
+            for row in out_g.chunks_exact_mut(out_features) {
+                for (o, b) in row.iter_mut().zip(bias_g) {
+                    *o += b;
+                }
+            }
+        }
+        let w_g = &w[g * out_features * in_features..(g + 1) * out_features * in_features];
+        gemm(
+            MatRef::row_major(&x[r0 * in_features..r1 * in_features], r1 - r0, in_features),
+            MatRef::row_major(w_g, out_features, in_features).t(),
+            out_g,
+            out_features,
+            true,
+        );
+    }
+    out
+}

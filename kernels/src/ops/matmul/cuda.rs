@@ -92,8 +92,91 @@ pub(super) fn linear(
         xc.cuda_storage(op)?.ptr(),
         out.ptr(),
         bias_ptr,
+        None,
     )?;
     Tensor::from_cuda(out, out_shape).to_dtype(x.dtype())
+}
+
+/// `groups` runs of rows of x [rows, in], run g: residual + x_g · w_gᵀ + bias_g → residual's shape and
+/// dtype, w [groups, out, in] (or [out, in]), bias [groups, out] (or [out]); one GEMM per group with
+/// the residual as C (beta 1), each reading and writing its rows in place (no copies).
+pub(super) fn linear_residual(
+    op: &'static str,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    residual: &Tensor,
+    groups: usize,
+    (rows, in_features, out_features): (usize, usize, usize),
+) -> Result<Tensor> {
+    let dtype = if x.dtype() == w.dtype() && x.dtype() == residual.dtype() {
+        x.dtype()
+    } else {
+        DType::F32
+    };
+    let (xc, wc, rc) = (
+        x.to_dtype(dtype)?,
+        w.to_dtype(dtype)?,
+        residual.to_dtype(dtype)?,
+    );
+    let bias = bias.map(|b| b.to_dtype(dtype)).transpose()?;
+    let backend = CudaBackend::get(xc.cuda_storage(op)?.ordinal)?;
+    let out = backend.alloc(dtype, rows * out_features)?;
+    let rows_per_group = rows / groups.max(1);
+    if rows_per_group > 0 && out_features > 0 {
+        let key = GemmKey {
+            dtype,
+            m: out_features as u64,
+            n: rows_per_group as u64,
+            k: in_features as u64,
+            transa: true,
+            batch: 1,
+            stride_a: 0,
+            stride_b: 0,
+            stride_d: 0,
+            epilogue: if bias.is_some() {
+                Epilogue::Bias
+            } else {
+                Epilogue::None
+            },
+        };
+        let elem = dtype.size_in_bytes() as u64;
+        // Per-group weights and biases are stacked [groups, ..]; a single group's are [out, in], [out].
+        let (w_step, b_step) = if groups > 1 {
+            (
+                (out_features * in_features) as u64 * elem,
+                out_features as u64 * elem,
+            )
+        } else {
+            (0, 0)
+        };
+        let (x_step, d_step) = (
+            (rows_per_group * in_features) as u64 * elem,
+            (rows_per_group * out_features) as u64 * elem,
+        );
+        let (wp, xp, rp) = (
+            wc.cuda_storage(op)?.ptr(),
+            xc.cuda_storage(op)?.ptr(),
+            rc.cuda_storage(op)?.ptr(),
+        );
+        let bp = bias
+            .as_ref()
+            .map(|b| b.cuda_storage(op).map(|s| s.ptr()))
+            .transpose()?;
+        for g in 0..groups as u64 {
+            gemm(
+                &backend,
+                op,
+                key,
+                wp + g * w_step,
+                xp + g * x_step,
+                out.ptr() + g * d_step,
+                bp.map(|b| b + g * b_step),
+                Some(rp + g * d_step),
+            )?;
+        }
+    }
+    Tensor::from_cuda(out, residual.shape()).to_dtype(residual.dtype())
 }
 
 /// a [batch, M, K] @ b [batch or shared, K, N] → [batch, M, N] (`out_shape`) in a's dtype.
@@ -135,6 +218,7 @@ pub(super) fn matmul(
         bc.cuda_storage(op)?.ptr(),
         ac.cuda_storage(op)?.ptr(),
         out.ptr(),
+        None,
         None,
     )?;
     Tensor::from_cuda(out, out_shape).to_dtype(a.dtype())

@@ -67,6 +67,89 @@ pub fn linear_gelu_tanh(x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tensor>
     linear_then("linear_gelu_tanh", x, w, Some(bias), true)
 }
 
+/// A DiT block's residual branch in one GEMM: `residual + (x · Wᵀ + bias) ⊙ gate` → residual's shape
+/// and dtype, with the residual added in the GEMM's f32 accumulator (cuBLASLt's C with beta 1) and
+/// the sum rounded once, so neither the projection nor the residual costs a pass over memory.
+///
+/// x [.., in], w [out, in], bias `[out]`, residual x's shape with `out` last. `gate` (any dtype) is
+/// per output feature and either shared ([out], [1, out], [1, 1, out]) or per sample ([B, 1, out] for
+/// x [B, L, in]); a per-token gate is refused (use `linear` then `gated_residual`). It is folded
+/// into the weights: sample b multiplies by W_b = g_b ⊙ W (row o scaled by g_b[o]) and adds
+/// g_b ⊙ bias, each product rounded to w's (bias') dtype, on the CPU and the GPU alike — so
+/// against the unfused `gated_residual(residual, linear(x, w, bias), gate)` in bf16 the projection's
+/// rounding moves from its output to its weights (about one bf16 ulp of each either way), and the
+/// f32 path differs from it by f32 rounding only. x, w and residual in one dtype run as they are;
+/// mixed dtypes run in f32.
+pub fn linear_residual(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    residual: &Tensor,
+    gate: Option<&Tensor>,
+) -> Result<Tensor> {
+    const OP: &str = "linear_residual";
+    let contract = "x [.., in], w [out, in], bias [out], residual [.., out] (x's leading dims), \
+                    gate [out], [1, 1, out] or [B, 1, out] (x [B, L, in])";
+    let rank = x.rank();
+    let shapes_ok = rank >= 1
+        && w.rank() == 2
+        && x.shape()[rank - 1] == w.shape()[1]
+        && bias.is_none_or(|b| b.shape() == [w.shape()[0]])
+        && residual.rank() == rank
+        && residual.shape()[..rank - 1] == x.shape()[..rank - 1]
+        && residual.shape()[rank - 1] == w.shape()[0];
+    let bad = || {
+        let mut shapes = vec![x.shape(), w.shape(), residual.shape()];
+        shapes.extend(bias.map(|b| b.shape()));
+        shapes.extend(gate.map(|g| g.shape()));
+        KernelError::shape(OP, contract, &shapes)
+    };
+    if !shapes_ok {
+        return Err(bad());
+    }
+    let (out_features, in_features) = (w.shape()[0], w.shape()[1]);
+    if in_features == 0 {
+        return Err(KernelError::arg(OP, "in", 0, "it must be at least 1"));
+    }
+    let rows: usize = x.shape()[..rank - 1].iter().product();
+    // Gate groups: 1 (shared) or one per sample of x's first dim, each over a contiguous run of rows.
+    let groups = match gate {
+        None => 1,
+        Some(g) if g.numel() == out_features => 1,
+        Some(g) if rank == 3 && g.shape() == [x.shape()[0], 1, out_features] => x.shape()[0],
+        Some(_) => return Err(bad()),
+    };
+    let (w, bias) = match gate {
+        None => (w.clone(), bias.cloned()),
+        Some(g) => {
+            let g = g.reshape(&[groups, out_features])?;
+            let w = crate::mul(w, &g.reshape(&[groups, out_features, 1])?)?;
+            (w, bias.map(|b| crate::mul(b, &g)).transpose()?)
+        }
+    };
+    let mut operands = vec![x, &w, residual];
+    operands.extend(bias.as_ref());
+    let dims = (rows, in_features, out_features);
+    match same_device(OP, &operands)? {
+        Device::Cpu => {
+            let bias = bias.as_ref().map(|b| b.cpu_f32(OP)).transpose()?;
+            let out = cpu::linear_residual(
+                &x.cpu_f32(OP)?,
+                &w.cpu_f32(OP)?,
+                bias.as_deref(),
+                residual.cpu_f32(OP)?.into_owned(),
+                groups,
+                dims,
+            );
+            Tensor::from_f32_cpu(out, residual.shape(), residual.dtype())
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::linear_residual(OP, x, &w, bias.as_ref(), residual, groups, dims),
+        #[cfg(not(feature = "cuda"))]
+        device @ Device::Cuda(_) => unsupported(OP, device),
+    }
+}
+
 fn linear_then(
     op: &'static str,
     x: &Tensor,

@@ -118,6 +118,100 @@ fn linear_gelu_is_gelu_of_linear() -> Result<()> {
     Ok(())
 }
 
+/// residual + (x·Wᵀ + b)·g against an f64 loop over the folded weights, for no gate, a shared gate
+/// and a per-sample gate. In f32 the fold's products round in f32 (relative 2⁻²⁴), so the f64 loop
+/// over unfolded weights is within the `linear` bound (2e-4) scaled by max|g| (< 4 for these N(0,1)
+/// draws) plus the residual's own f32 rounding; in bf16 the fused op must be the f64 sum over the
+/// folded bf16 weights (`mul`, which both backends compute alike) rounded once to bf16.
+#[test]
+fn linear_residual_is_the_gated_sum_over_folded_weights() -> Result<()> {
+    let (b, l, d_in, d_out) = (2, 5, 33, 12);
+    let x = Tensor::randn(&[b, l, d_in], DType::F32, 10, Device::Cpu)?;
+    let w = Tensor::randn(&[d_out, d_in], DType::F32, 11, Device::Cpu)?;
+    let bias = Tensor::randn(&[d_out], DType::F32, 12, Device::Cpu)?;
+    let r = Tensor::randn(&[b, l, d_out], DType::F32, 13, Device::Cpu)?;
+    let per_sample = Tensor::randn(&[b, 1, d_out], DType::F32, 14, Device::Cpu)?;
+    let shared = Tensor::randn(&[d_out], DType::F32, 15, Device::Cpu)?;
+    let (xv, wv, bv, rv) = (
+        x.to_vec_f32()?,
+        w.to_vec_f32()?,
+        bias.to_vec_f32()?,
+        r.to_vec_f32()?,
+    );
+    // g(sample, o) for each gate case; None = 1.
+    let cases: [(Option<&Tensor>, Vec<f32>); 3] = [
+        (None, vec![1.0; b * d_out]),
+        (
+            Some(&shared),
+            [shared.to_vec_f32()?, shared.to_vec_f32()?].concat(),
+        ),
+        (Some(&per_sample), per_sample.to_vec_f32()?),
+    ];
+    for (gate, gv) in &cases {
+        let out = linear_residual(&x, &w, Some(&bias), &r, *gate)?;
+        assert_eq!(out.shape(), [b, l, d_out]);
+        let mut expect = vec![0.0; b * l * d_out];
+        for s in 0..b {
+            for t in 0..l {
+                let row = s * l + t;
+                for o in 0..d_out {
+                    let dot: f64 = (0..d_in)
+                        .map(|i| xv[row * d_in + i] as f64 * wv[o * d_in + i] as f64)
+                        .sum();
+                    let g = gv[s * d_out + o] as f64;
+                    expect[row * d_out + o] =
+                        (rv[row * d_out + o] as f64 + (dot + bv[o] as f64) * g) as f32;
+                }
+            }
+        }
+        assert_close_slices(&out.to_vec_f32()?, &expect, 8e-4, 1e-6);
+    }
+
+    // bf16: exactly the folded weights' sum, rounded once.
+    let (xb, wb, bb, rb) = (
+        x.to_dtype(DType::BF16)?,
+        w.to_dtype(DType::BF16)?,
+        bias.to_dtype(DType::BF16)?,
+        r.to_dtype(DType::BF16)?,
+    );
+    let out = linear_residual(&xb, &wb, Some(&bb), &rb, Some(&per_sample))?;
+    assert_eq!(out.dtype(), DType::BF16);
+    let g = per_sample.reshape(&[b, d_out])?;
+    let wf = crate::mul(&wb, &g.reshape(&[b, d_out, 1])?)?.to_vec_f32()?;
+    let bf = crate::mul(&bb, &g)?.to_vec_f32()?;
+    let (xv, rv) = (xb.to_vec_f32()?, rb.to_vec_f32()?);
+    let out = out.to_vec_f32()?;
+    for s in 0..b {
+        for t in 0..l {
+            let row = s * l + t;
+            for o in 0..d_out {
+                let wrow = &wf[(s * d_out + o) * d_in..(s * d_out + o + 1) * d_in];
+                let dot: f64 = (0..d_in)
+                    .map(|i| xv[row * d_in + i] as f64 * wrow[i] as f64)
+                    .sum();
+                let exact = rv[row * d_out + o] as f64 + bf[s * d_out + o] as f64 + dot;
+                let expect = half::bf16::from_f64(exact).to_f32();
+                let got = out[row * d_out + o];
+                // The f32 accumulation may land the sum on the other side of a rounding tie: one ulp.
+                let ulp = 2f32.powi(expect.abs().max(1e-30).log2().floor() as i32 - 7);
+                assert!(
+                    (got - expect).abs() <= ulp,
+                    "{got} vs {expect} at row {row}, out {o}"
+                );
+            }
+        }
+    }
+
+    // A per-token gate is refused with the shapes named.
+    let per_token = Tensor::randn(&[b, l, d_out], DType::F32, 16, Device::Cpu)?;
+    let err = linear_residual(&x, &w, Some(&bias), &r, Some(&per_token)).expect_err("per token");
+    assert!(
+        err.to_string().contains("linear_residual") && err.to_string().contains("[2, 5, 12]"),
+        "{err}"
+    );
+    Ok(())
+}
+
 #[test]
 fn shape_errors_name_the_shapes() {
     let x = Tensor::zeros(&[2, 3], DType::F32, Device::Cpu).expect("zeros");

@@ -42,11 +42,27 @@ fn ptr_or_null(op: &'static str, t: Option<&Tensor>) -> Result<u64> {
     })
 }
 
-fn row_grid(rows: usize) -> LaunchConfig {
+/// A block per row (grid-stride beyond 2²⁰ rows) of `threads`.
+fn row_grid(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows.clamp(1, 1 << 20) as u32, 1, 1),
-        block_dim: (ROW_BLOCK, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+/// The row-wise kernel `base` for rows of `d` elements of `dtype` in the buffers at `ptrs`, and its
+/// threads per block: norm.cu's register-held `<base>_rows` where it applies (d whole 16-byte words,
+/// every buffer 16-byte aligned, at most ROW_WORDS words per thread of a 1,024-thread block), else
+/// the element-wise `<base>` with ROW_BLOCK threads.
+fn row_kernel(base: &str, dtype: DType, d: usize, ptrs: &[u64]) -> (String, u32) {
+    const ROW_WORDS: usize = 4; // norm.cu
+    let per_word = 16 / dtype.size_in_bytes();
+    let threads = (d / per_word).div_ceil(ROW_WORDS).next_multiple_of(32);
+    if d > 0 && d.is_multiple_of(per_word) && threads <= 1024 && ptrs.iter().all(|p| p % 16 == 0) {
+        (format!("{base}_rows"), threads as u32)
+    } else {
+        (base.to_string(), ROW_BLOCK)
     }
 }
 
@@ -65,14 +81,15 @@ pub(super) fn layer_norm(
     let rows = x.numel().checked_div(d).unwrap_or(0);
     if rows > 0 {
         let (wdtype, params) = params_in_common_dtype(&[weight, bias])?;
-        let name = format!("layer_norm_{}_{}", suffix(x.dtype()), suffix(wdtype));
-        let f = backend.function(&SOURCE, &name)?;
         let (xp, wp, bp, outp) = (
             sx.ptr(),
             ptr_or_null(op, params[0].as_ref())?,
             ptr_or_null(op, params[1].as_ref())?,
             out.ptr(),
         );
+        let (kernel, threads) = row_kernel("layer_norm", x.dtype(), d, &[xp, outp]);
+        let name = format!("{kernel}_{}_{}", suffix(x.dtype()), suffix(wdtype));
+        let f = backend.function(&SOURCE, &name)?;
         let (rows_i, d_i) = (rows as i64, int(op, "d", d)?);
         let (has_w, has_b) = (i32::from(weight.is_some()), i32::from(bias.is_some()));
         let mut launch = backend.stream.launch_builder(&f);
@@ -83,8 +100,9 @@ pub(super) fn layer_norm(
             .arg(&eps)
             .arg(&has_w)
             .arg(&has_b);
-        // SAFETY: x/out hold rows·d elements; weight/bias hold d (checked by the caller) or are unused.
-        unsafe { launch.launch(row_grid(rows)) }
+        // SAFETY: x/out hold rows·d elements; weight/bias hold d (checked by the caller) or are unused;
+        // the _rows variant's conditions were checked by row_kernel.
+        unsafe { launch.launch(row_grid(rows, threads)) }
             .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok(Tensor::from_cuda(out, x.shape()))
@@ -108,25 +126,24 @@ pub(super) fn layer_norm_modulate(
     let out = backend.alloc(out_dtype, x.numel())?;
     let rows = x.numel().checked_div(d).unwrap_or(0);
     if rows > 0 {
-        let name = format!(
-            "layer_norm_modulate_{}_{}",
-            suffix(x.dtype()),
-            suffix(out_dtype)
-        );
-        let f = backend.function(&SOURCE, &name)?;
         let (xp, shp, scp, outp) = (
             sx.ptr(),
             shift.cuda_storage(op)?.ptr(),
             scale.cuda_storage(op)?.ptr(),
             out.ptr(),
         );
+        // The rows kernel stores a word of x's elements in out's dtype: 16 or 8 bytes, or element by
+        // element for f32 out of bf16 x; out is aligned as x is (a fresh allocation).
+        let (kernel, threads) = row_kernel("layer_norm_modulate", x.dtype(), d, &[xp, outp]);
+        let name = format!("{kernel}_{}_{}", suffix(x.dtype()), suffix(out_dtype));
+        let f = backend.function(&SOURCE, &name)?;
         let (rows_i, d_i, per_i) = (rows as i64, int(op, "d", d)?, rows_per_mod as i64);
         let mut launch = backend.stream.launch_builder(&f);
         launch.arg(&xp).arg(&shp).arg(&scp).arg(&outp);
         launch.arg(&rows_i).arg(&d_i).arg(&per_i).arg(&eps);
         // SAFETY: x/out hold rows·d elements; shift/scale hold (rows / rows_per_mod)·d f32 (the caller
-        // checked their shape against x's).
-        unsafe { launch.launch(row_grid(rows)) }
+        // checked their shape against x's); the _rows variant's conditions were checked by row_kernel.
+        unsafe { launch.launch(row_grid(rows, threads)) }
             .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok(Tensor::from_cuda(out, x.shape()))
@@ -145,9 +162,10 @@ pub(super) fn rms_norm(
     let out = backend.alloc(x.dtype(), x.numel())?;
     let rows = x.numel().checked_div(d).unwrap_or(0);
     if rows > 0 {
-        let name = format!("rms_norm_{}_{}", suffix(x.dtype()), suffix(weight.dtype()));
-        let f = backend.function(&SOURCE, &name)?;
         let (xp, wp, outp) = (sx.ptr(), weight.cuda_storage(op)?.ptr(), out.ptr());
+        let (kernel, threads) = row_kernel("rms_norm", x.dtype(), d, &[xp, outp]);
+        let name = format!("{kernel}_{}_{}", suffix(x.dtype()), suffix(weight.dtype()));
+        let f = backend.function(&SOURCE, &name)?;
         let (rows_i, d_i) = (rows as i64, int(op, "d", d)?);
         let mut launch = backend.stream.launch_builder(&f);
         launch
@@ -157,11 +175,67 @@ pub(super) fn rms_norm(
             .arg(&rows_i)
             .arg(&d_i)
             .arg(&eps);
-        // SAFETY: x/out hold rows·d elements, weight d (checked by the caller).
-        unsafe { launch.launch(row_grid(rows)) }
+        // SAFETY: x/out hold rows·d elements, weight d (checked by the caller); the _rows variant's
+        // conditions were checked by row_kernel.
+        unsafe { launch.launch(row_grid(rows, threads)) }
             .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok(Tensor::from_cuda(out, x.shape()))
+}
+
+/// RMSNorm over the last dim `d` = heads · `head_dim`, rounded to x's dtype, then RoPE with the f32
+/// tables [seq, head_dim / 2] (row r at position r % seq), in one pass (`rms_norm_rope_rows`), or
+/// as the two kernels where the row kernel does not apply; → x's dtype, `out_shape`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn rms_norm_rope(
+    op: &'static str,
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f32,
+    cos: &Tensor,
+    sin: &Tensor,
+    (rows, seq, d, head_dim): (usize, usize, usize, usize),
+    out_shape: &[usize],
+) -> Result<Tensor> {
+    let sx = x.cuda_storage(op)?;
+    let backend = CudaBackend::get(sx.ordinal)?;
+    let out = backend.alloc(x.dtype(), x.numel())?;
+    let (kernel, threads) = row_kernel("rms_norm_rope", x.dtype(), d, &[sx.ptr(), out.ptr()]);
+    if kernel == "rms_norm_rope" {
+        let normed = rms_norm(op, x, weight, d, eps)?.reshape(out_shape)?;
+        return crate::apply_rope(&normed, cos, sin);
+    }
+    if rows > 0 {
+        let (cos, sin) = (cos.to_dtype(DType::F32)?, sin.to_dtype(DType::F32)?);
+        let name = format!("{kernel}_{}_{}", suffix(x.dtype()), suffix(weight.dtype()));
+        let f = backend.function(&SOURCE, &name)?;
+        let (xp, wp, cp, sp, outp) = (
+            sx.ptr(),
+            weight.cuda_storage(op)?.ptr(),
+            cos.cuda_storage(op)?.ptr(),
+            sin.cuda_storage(op)?.ptr(),
+            out.ptr(),
+        );
+        let (rows_i, seq_i, d_i, hd_i) = (
+            rows as i64,
+            seq as i64,
+            int(op, "d", d)?,
+            int(op, "head_dim", head_dim)?,
+        );
+        let mut launch = backend.stream.launch_builder(&f);
+        launch.arg(&xp).arg(&wp).arg(&cp).arg(&sp).arg(&outp);
+        launch
+            .arg(&rows_i)
+            .arg(&seq_i)
+            .arg(&d_i)
+            .arg(&hd_i)
+            .arg(&eps);
+        // SAFETY: x/out hold rows·d elements, weight d, the tables seq·head_dim/2 f32 (checked by the
+        // caller, with head_dim even and dividing d); row_kernel checked the _rows conditions.
+        unsafe { launch.launch(row_grid(rows, threads)) }
+            .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    }
+    Ok(Tensor::from_cuda(out, out_shape))
 }
 
 /// The VAE's channel-first L2 norm on x [batch, channels, positions] → x's shape and dtype; with

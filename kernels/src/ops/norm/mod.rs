@@ -173,6 +173,57 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     }
 }
 
+/// The DiT's q/k preparation in one pass: [`rms_norm`] over the whole last dim of x [B, S, H·hd]
+/// (eps, weight `[H·hd]`), its result rounded to x's dtype as `rms_norm` stores it, then
+/// [`apply_rope`] per head with cos/sin [S, hd/2] → [B, S, H, hd] in x's dtype. On the CPU it is that
+/// composition; on CUDA one kernel reads x once and writes the result once (the two ops moved the
+/// tensor twice each), the same maths per element, so the two agree to the norm's reduction order.
+pub fn rms_norm_rope(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f32,
+    cos: &Tensor,
+    sin: &Tensor,
+    heads: usize,
+) -> Result<Tensor> {
+    const OP: &str = "rms_norm_rope";
+    let [batch, seq, d] = super::dims(OP, "x [B, S, H·hd]", x)?;
+    let head_dim = d.checked_div(heads).unwrap_or(0);
+    let table = [seq, head_dim / 2];
+    if heads == 0
+        || head_dim * heads != d
+        || head_dim % 2 == 1
+        || cos.shape() != table
+        || sin.shape() != table
+    {
+        return Err(KernelError::shape(
+            OP,
+            format!(
+                "x [B, S, H·hd] with H = {heads} dividing the last dim into an even hd, cos and sin [S, hd/2]"
+            ),
+            &[x.shape(), cos.shape(), sin.shape()],
+        ));
+    }
+    expect_len(OP, "weight", x, Some(weight), d)?;
+    let out_shape = [batch, seq, heads, head_dim];
+    match same_device(OP, &[x, weight, cos, sin])? {
+        Device::Cpu => crate::apply_rope(&rms_norm(x, weight, eps)?.reshape(&out_shape)?, cos, sin),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::rms_norm_rope(
+            OP,
+            x,
+            weight,
+            eps,
+            cos,
+            sin,
+            (batch * seq, seq, d, head_dim),
+            &out_shape,
+        ),
+        #[cfg(not(feature = "cuda"))]
+        device @ Device::Cuda(_) => unsupported(OP, device),
+    }
+}
+
 /// The VAE's channel-first RMS norm (diffusers `WanRMS_norm`, `F.normalize` over dim 1):
 /// x [B, C, ..] → x / max(‖x‖₂ over C, 1e-12) · √C · gamma + bias, per position, in x's dtype.
 /// `gamma` and `bias` hold C values in any shape ([C, 1, 1, 1] as in the checkpoint, or `[C]`).

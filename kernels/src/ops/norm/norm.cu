@@ -1,5 +1,6 @@
 // Normalisations. layer_norm / rms_norm: one block per row (grid-stride over rows), block reductions
-// in f32, two passes for LayerNorm's variance as in the CPU reference. rms_norm_channels: a block
+// in f32, two passes for LayerNorm's variance as in the CPU reference; the *_rows kernels (below) do
+// the same maths on rows held in registers, for rows of whole 16-byte words. rms_norm_channels: a block
 // stages a tile of positions × every channel in shared memory, so x is read from memory once (see
 // below), optionally followed by SiLU in the same pass (rms_norm_channels_silu).
 
@@ -78,6 +79,191 @@ __device__ void rms_norm(const T* x, const W* w, T* out, i64 rows, int d, float 
         }
         float inv_rms = 1.0f / sqrtf(block_sum(q) / d + eps);
         for (int i = threadIdx.x; i < d; i += blockDim.x) st(yr + i, ld(xr + i) * inv_rms * ld(w + i));
+    }
+}
+
+// Rows held in registers (the DiT's rows of D = 1,536 … 5,120): a block per row, each thread loads
+// up to ROW_WORDS 16-byte words of the row (V = 16 / sizeof(T) elements each, words strided by the
+// block, so a warp's loads are contiguous) once, and the reductions and the output come from those
+// registers: the row is read from memory once and written once, in 16-byte accesses, where the kernels
+// above read it two or three times element by element. The maths and its order per element are
+// theirs. Needs d a multiple of V, 16-byte aligned rows (x and out) and d / V ≤ ROW_WORDS · blockDim
+// (the host checks, and otherwise runs the kernels above).
+constexpr int ROW_WORDS = 4;
+
+template <typename T>
+struct Row {
+    static constexpr int V = 16 / sizeof(T);
+    float v[ROW_WORDS][V];
+};
+
+// Word j of this thread: index threadIdx.x + j·blockDim.x of the row's words, if < words.
+__device__ __forceinline__ int row_word(int j) { return threadIdx.x + j * blockDim.x; }
+
+template <typename T>
+__device__ __forceinline__ void load_row(const T* xr, int words, Row<T>& r) {
+#pragma unroll
+    for (int j = 0; j < ROW_WORDS; ++j) {
+        const int w = row_word(j);
+        uint4 word = make_uint4(0, 0, 0, 0);
+        if (w < words) word = reinterpret_cast<const uint4*>(xr)[w];
+        const T* e = reinterpret_cast<const T*>(&word);
+#pragma unroll
+        for (int k = 0; k < Row<T>::V; ++k) r.v[j][k] = ld(e + k);
+    }
+}
+
+// Stores V values as V elements of O at dst (aligned to V · sizeof(O) bytes): one 16- or 8-byte store.
+template <typename O, int V>
+__device__ __forceinline__ void store_word(O* dst, const float* v) {
+    union {
+        O e[V];
+        uint4 w16;
+        uint2 w8;
+    } u;
+#pragma unroll
+    for (int k = 0; k < V; ++k) st(u.e + k, v[k]);
+    if (sizeof(O) * V == 16) {
+        *reinterpret_cast<uint4*>(dst) = u.w16;
+    } else if (sizeof(O) * V == 8) {
+        *reinterpret_cast<uint2*>(dst) = u.w8;
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) dst[k] = u.e[k];
+    }
+}
+
+// Sum over the row of v (one pass over the registers), to every thread of the block.
+template <typename T>
+__device__ __forceinline__ float row_sum(const Row<T>& r, int words, float centre, bool square) {
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ROW_WORDS; ++j) {
+        if (row_word(j) >= words) continue;
+#pragma unroll
+        for (int k = 0; k < Row<T>::V; ++k) {
+            const float t = r.v[j][k] - centre;
+            s += square ? t * t : t;
+        }
+    }
+    return block_sum(s);
+}
+
+// LayerNorm statistics of a held row: (mean, 1 / sqrt(var + eps)), two passes as layer_norm above.
+template <typename T>
+__device__ __forceinline__ float2 row_mean_inv_std(const Row<T>& r, int words, int d, float eps) {
+    const float mean = row_sum(r, words, 0.0f, false) / d;
+    const float var = row_sum(r, words, mean, true) / d;
+    return make_float2(mean, 1.0f / sqrtf(var + eps));
+}
+
+template <typename T, typename W>
+__device__ void layer_norm_rows(const T* x, const W* w, const W* b, T* out, i64 rows, int d, float eps,
+                                int has_w, int has_b) {
+    constexpr int V = Row<T>::V;
+    const int words = d / V;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        Row<T> r;
+        load_row(x + row * d, words, r);
+        const float2 st_ = row_mean_inv_std(r, words, d, eps);
+#pragma unroll
+        for (int j = 0; j < ROW_WORDS; ++j) {
+            const int wd = row_word(j);
+            if (wd >= words) continue;
+            float y[V];
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                const int i = wd * V + k;
+                y[k] = (r.v[j][k] - st_.x) * st_.y;
+                if (has_w) y[k] *= ld(w + i);
+                if (has_b) y[k] += ld(b + i);
+            }
+            store_word<T, V>(out + row * d + wd * V, y);
+        }
+    }
+}
+
+template <typename T, typename O>
+__device__ void layer_norm_modulate_rows(const T* x, const float* shift, const float* scale, O* out,
+                                         i64 rows, int d, i64 rows_per_mod, float eps) {
+    constexpr int V = Row<T>::V;
+    const int words = d / V;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        Row<T> r;
+        load_row(x + row * d, words, r);
+        const float2 st_ = row_mean_inv_std(r, words, d, eps);
+        const float* sh = shift + (row / rows_per_mod) * d;
+        const float* sc = scale + (row / rows_per_mod) * d;
+#pragma unroll
+        for (int j = 0; j < ROW_WORDS; ++j) {
+            const int wd = row_word(j);
+            if (wd >= words) continue;
+            float y[V];
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                const int i = wd * V + k;
+                y[k] = (r.v[j][k] - st_.x) * st_.y * (1.0f + sc[i]) + sh[i];
+            }
+            store_word<O, V>(out + row * d + wd * V, y);
+        }
+    }
+}
+
+template <typename T, typename W>
+__device__ void rms_norm_rows(const T* x, const W* w, T* out, i64 rows, int d, float eps) {
+    constexpr int V = Row<T>::V;
+    const int words = d / V;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        Row<T> r;
+        load_row(x + row * d, words, r);
+        const float inv_rms = 1.0f / sqrtf(row_sum(r, words, 0.0f, true) / d + eps);
+#pragma unroll
+        for (int j = 0; j < ROW_WORDS; ++j) {
+            const int wd = row_word(j);
+            if (wd >= words) continue;
+            float y[V];
+#pragma unroll
+            for (int k = 0; k < V; ++k) y[k] = r.v[j][k] * inv_rms * ld(w + wd * V + k);
+            store_word<T, V>(out + row * d + wd * V, y);
+        }
+    }
+}
+
+// The DiT's q/k preparation: rms_norm_rows over the row of d = heads · head_dim, its result rounded to
+// T (as rms_norm stores it), then RoPE on interleaved pairs as rope.cu's apply_rope, with row r at
+// sequence position r % seq of the f32 cos/sin tables [seq, head_dim / 2]. A word never splits a
+// pair (V is even); head_dim must be even.
+template <typename T, typename W>
+__device__ void rms_norm_rope_rows(const T* x, const W* w, const float* cos_t, const float* sin_t, T* out,
+                                   i64 rows, i64 seq, int d, int head_dim, float eps) {
+    constexpr int V = Row<T>::V;
+    const int words = d / V, pairs = head_dim / 2;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        Row<T> r;
+        load_row(x + row * d, words, r);
+        const float inv_rms = 1.0f / sqrtf(row_sum(r, words, 0.0f, true) / d + eps);
+        const float* cs = cos_t + (row % seq) * pairs;
+        const float* sn = sin_t + (row % seq) * pairs;
+#pragma unroll
+        for (int j = 0; j < ROW_WORDS; ++j) {
+            const int wd = row_word(j);
+            if (wd >= words) continue;
+            float y[V];
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                T rounded;
+                st(&rounded, r.v[j][k] * inv_rms * ld(w + wd * V + k));
+                y[k] = ld(&rounded);
+            }
+#pragma unroll
+            for (int k = 0; k < V; k += 2) {
+                const int p = ((wd * V + k) % head_dim) / 2;
+                const float c = cs[p], s = sn[p], x0 = y[k], x1 = y[k + 1];
+                y[k] = x0 * c - x1 * s;
+                y[k + 1] = x0 * s + x1 * c;
+            }
+            store_word<T, V>(out + row * d + wd * V, y);
+        }
     }
 }
 
@@ -182,6 +368,18 @@ __device__ void rms_norm_channels(const T* x, const W* gamma, const W* bias, T* 
                                                     float eps) { \
         rms_norm(x, w, out, rows, d, eps); \
     } \
+    extern "C" __global__ void layer_norm_rows_##TN##_##WN(const T* x, const W* w, const W* b, T* out, \
+                                                           i64 rows, int d, float eps, int has_w, int has_b) { \
+        layer_norm_rows(x, w, b, out, rows, d, eps, has_w, has_b); \
+    } \
+    extern "C" __global__ void rms_norm_rows_##TN##_##WN(const T* x, const W* w, T* out, i64 rows, int d, \
+                                                         float eps) { \
+        rms_norm_rows(x, w, out, rows, d, eps); \
+    } \
+    extern "C" __global__ void rms_norm_rope_rows_##TN##_##WN(const T* x, const W* w, const float* cos_t, \
+            const float* sin_t, T* out, i64 rows, i64 seq, int d, int head_dim, float eps) { \
+        rms_norm_rope_rows(x, w, cos_t, sin_t, out, rows, seq, d, head_dim, eps); \
+    } \
     RMS_CHANNELS(rms_norm_channels_##TN##_##WN, false, T, W) \
     RMS_CHANNELS(rms_norm_channels_silu_##TN##_##WN, true, T, W)
 FOR_TYPES2(NORMS)
@@ -191,5 +389,10 @@ FOR_TYPES2(NORMS)
                                                               const float* scale, O* out, i64 rows, \
                                                               int d, i64 rows_per_mod, float eps) { \
         layer_norm_modulate(x, shift, scale, out, rows, d, rows_per_mod, eps); \
+    } \
+    extern "C" __global__ void layer_norm_modulate_rows_##TN##_##ON(const T* x, const float* shift, \
+                                                                   const float* scale, O* out, i64 rows, \
+                                                                   int d, i64 rows_per_mod, float eps) { \
+        layer_norm_modulate_rows(x, shift, scale, out, rows, d, rows_per_mod, eps); \
     }
 FOR_TYPES2(NORM_MODULATE)

@@ -200,3 +200,32 @@ fn layer_norm_modulate_refuses_other_broadcasts() -> Result<()> {
     layer_norm_modulate(&x, &one, &one, 1e-6, DType::F32)?;
     Ok(())
 }
+
+/// The fused q/k op is `apply_rope(rms_norm(x))` split into heads (on the CPU, bit for bit: it is that
+/// composition, the norm rounded to x's dtype in between), and bad shapes name the rule.
+#[test]
+fn rms_norm_rope_is_the_two_ops_and_checks_its_shapes() -> Result<()> {
+    let (b, s, heads, hd) = (2, 6, 3, 12);
+    let (cos, sin) = crate::rope_tables_3d([1, 2, 3], hd, 1e4, Device::Cpu)?;
+    let w = Tensor::randn(&[heads * hd], DType::F32, 31, Device::Cpu)?;
+    for dtype in [DType::F32, DType::BF16] {
+        let x = Tensor::randn(&[b, s, heads * hd], dtype, 30, Device::Cpu)?;
+        let fused = rms_norm_rope(&x, &w, 1e-6, &cos, &sin, heads)?;
+        assert_eq!(fused.shape(), [b, s, heads, hd]);
+        assert_eq!(fused.dtype(), dtype);
+        let normed = rms_norm(&x, &w, 1e-6)?.reshape(&[b, s, heads, hd])?;
+        let unfused = crate::apply_rope(&normed, &cos, &sin)?;
+        assert_eq!(fused.to_vec_f32()?, unfused.to_vec_f32()?);
+    }
+    let x = Tensor::zeros(&[b, s, heads * hd], DType::F32, Device::Cpu)?;
+    let e = rms_norm_rope(&x, &w, 1e-6, &cos, &sin, 5)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("H = 5") && e.contains("[2, 6, 36]"), "{e}");
+    let short = cos.narrow(0, 0, 4)?;
+    let e = rms_norm_rope(&x, &w, 1e-6, &short, &sin, heads)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[S, hd/2]") && e.contains("[4, 6]"), "{e}");
+    Ok(())
+}

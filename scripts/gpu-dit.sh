@@ -8,7 +8,9 @@
 #      carried wheel is unpacked to /tmp and put on PYTHONPATH);
 #   4. with --full: both again at 480p 81 frames (32,760 tokens), ours one warm-up then two timed
 #      forwards (~1.2 s each);
-#   5. a short table last: the parity summary, then ours vs diffusers and the ratio.
+#   5. with --full, where Nsight Systems is installed: the GPU kernels of ours at 480p 81 frames
+#      (one warm-up and one timed forward), summed per kernel name, the top 25 (the itemised "rest");
+#   6. a short table last: the parity summary, then ours vs diffusers and the ratio.
 # Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu.
 # Exits non-zero if any step failed (the table is printed anyway).
 set -uo pipefail
@@ -75,6 +77,26 @@ run_pair 480p5f --height 480 --width 832 --frames 5
 if [ "$full" -eq 1 ]; then
   OURS_ITERS="--warmup 1 --iters 2"
   run_pair 480p81f --height 480 --width 832 --frames 81
+  NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -n 1)
+  if [ -n "$NSYS" ] && [ -x "$NSYS" ]; then
+    step "kernels of ours, 480p81f, 2 forwards (nsys: total ms, launches, name)"
+    timeout 300 "$NSYS" profile --force-overwrite true --trace cuda -o "$LOGS/dit_481f" \
+      target/gpu/dit_step --height 480 --width 832 --frames 81 --warmup 1 --iters 1 --no-split \
+      > "$LOGS/nsys_profile.log" 2>&1
+    timeout 200 "$NSYS" stats --report cuda_gpu_kern_sum --format csv --output - "$LOGS/dit_481f.nsys-rep" \
+      2> "$LOGS/nsys_stats.err" | python3 -c '
+import csv, sys
+rows = [r for r in csv.reader(sys.stdin) if len(r) > 8]
+head, body = rows[0], rows[1:]
+ti, ni, na = head.index("Total Time (ns)"), head.index("Instances"), head.index("Name")
+total = sum(float(r[ti]) for r in body)
+print(f"all kernels: {total / 1e6:.1f} ms")
+for r in sorted(body, key=lambda r: -float(r[ti]))[:25]:
+    print(f"{float(r[ti]) / 1e6:10.1f} {r[ni]:>7}  {r[na][:110]}")
+' || echo "nsys stats failed (see $LOGS/nsys_stats.err)"
+  else
+    echo "(nsys not installed: no kernel breakdown)"
+  fi
 fi
 
 step "summary"

@@ -105,22 +105,29 @@ fn block_rest_ops(
             })?,
         ),
         (
-            "rms_norm q/k (×3)",
-            3.0,
+            "rms_norm (cross-attention q: ×1)",
+            2.0,
             median_per_call(device, 1, reps, 1, || Ok(k::rms_norm(&x, &w, 1e-6)?))?,
         ),
         (
-            "apply_rope (×2)",
+            "rms_norm_rope (self-attention q, k: ×2)",
+            2.0,
+            median_per_call(device, 1, reps, 1, || {
+                Ok(k::rms_norm_rope(&x, &w, 1e-6, &cos, &sin, heads)?)
+            })?,
+        ),
+        (
+            "apply_rope (fused into rms_norm_rope: ×0)",
             2.0,
             median_per_call(device, 1, reps, 1, || Ok(k::apply_rope(&q, &cos, &sin)?))?,
         ),
         (
-            "gated_residual (×2)",
+            "gated_residual (in the GEMMs: ×0)",
             3.0,
             median_per_call(device, 1, reps, 1, || Ok(k::gated_residual(&x, &y, &m)?))?,
         ),
         (
-            "add (×1)",
+            "add (in the GEMM: ×0)",
             3.0,
             median_per_call(device, 1, reps, 1, || Ok(k::add(&x, &y)?))?,
         ),
@@ -132,17 +139,18 @@ fn block_rest_ops(
             })?,
         ),
         (
-            "gelu_tanh [L, FFN] (fused into the FFN's GEMM: ×0)",
+            "gelu_tanh [L, FFN] (in the FFN's GEMM: ×0)",
             2.0 * ffn as f64 / d as f64,
             median_per_call(device, 1, reps, 1, || Ok(k::gelu_tanh(&up)?))?,
         ),
     ];
-    let calls = [2.0, 2.0, 3.0, 2.0, 2.0, 1.0, 1.0, 0.0];
+    let calls = [0.0, 2.0, 1.0, 2.0, 0.0, 0.0, 0.0, 1.0, 0.0];
     for ((what, passes, secs), calls) in ops.iter().zip(calls) {
         println!(
-            "RESULT\tours\trest op {what}\t{:.3}\tms\t{:.0}\tGB/s",
+            "RESULT\tours\trest op {what}\t{:.3}\tms\t{:.0}\tGB/s\t({:.3} ms per call)",
             secs * 1e3 * calls * n,
-            passes * act / secs / 1e9
+            passes * act / secs / 1e9,
+            secs * 1e3
         );
     }
     Ok(())
@@ -250,17 +258,71 @@ fn main() -> Result<()> {
         let w_down = Tensor::randn(&[d, ffn], DType::BF16, 10, device)?;
         let bias_d = Tensor::randn(&[d], DType::BF16, 11, device)?;
         let bias_f = Tensor::randn(&[ffn], DType::BF16, 12, device)?;
+        let gate = Tensor::randn(&[1, 1, d], DType::F32, 13, device)?;
         let linears = median_per_call(device, 1, reps, 1, || {
-            // self q/k/v/o and cross q/o over the video tokens, cross k/v over the text, the FFN.
-            for _ in 0..6 {
+            // As the block runs them: self q/k/v and cross q over the video tokens, cross k/v over
+            // the text, the output projections and the FFN's down-projection with their residuals
+            // in the GEMM (gated: the gate folded into the weights), the FFN's up-projection + GELU.
+            for _ in 0..4 {
                 linear(&h, &w_dd, Some(&bias_d))?;
             }
             for _ in 0..2 {
                 linear(&txt, &w_dd, Some(&bias_d))?;
             }
+            k::linear_residual(&h, &w_dd, Some(&bias_d), &h, Some(&gate))?;
+            k::linear_residual(&h, &w_dd, Some(&bias_d), &h, None)?;
             k::linear_gelu_tanh(&h, &w_up, &bias_f)?;
-            Ok(linear(&h_ffn, &w_down, Some(&bias_d))?)
+            Ok(k::linear_residual(
+                &h_ffn,
+                &w_down,
+                Some(&bias_d),
+                &h,
+                Some(&gate),
+            )?)
         })?;
+        // The residual branches: projection then gated_residual / add (before) against the
+        // residual in the GEMM (now), self-attention's and the FFN's gated ones and cross-attention's.
+        let residual_unfused = median_per_call(device, 1, reps, 1, || {
+            k::gated_residual(&h, &linear(&h, &w_dd, Some(&bias_d))?, &gate)?;
+            k::add(&h, &linear(&h, &w_dd, Some(&bias_d))?)?;
+            Ok(k::gated_residual(
+                &h,
+                &linear(&h_ffn, &w_down, Some(&bias_d))?,
+                &gate,
+            )?)
+        })?;
+        let residual_fused = median_per_call(device, 1, reps, 1, || {
+            k::linear_residual(&h, &w_dd, Some(&bias_d), &h, Some(&gate))?;
+            k::linear_residual(&h, &w_dd, Some(&bias_d), &h, None)?;
+            Ok(k::linear_residual(
+                &h_ffn,
+                &w_down,
+                Some(&bias_d),
+                &h,
+                Some(&gate),
+            )?)
+        })?;
+        println!(
+            "RESULT\tours\tresidual branches (3 GEMMs + residuals), unfused → fused (×{layers})\t{:.3} → {:.3}\tms",
+            residual_unfused * 1e3 * layers as f64,
+            residual_fused * 1e3 * layers as f64
+        );
+        // The q/k preparation: rms_norm then apply_rope (before) against one pass (now), q and k.
+        let w_norm = Tensor::randn(&[d], DType::BF16, 14, device)?;
+        let grid = [latent[2], latent[3] / 2, latent[4] / 2];
+        let (cos, sin) = k::rope_tables_3d(grid, hd, 10_000.0, device)?;
+        let qk_unfused = median_per_call(device, 1, reps, 1, || {
+            let n = k::rms_norm(&h, &w_norm, 1e-6)?.reshape(&[1, l, heads, hd])?;
+            Ok(k::apply_rope(&n, &cos, &sin)?)
+        })?;
+        let qk_fused = median_per_call(device, 1, reps, 1, || {
+            Ok(k::rms_norm_rope(&h, &w_norm, 1e-6, &cos, &sin, heads)?)
+        })?;
+        println!(
+            "RESULT\tours\tq/k rms_norm + rope, unfused → fused (×2×{layers})\t{:.3} → {:.3}\tms",
+            qk_unfused * 2e3 * layers as f64,
+            qk_fused * 2e3 * layers as f64
+        );
         // The FFN's up-projection and GELU: as two ops (before) and fused into the GEMM (now).
         let up_unfused = median_per_call(device, 1, reps, 1, || {
             Ok(k::gelu_tanh(&linear(&h, &w_up, Some(&bias_f))?)?)

@@ -12,12 +12,16 @@
 //! keeps f32 exactly where diffusers does (`_keep_in_fp32_modules`, the `.float()` calls of its
 //! block): the time embedder, both `scale_shift_table`s and the modulation sums, `norm1`/`norm3`/
 //! `norm_out` with their modulation (one rounding after `LN(x)·(1 + scale) + shift`), `norm2`'s
-//! affine parameters, and the gated residuals.
+//! affine parameters, and the gated residuals — these are summed in the output projections' f32
+//! GEMM accumulator (`linear_residual`), with the f32 gate folded into the bf16 weights: the one
+//! place where our roundings differ from diffusers' (its projection output is rounded to bf16
+//! before the gate; ours are the folded weights), by about one bf16 ulp of the branch either way.
 
 use ditstream_kernels::weights::WeightSource;
 use ditstream_kernels::{
-    AttentionOptions, DType, Device, Tensor, apply_rope, attention, gated_residual, gelu_tanh,
-    layer_norm, layer_norm_modulate, linear, linear_gelu_tanh, rms_norm, rope_tables_3d, silu,
+    AttentionOptions, DType, Device, Tensor, attention, gated_residual, gelu_tanh, layer_norm,
+    layer_norm_modulate, linear, linear_gelu_tanh, linear_residual, rms_norm, rms_norm_rope,
+    rope_tables_3d, silu,
 };
 
 use super::{ModelError, WanConfig};
@@ -107,6 +111,23 @@ impl Linear {
         Ok(match &self.bias {
             Some(bias) => linear_gelu_tanh(x, &self.weight, bias)?,
             None => gelu_tanh(&linear(x, &self.weight, None)?)?,
+        })
+    }
+
+    /// `residual + forward(x) ⊙ gate` (no gate: `residual + forward(x)`) with the residual added in
+    /// the GEMM (`linear_residual`: a per-sample gate folds into the weights); a per-token gate
+    /// ([B, L, D], L > 1) takes the projection then `gated_residual`.
+    fn forward_residual(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        gate: Option<&Tensor>,
+    ) -> Result<Tensor, ModelError> {
+        Ok(match gate {
+            Some(g) if g.rank() == 3 && g.shape()[1] > 1 => {
+                gated_residual(residual, &self.forward(x)?, g)?
+            }
+            _ => linear_residual(x, &self.weight, self.bias.as_ref(), residual, gate)?,
         })
     }
 }
@@ -486,16 +507,29 @@ impl WanTransformer {
                 .collect::<Result<_, _>>()?
         };
 
-        // Self-attention: h = LN(x)·(1 + m1) + m0; q/k RMSNorm across heads, RoPE, attention.
+        // Self-attention: h = LN(x)·(1 + m1) + m0; q/k RMSNorm across heads and RoPE (one pass
+        // each), attention, then x + to_out(o)·m2 in the output projection's GEMM.
         let h = norm_modulate(x, &m[0], &m[1], eps, self.dtype)?;
         let a = &blk.attn1;
-        let q = rms_norm(&a.to_q.forward(&h)?, &a.norm_q, eps)?.reshape(&[b, l, heads, hd])?;
-        let k = rms_norm(&a.to_k.forward(&h)?, &a.norm_k, eps)?.reshape(&[b, l, heads, hd])?;
+        let q = rms_norm_rope(
+            &a.to_q.forward(&h)?,
+            &a.norm_q,
+            eps,
+            rope_cos,
+            rope_sin,
+            heads,
+        )?;
+        let k = rms_norm_rope(
+            &a.to_k.forward(&h)?,
+            &a.norm_k,
+            eps,
+            rope_cos,
+            rope_sin,
+            heads,
+        )?;
         let v = a.to_v.forward(&h)?.reshape(&[b, l, heads, hd])?;
-        let q = apply_rope(&q, rope_cos, rope_sin)?;
-        let k = apply_rope(&k, rope_cos, rope_sin)?;
         let o = attn.attend(&q, &k, &v)?.reshape(&[b, l, d])?;
-        let x = gated_residual(x, &a.to_out.forward(&o)?, &m[2])?;
+        let x = a.to_out.forward_residual(&o, x, Some(&m[2]))?;
 
         // Cross-attention to the text: no RoPE, no mask, no gate.
         let h = match &blk.norm2 {
@@ -514,12 +548,12 @@ impl WanTransformer {
         let o = attention(&q, &k, &v, AttentionOptions::default())?
             .0
             .reshape(&[b, l, d])?;
-        let x = ditstream_kernels::add(&x, &a.to_out.forward(&o)?)?;
+        let x = a.to_out.forward_residual(&o, &x, None)?;
 
-        // Feed-forward: h = LN(x)·(1 + m4) + m3; x + W2·GELU(W1·h)·m5.
+        // Feed-forward: h = LN(x)·(1 + m4) + m3; x + W2·GELU(W1·h)·m5 (the residual in W2's GEMM).
         let h = norm_modulate(&x, &m[3], &m[4], eps, self.dtype)?;
-        let f = blk.ffn_out.forward(&blk.ffn_in.forward_gelu(&h)?)?;
-        Ok(gated_residual(&x, &f, &m[5])?)
+        let f = blk.ffn_in.forward_gelu(&h)?;
+        blk.ffn_out.forward_residual(&f, &x, Some(&m[5]))
     }
 
     /// Output norm, projection and unpatchify: tokens [B, L, D] (all of them, in order) and temb

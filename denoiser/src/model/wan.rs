@@ -17,6 +17,8 @@
 //! place where our roundings differ from diffusers' (its projection output is rounded to bf16
 //! before the gate; ours are the folded weights), by about one bf16 ulp of the branch either way.
 
+use std::sync::{Arc, Mutex};
+
 use ditstream_kernels::weights::WeightSource;
 use ditstream_kernels::{
     AttentionOptions, DType, Device, Tensor, attention, gated_residual, gelu_tanh, layer_norm,
@@ -206,6 +208,18 @@ pub struct WanTransformer {
     /// [1, 2, D]: shift and scale of the output norm.
     scale_shift_table: Tensor,
     proj_out: Linear,
+    /// The RoPE tables of the last token grid, on the device: every step of a request uses the same
+    /// grid, and building them is ~10⁶ f64 cos/sin on the host (tens of ms at 480p 81 frames, while
+    /// the GPU waits for the forward's first kernels).
+    rope_cache: Arc<Mutex<Option<RopeTables>>>,
+}
+
+/// RoPE cos/sin tables for one token grid.
+#[derive(Debug)]
+struct RopeTables {
+    grid: [usize; 3],
+    cos: Tensor,
+    sin: Tensor,
 }
 
 impl WanTransformer {
@@ -301,6 +315,7 @@ impl WanTransformer {
             blocks,
             scale_shift_table: ws.tensor("scale_shift_table", &[1, 2, d], DType::F32)?,
             proj_out: Linear::load(ws, "proj_out", out_features, d, dtype)?,
+            rope_cache: Arc::default(),
             cfg,
             dtype,
             device,
@@ -450,8 +465,7 @@ impl WanTransformer {
         let (t1, t2) = &self.text_embedder;
         let context = context.to_device(self.device)?.to_dtype(self.dtype)?;
         let context = t2.forward(&t1.forward_gelu(&context)?)?;
-        let (rope_cos, rope_sin) =
-            rope_tables_3d(grid, cfg.attention_head_dim, ROPE_THETA, self.device)?;
+        let (rope_cos, rope_sin) = self.rope_tables(grid)?;
         Ok((
             tokens,
             Conditioning {
@@ -463,6 +477,22 @@ impl WanTransformer {
                 grid,
             },
         ))
+    }
+
+    /// The RoPE tables of `grid` on the model's device, built once per grid (see `rope_cache`).
+    fn rope_tables(&self, grid: [usize; 3]) -> Result<(Tensor, Tensor), ModelError> {
+        let mut cache = self.rope_cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = cache.as_ref().filter(|t| t.grid == grid) {
+            return Ok((t.cos.clone(), t.sin.clone()));
+        }
+        let (cos, sin) =
+            rope_tables_3d(grid, self.cfg.attention_head_dim, ROPE_THETA, self.device)?;
+        *cache = Some(RopeTables {
+            grid,
+            cos: cos.clone(),
+            sin: sin.clone(),
+        });
+        Ok((cos, sin))
     }
 
     /// Number of blocks.

@@ -71,10 +71,11 @@ pub fn linear_gelu_tanh(x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tensor>
 /// and dtype, with the residual added in the GEMM's f32 accumulator (cuBLASLt's C with beta 1) and
 /// the sum rounded once, so neither the projection nor the residual costs a pass over memory.
 ///
-/// x [.., in], w [out, in], bias `[out]`, residual x's shape with `out` last. `gate` (any dtype) is
-/// per output feature and either shared ([out], [1, out], [1, 1, out]) or per sample ([B, 1, out] for
-/// x [B, L, in]); a per-token gate is refused (use `linear` then `gated_residual`). It is folded
-/// into the weights: sample b multiplies by W_b = g_b ⊙ W (row o scaled by g_b[o]) and adds
+/// x `[.., in]`, w `[out, in]`, bias `[out]`, residual x's shape with `out` last. `gate` (any dtype)
+/// is per output feature and either shared (`[out]`, `[1, out]`, `[1, 1, out]`) or per sample
+/// (`[B, 1, out]` for x `[B, L, in]`); a per-token gate is refused (use `linear` then
+/// `gated_residual`). It is folded into the weights: sample b multiplies by W_b = g_b ⊙ W (row o
+/// scaled by `g_b[o]`) and adds
 /// g_b ⊙ bias, each product rounded to w's (bias') dtype, on the CPU and the GPU alike — so
 /// against the unfused `gated_residual(residual, linear(x, w, bias), gate)` in bf16 the projection's
 /// rounding moves from its output to its weights (about one bf16 ulp of each either way), and the

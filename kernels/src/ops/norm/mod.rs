@@ -173,10 +173,10 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     }
 }
 
-/// The DiT's q/k preparation in one pass: [`rms_norm`] over the whole last dim of x [B, S, H·hd]
+/// The DiT's q/k preparation in one pass: [`rms_norm`] over the whole last dim of x `[B, S, H·hd]`
 /// (eps, weight `[H·hd]`), its result rounded to x's dtype as `rms_norm` stores it, then
-/// [`apply_rope`] per head with cos/sin [S, hd/2] → [B, S, H, hd] in x's dtype. On the CPU it is that
-/// composition; on CUDA one kernel reads x once and writes the result once (the two ops moved the
+/// [`apply_rope`](crate::apply_rope) per head with cos/sin `[S, hd/2]` → `[B, S, H, hd]` in x's
+/// dtype. On the CPU it is that composition; on CUDA one kernel reads x once and writes the result once (the two ops moved the
 /// tensor twice each), the same maths per element, so the two agree to the norm's reduction order.
 pub fn rms_norm_rope(
     x: &Tensor,

@@ -157,76 +157,67 @@ __device__ __forceinline__ float2 row_mean_inv_std(const Row<T>& r, int words, i
     return make_float2(mean, 1.0f / sqrtf(var + eps));
 }
 
-template <typename T, typename W>
-__device__ void layer_norm_rows(const T* x, const W* w, const W* b, T* out, i64 rows, int d, float eps,
-                                int has_w, int has_b) {
+// The walk every rows kernel shares: each row of this block is held (load_row), `prepare(row, r,
+// words)` computes the row's statistics and returns the per-word map, and each word the thread holds
+// is written as `map(i, v, y)`: the word's V values v, starting at element i of the row → V outputs y.
+template <typename T, typename O, typename Prepare>
+__device__ __forceinline__ void map_rows(const T* x, O* out, i64 rows, int d, Prepare prepare) {
     constexpr int V = Row<T>::V;
     const int words = d / V;
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         Row<T> r;
         load_row(x + row * d, words, r);
-        const float2 st_ = row_mean_inv_std(r, words, d, eps);
+        const auto map = prepare(row, r, words);
 #pragma unroll
         for (int j = 0; j < ROW_WORDS; ++j) {
             const int wd = row_word(j);
             if (wd >= words) continue;
             float y[V];
-#pragma unroll
-            for (int k = 0; k < V; ++k) {
-                const int i = wd * V + k;
-                y[k] = (r.v[j][k] - st_.x) * st_.y;
-                if (has_w) y[k] *= ld(w + i);
-                if (has_b) y[k] += ld(b + i);
-            }
-            store_word<T, V>(out + row * d + wd * V, y);
-        }
-    }
-}
-
-template <typename T, typename O>
-__device__ void layer_norm_modulate_rows(const T* x, const float* shift, const float* scale, O* out,
-                                         i64 rows, int d, i64 rows_per_mod, float eps) {
-    constexpr int V = Row<T>::V;
-    const int words = d / V;
-    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        Row<T> r;
-        load_row(x + row * d, words, r);
-        const float2 st_ = row_mean_inv_std(r, words, d, eps);
-        const float* sh = shift + (row / rows_per_mod) * d;
-        const float* sc = scale + (row / rows_per_mod) * d;
-#pragma unroll
-        for (int j = 0; j < ROW_WORDS; ++j) {
-            const int wd = row_word(j);
-            if (wd >= words) continue;
-            float y[V];
-#pragma unroll
-            for (int k = 0; k < V; ++k) {
-                const int i = wd * V + k;
-                y[k] = (r.v[j][k] - st_.x) * st_.y * (1.0f + sc[i]) + sh[i];
-            }
+            map(wd * V, r.v[j], y);
             store_word<O, V>(out + row * d + wd * V, y);
         }
     }
 }
 
 template <typename T, typename W>
+__device__ void layer_norm_rows(const T* x, const W* w, const W* b, T* out, i64 rows, int d, float eps,
+                                int has_w, int has_b) {
+    map_rows(x, out, rows, d, [=](i64, const Row<T>& r, int words) {
+        const float2 s = row_mean_inv_std(r, words, d, eps);
+        return [=](int i, const float* v, float* y) {
+#pragma unroll
+            for (int k = 0; k < Row<T>::V; ++k) {
+                y[k] = (v[k] - s.x) * s.y;
+                if (has_w) y[k] *= ld(w + i + k);
+                if (has_b) y[k] += ld(b + i + k);
+            }
+        };
+    });
+}
+
+template <typename T, typename O>
+__device__ void layer_norm_modulate_rows(const T* x, const float* shift, const float* scale, O* out,
+                                         i64 rows, int d, i64 rows_per_mod, float eps) {
+    map_rows(x, out, rows, d, [=](i64 row, const Row<T>& r, int words) {
+        const float2 s = row_mean_inv_std(r, words, d, eps);
+        const float* sh = shift + (row / rows_per_mod) * d;
+        const float* sc = scale + (row / rows_per_mod) * d;
+        return [=](int i, const float* v, float* y) {
+#pragma unroll
+            for (int k = 0; k < Row<T>::V; ++k) y[k] = (v[k] - s.x) * s.y * (1.0f + sc[i + k]) + sh[i + k];
+        };
+    });
+}
+
+template <typename T, typename W>
 __device__ void rms_norm_rows(const T* x, const W* w, T* out, i64 rows, int d, float eps) {
-    constexpr int V = Row<T>::V;
-    const int words = d / V;
-    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        Row<T> r;
-        load_row(x + row * d, words, r);
+    map_rows(x, out, rows, d, [=](i64, const Row<T>& r, int words) {
         const float inv_rms = 1.0f / sqrtf(row_sum(r, words, 0.0f, true) / d + eps);
+        return [=](int i, const float* v, float* y) {
 #pragma unroll
-        for (int j = 0; j < ROW_WORDS; ++j) {
-            const int wd = row_word(j);
-            if (wd >= words) continue;
-            float y[V];
-#pragma unroll
-            for (int k = 0; k < V; ++k) y[k] = r.v[j][k] * inv_rms * ld(w + wd * V + k);
-            store_word<T, V>(out + row * d + wd * V, y);
-        }
-    }
+            for (int k = 0; k < Row<T>::V; ++k) y[k] = v[k] * inv_rms * ld(w + i + k);
+        };
+    });
 }
 
 // The DiT's q/k preparation: rms_norm_rows over the row of d = heads · head_dim, its result rounded to
@@ -236,35 +227,28 @@ __device__ void rms_norm_rows(const T* x, const W* w, T* out, i64 rows, int d, f
 template <typename T, typename W>
 __device__ void rms_norm_rope_rows(const T* x, const W* w, const float* cos_t, const float* sin_t, T* out,
                                    i64 rows, i64 seq, int d, int head_dim, float eps) {
-    constexpr int V = Row<T>::V;
-    const int words = d / V, pairs = head_dim / 2;
-    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        Row<T> r;
-        load_row(x + row * d, words, r);
+    const int pairs = head_dim / 2;
+    map_rows(x, out, rows, d, [=](i64 row, const Row<T>& r, int words) {
         const float inv_rms = 1.0f / sqrtf(row_sum(r, words, 0.0f, true) / d + eps);
         const float* cs = cos_t + (row % seq) * pairs;
         const float* sn = sin_t + (row % seq) * pairs;
-#pragma unroll
-        for (int j = 0; j < ROW_WORDS; ++j) {
-            const int wd = row_word(j);
-            if (wd >= words) continue;
-            float y[V];
+        return [=](int i, const float* v, float* y) {
+            constexpr int V = Row<T>::V;
 #pragma unroll
             for (int k = 0; k < V; ++k) {
                 T rounded;
-                st(&rounded, r.v[j][k] * inv_rms * ld(w + wd * V + k));
+                st(&rounded, v[k] * inv_rms * ld(w + i + k));
                 y[k] = ld(&rounded);
             }
 #pragma unroll
             for (int k = 0; k < V; k += 2) {
-                const int p = ((wd * V + k) % head_dim) / 2;
+                const int p = ((i + k) % head_dim) / 2;
                 const float c = cs[p], s = sn[p], x0 = y[k], x1 = y[k + 1];
                 y[k] = x0 * c - x1 * s;
                 y[k + 1] = x0 * s + x1 * c;
             }
-            store_word<T, V>(out + row * d + wd * V, y);
-        }
-    }
+        };
+    });
 }
 
 // x [batch, channels, positions]: y = x / max(||x[b, :, p]||, 1e-12) * sqrt(C) * gamma[c] + bias[c].

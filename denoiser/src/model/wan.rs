@@ -209,8 +209,8 @@ pub struct WanTransformer {
     scale_shift_table: Tensor,
     proj_out: Linear,
     /// The RoPE tables of the last token grid, on the device: every step of a request uses the same
-    /// grid, and building them is ~10⁶ f64 cos/sin on the host (tens of ms at 480p 81 frames, while
-    /// the GPU waits for the forward's first kernels).
+    /// grid, and building them takes an f64 cos and sin per token and pair on the host (2·10⁶ of
+    /// each at 480p 81 frames), while the GPU waits for the forward's first kernels.
     rope_cache: Arc<Mutex<Option<RopeTables>>>,
 }
 

@@ -298,6 +298,15 @@ fn norms_match_cpu() -> Result<()> {
                 atol,
                 rtol(dtype),
             );
+            // A bf16 weight (the DiT's q/k norms): the rows kernels read a word's weights as one
+            // 16-byte piece for bf16 x and one 8-byte piece for f32 x.
+            check(
+                "rms_norm_bf16_weight",
+                &k::rms_norm(&g, &gb, 1e-6)?,
+                &k::rms_norm(&x, &b, 1e-6)?,
+                atol,
+                rtol(dtype),
+            );
             // The DiT's fused norm-modulate, per sample and per token, output in x's dtype: the
             // LayerNorm's bound, and (1 + scale) ~ 1–3 times it plus shift: atol × 4.
             for mod_shape in [[3, 1, d], [3, 5, d]] {
@@ -363,15 +372,16 @@ fn rope_matches_cpu() -> Result<()> {
     // such values with |cos|, |sin| ≤ 1: × 2. In bf16 the norm is rounded before the rotation, and
     // GPU and CPU may round one normed value to neighbouring bf16s (an f32 difference straddling a
     // rounding boundary): one bf16 ulp of the largest normed value, 2⁻⁷·max|n|, on each of the
-    // pair's two terms.
-    for hd in [128, 6] {
+    // pair's two terms. 2 heads of 12 (d = 24): whole words, but in bf16 a word of 8 elements
+    // spans two heads, so the row kernel reads the tables entry by entry (in f32, 4 per word).
+    for (hd, heads) in [(128, 3), (6, 3), (12, 2)] {
         let (cos, sin) = k::rope_tables_3d(grid, hd, 1e4, Device::Cpu)?;
         let (gcos, gsin) = k::rope_tables_3d(grid, hd, 1e4, dev)?;
-        let d = 3 * hd;
+        let d = heads * hd;
         let w = randn(&[d], DType::BF16, 32);
         for dtype in [DType::F32, DType::BF16] {
             let x = randn(&[2, 24, d], dtype, 31);
-            let cpu = k::rms_norm_rope(&x, &w, 1e-6, &cos, &sin, 3)?;
+            let cpu = k::rms_norm_rope(&x, &w, 1e-6, &cos, &sin, heads)?;
             let max_normed = k::rms_norm(&x, &w, 1e-6)?
                 .to_vec_f32()?
                 .iter()
@@ -390,7 +400,7 @@ fn rope_matches_cpu() -> Result<()> {
                     1e-6,
                     &gcos,
                     &gsin,
-                    3,
+                    heads,
                 )?,
                 &cpu,
                 atol,

@@ -51,9 +51,10 @@ fn row_grid(rows: usize, threads: u32) -> LaunchConfig {
     }
 }
 
-/// The row-wise kernel `base` for rows of `d` elements of `dtype` in the buffers at `ptrs`, and its
-/// threads per block: norm.cu's register-held `<base>_rows` where it applies (d whole 16-byte words,
-/// every buffer 16-byte aligned, at most ROW_WORDS words per thread of a 1,024-thread block), else
+/// The row-wise kernel `base` for rows of `d` elements of `dtype` in the buffers at `ptrs` (the rows
+/// and the per-element parameters; a null pointer, an absent one, passes), and its threads per
+/// block: norm.cu's register-held `<base>_rows` where it applies (d whole 16-byte words, every
+/// buffer 16-byte aligned, at most ROW_WORDS words per thread of a 1,024-thread block), else
 /// the element-wise `<base>` with ROW_BLOCK threads.
 fn row_kernel(base: &str, dtype: DType, d: usize, ptrs: &[u64]) -> (String, u32) {
     const ROW_WORDS: usize = 4; // norm.cu
@@ -87,7 +88,7 @@ pub(super) fn layer_norm(
             ptr_or_null(op, params[1].as_ref())?,
             out.ptr(),
         );
-        let (kernel, threads) = row_kernel("layer_norm", x.dtype(), d, &[xp, outp]);
+        let (kernel, threads) = row_kernel("layer_norm", x.dtype(), d, &[xp, outp, wp, bp]);
         let name = format!("{kernel}_{}_{}", suffix(x.dtype()), suffix(wdtype));
         let f = backend.function(&SOURCE, &name)?;
         let (rows_i, d_i) = (rows as i64, int(op, "d", d)?);
@@ -134,7 +135,8 @@ pub(super) fn layer_norm_modulate(
         );
         // The rows kernel stores a word of x's elements in out's dtype: 16 or 8 bytes, or element by
         // element for f32 out of bf16 x; out is aligned as x is (a fresh allocation).
-        let (kernel, threads) = row_kernel("layer_norm_modulate", x.dtype(), d, &[xp, outp]);
+        let (kernel, threads) =
+            row_kernel("layer_norm_modulate", x.dtype(), d, &[xp, outp, shp, scp]);
         let name = format!("{kernel}_{}_{}", suffix(x.dtype()), suffix(out_dtype));
         let f = backend.function(&SOURCE, &name)?;
         let (rows_i, d_i, per_i) = (rows as i64, int(op, "d", d)?, rows_per_mod as i64);
@@ -163,7 +165,7 @@ pub(super) fn rms_norm(
     let rows = x.numel().checked_div(d).unwrap_or(0);
     if rows > 0 {
         let (xp, wp, outp) = (sx.ptr(), weight.cuda_storage(op)?.ptr(), out.ptr());
-        let (kernel, threads) = row_kernel("rms_norm", x.dtype(), d, &[xp, outp]);
+        let (kernel, threads) = row_kernel("rms_norm", x.dtype(), d, &[xp, outp, wp]);
         let name = format!("{kernel}_{}_{}", suffix(x.dtype()), suffix(weight.dtype()));
         let f = backend.function(&SOURCE, &name)?;
         let (rows_i, d_i) = (rows as i64, int(op, "d", d)?);
@@ -200,22 +202,22 @@ pub(super) fn rms_norm_rope(
     let sx = x.cuda_storage(op)?;
     let backend = CudaBackend::get(sx.ordinal)?;
     let out = backend.alloc(x.dtype(), x.numel())?;
-    let (kernel, threads) = row_kernel("rms_norm_rope", x.dtype(), d, &[sx.ptr(), out.ptr()]);
+    let (cos, sin) = (cos.to_dtype(DType::F32)?, sin.to_dtype(DType::F32)?);
+    let (xp, wp, cp, sp, outp) = (
+        sx.ptr(),
+        weight.cuda_storage(op)?.ptr(),
+        cos.cuda_storage(op)?.ptr(),
+        sin.cuda_storage(op)?.ptr(),
+        out.ptr(),
+    );
+    let (kernel, threads) = row_kernel("rms_norm_rope", x.dtype(), d, &[xp, outp, wp, cp, sp]);
     if kernel == "rms_norm_rope" {
         let normed = rms_norm(op, x, weight, d, eps)?.reshape(out_shape)?;
-        return crate::apply_rope(&normed, cos, sin);
+        return crate::apply_rope(&normed, &cos, &sin);
     }
     if rows > 0 {
-        let (cos, sin) = (cos.to_dtype(DType::F32)?, sin.to_dtype(DType::F32)?);
         let name = format!("{kernel}_{}_{}", suffix(x.dtype()), suffix(weight.dtype()));
         let f = backend.function(&SOURCE, &name)?;
-        let (xp, wp, cp, sp, outp) = (
-            sx.ptr(),
-            weight.cuda_storage(op)?.ptr(),
-            cos.cuda_storage(op)?.ptr(),
-            sin.cuda_storage(op)?.ptr(),
-            out.ptr(),
-        );
         let (rows_i, seq_i, d_i, hd_i) = (
             rows as i64,
             seq as i64,

@@ -133,6 +133,33 @@ __device__ __forceinline__ void store_word(O* dst, const float* v) {
     }
 }
 
+// The V per-element parameters p[0..V) of a word (a weight, a bias, a modulation row, a RoPE table
+// row) as f32, in 16-byte loads (8-byte where V·sizeof(W) is 8). Lane by lane these follow the row's
+// words, so a warp reads each 32-byte sector of the parameters once; V scalar loads, one element per
+// lane at a time, made the L1 serve each sector V times, which bounded the kernels at ~1.5 TB/s with
+// f32 parameters. Needs p aligned to min(16, V·sizeof(W)) bytes (the host checks the base pointers;
+// words start at multiples of V).
+template <typename W, int V>
+__device__ __forceinline__ void load_params(const W* p, float* out) {
+    constexpr int BYTES = V * sizeof(W);
+    static_assert(BYTES % 8 == 0, "a word's parameters are whole 8-byte pieces");
+    if constexpr (BYTES % 16 == 0) {
+        constexpr int PER = 16 / sizeof(W);
+#pragma unroll
+        for (int c = 0; c < BYTES / 16; ++c) {
+            const uint4 w = reinterpret_cast<const uint4*>(p)[c];
+            const W* e = reinterpret_cast<const W*>(&w);
+#pragma unroll
+            for (int k = 0; k < PER; ++k) out[c * PER + k] = ld(e + k);
+        }
+    } else {
+        const uint2 w = *reinterpret_cast<const uint2*>(p);
+        const W* e = reinterpret_cast<const W*>(&w);
+#pragma unroll
+        for (int k = 0; k < V; ++k) out[k] = ld(e + k);
+    }
+}
+
 // Sum over the row of v (one pass over the registers), to every thread of the block.
 template <typename T>
 __device__ __forceinline__ float row_sum(const Row<T>& r, int words, float centre, bool square) {
@@ -185,11 +212,15 @@ __device__ void layer_norm_rows(const T* x, const W* w, const W* b, T* out, i64 
     map_rows(x, out, rows, d, [=](i64, const Row<T>& r, int words) {
         const float2 s = row_mean_inv_std(r, words, d, eps);
         return [=](int i, const float* v, float* y) {
+            constexpr int V = Row<T>::V;
+            float wv[V], bv[V];
+            if (has_w) load_params<W, V>(w + i, wv);
+            if (has_b) load_params<W, V>(b + i, bv);
 #pragma unroll
-            for (int k = 0; k < Row<T>::V; ++k) {
+            for (int k = 0; k < V; ++k) {
                 y[k] = (v[k] - s.x) * s.y;
-                if (has_w) y[k] *= ld(w + i + k);
-                if (has_b) y[k] += ld(b + i + k);
+                if (has_w) y[k] *= wv[k];
+                if (has_b) y[k] += bv[k];
             }
         };
     });
@@ -203,8 +234,12 @@ __device__ void layer_norm_modulate_rows(const T* x, const float* shift, const f
         const float* sh = shift + (row / rows_per_mod) * d;
         const float* sc = scale + (row / rows_per_mod) * d;
         return [=](int i, const float* v, float* y) {
+            constexpr int V = Row<T>::V;
+            float shv[V], scv[V];
+            load_params<float, V>(sh + i, shv);
+            load_params<float, V>(sc + i, scv);
 #pragma unroll
-            for (int k = 0; k < Row<T>::V; ++k) y[k] = (v[k] - s.x) * s.y * (1.0f + sc[i + k]) + sh[i + k];
+            for (int k = 0; k < V; ++k) y[k] = (v[k] - s.x) * s.y * (1.0f + scv[k]) + shv[k];
         };
     });
 }
@@ -214,8 +249,11 @@ __device__ void rms_norm_rows(const T* x, const W* w, T* out, i64 rows, int d, f
     map_rows(x, out, rows, d, [=](i64, const Row<T>& r, int words) {
         const float inv_rms = 1.0f / sqrtf(row_sum(r, words, 0.0f, true) / d + eps);
         return [=](int i, const float* v, float* y) {
+            constexpr int V = Row<T>::V;
+            float wv[V];
+            load_params<W, V>(w + i, wv);
 #pragma unroll
-            for (int k = 0; k < Row<T>::V; ++k) y[k] = v[k] * inv_rms * ld(w + i + k);
+            for (int k = 0; k < V; ++k) y[k] = v[k] * inv_rms * wv[k];
         };
     });
 }
@@ -234,16 +272,31 @@ __device__ void rms_norm_rope_rows(const T* x, const W* w, const float* cos_t, c
         const float* sn = sin_t + (row % seq) * pairs;
         return [=](int i, const float* v, float* y) {
             constexpr int V = Row<T>::V;
+            float wv[V];
+            load_params<W, V>(w + i, wv);
 #pragma unroll
             for (int k = 0; k < V; ++k) {
                 T rounded;
-                st(&rounded, v[k] * inv_rms * ld(w + i + k));
+                st(&rounded, v[k] * inv_rms * wv[k]);
                 y[k] = ld(&rounded);
+            }
+            // The word's V / 2 pairs: consecutive table entries when a word stays within one head
+            // (head_dim a multiple of V, the DiT's case), loaded as one piece; else entry by entry.
+            float cv[V / 2], sv[V / 2];
+            if (head_dim % V == 0) {
+                load_params<float, V / 2>(cs + (i % head_dim) / 2, cv);
+                load_params<float, V / 2>(sn + (i % head_dim) / 2, sv);
+            } else {
+#pragma unroll
+                for (int k = 0; k < V; k += 2) {
+                    const int p = ((i + k) % head_dim) / 2;
+                    cv[k / 2] = cs[p];
+                    sv[k / 2] = sn[p];
+                }
             }
 #pragma unroll
             for (int k = 0; k < V; k += 2) {
-                const int p = ((i + k) % head_dim) / 2;
-                const float c = cs[p], s = sn[p], x0 = y[k], x1 = y[k + 1];
+                const float c = cv[k / 2], s = sv[k / 2], x0 = y[k], x1 = y[k + 1];
                 y[k] = x0 * c - x1 * s;
                 y[k + 1] = x0 * s + x1 * c;
             }

@@ -10,6 +10,8 @@
 #      forwards (~1.2 s each);
 #   5. with --full, where Nsight Systems is installed: the GPU kernels of ours at 480p 81 frames
 #      (one warm-up and one timed forward), summed per kernel name, the top 25 (the itemised "rest");
+#      where only Nsight Compute is, every kernel of one forward timed by ncu, summed per name, and
+#      the launches of one middle block in order (scripts/lib/kernel-times.py);
 #   6. a short table last: the parity summary, then ours vs diffusers and the ratio.
 # Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu.
 # Exits non-zero if any step failed (the table is printed anyway).
@@ -94,8 +96,19 @@ print(f"all kernels: {total / 1e6:.1f} ms")
 for r in sorted(body, key=lambda r: -float(r[ti]))[:25]:
     print(f"{float(r[ti]) / 1e6:10.1f} {r[ni]:>7}  {r[na][:110]}")
 ' || echo "nsys stats failed (see $LOGS/nsys_stats.err)"
+  elif command -v ncu >/dev/null || [ -x /usr/local/cuda/bin/ncu ]; then
+    # No nsys: Nsight Compute times every kernel of one forward (serialised, so launch gaps do not
+    # show; ours' wall time minus this sum is what the gaps and the host cost). L2 is not flushed and
+    # the clocks are left alone, so each kernel runs as it does in the forward.
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    step "kernels of ours, 480p81f, 1 forward (ncu gpu__time_duration: total ms, launches, name)"
+    timeout 400 "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+      --csv --print-units base target/gpu/dit_step --height 480 --width 832 --frames 81 \
+      --warmup 0 --iters 1 --no-split > "$LOGS/ncu_dit_481f.csv" 2> "$LOGS/ncu_dit_481f.err"
+    python3 scripts/lib/kernel-times.py "$LOGS/ncu_dit_481f.csv" \
+      || echo "ncu kernel times failed (see $LOGS/ncu_dit_481f.err)"
   else
-    echo "(nsys not installed: no kernel breakdown)"
+    echo "(neither nsys nor ncu installed: no kernel breakdown)"
   fi
 fi
 

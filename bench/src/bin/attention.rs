@@ -14,7 +14,10 @@
 //! first shape (one call, ~1 s), and every variant against the automatic choice at every shape, printed
 //! as `CHECK` lines (max |diff| of out, max |diff| of lse).
 //!
-//! Output: `RESULT\tours\t<kernel>\t(B,H,S,D)\t<ms>\t<TFLOP/s>` lines.
+//! A shape may name a key length of its own (`B,H,S,D,S_kv`, e.g. the DiT's cross-attention to 512
+//! text tokens: `1,12,32760,128,512`); FLOPs are then 4·B·H·S·S_kv·D.
+//!
+//! Output: `RESULT\tours\t<kernel>\t(B,H,S,D[,S_kv])\t<ms>\t<TFLOP/s>` lines.
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -28,7 +31,7 @@ use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention};
 #[derive(Parser, Debug)]
 #[command(about = "Time our attention forward (bf16, D = 128) at the DiT shapes")]
 struct Args {
-    /// Shapes as B,H,S (D = 128) or B,H,S,D, separated by spaces.
+    /// Shapes as B,H,S (D = 128), B,H,S,D or B,H,S,D,S_kv (keys ≠ queries), separated by spaces.
     #[arg(
         long,
         num_args = 1..,
@@ -55,16 +58,17 @@ struct Args {
     hopper_only: bool,
 }
 
-fn parse_shape(s: &str) -> Result<[usize; 4]> {
+fn parse_shape(s: &str) -> Result<[usize; 5]> {
     let v: Vec<usize> = s
         .split(',')
         .map(|x| x.trim().parse::<usize>())
         .collect::<std::result::Result<_, _>>()
-        .with_context(|| format!("shape {s:?}: expected B,H,S[,D]"))?;
+        .with_context(|| format!("shape {s:?}: expected B,H,S[,D[,S_kv]]"))?;
     match v[..] {
-        [b, h, seq] => Ok([b, h, seq, 128]),
-        [b, h, seq, d] => Ok([b, h, seq, d]),
-        _ => bail!("shape {s:?}: expected B,H,S[,D]"),
+        [b, h, seq] => Ok([b, h, seq, 128, seq]),
+        [b, h, seq, d] => Ok([b, h, seq, d, seq]),
+        [b, h, seq, d, kv] => Ok([b, h, seq, d, kv]),
+        _ => bail!("shape {s:?}: expected B,H,S[,D[,S_kv]]"),
     }
 }
 
@@ -72,7 +76,7 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let dev = Device::Cuda(0);
     for (si, shape) in args.shapes.iter().enumerate() {
-        let [b, h, s, d] = parse_shape(shape)?;
+        let [b, h, s, d, s_kv] = parse_shape(shape)?;
         let mut kernels = vec![(AttentionKernel::Auto, "auto".to_string())];
         if !args.auto_only && !args.hopper_only {
             for (i, v) in FLASH_VARIANTS.iter().enumerate() {
@@ -87,11 +91,14 @@ fn main() -> Result<()> {
                 kernels.push((AttentionKernel::Hopper(i), v.name.to_string()));
             }
         }
-        let label = format!("({b},{h},{s},{d})");
-        let dims = [b, s, h, d];
-        let q = Tensor::randn(&dims, DType::BF16, 11, dev)?;
-        let k = Tensor::randn(&dims, DType::BF16, 12, dev)?;
-        let v = Tensor::randn(&dims, DType::BF16, 13, dev)?;
+        let label = if s_kv == s {
+            format!("({b},{h},{s},{d})")
+        } else {
+            format!("({b},{h},{s},{d},{s_kv})")
+        };
+        let q = Tensor::randn(&[b, s, h, d], DType::BF16, 11, dev)?;
+        let k = Tensor::randn(&[b, s_kv, h, d], DType::BF16, 12, dev)?;
+        let v = Tensor::randn(&[b, s_kv, h, d], DType::BF16, 13, dev)?;
         let opts = AttentionOptions::default();
         let run =
             |kernel: AttentionKernel| with_attention_kernel(kernel, || attention(&q, &k, &v, opts));
@@ -104,7 +111,7 @@ fn main() -> Result<()> {
                 max_abs_diff(&ref_lse, &pl)?
             );
         }
-        let flops = 4.0 * (b * h * s * s * d) as f64;
+        let flops = 4.0 * (b * h * s * s_kv * d) as f64;
         for (kernel, name) in &kernels {
             // A kernel that refuses this GPU or shape (the Hopper one off sm_90a) is reported, not fatal.
             let (o, l) = match run(*kernel) {

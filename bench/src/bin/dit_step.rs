@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ditstream_bench::median_per_call;
+use ditstream_bench::{median, median_per_call, time_on};
 use ditstream_common::config::Preset;
 use ditstream_denoiser::model::{WanConfig, WanTransformer};
 use ditstream_kernels::weights::DrawnWeights;
@@ -107,13 +107,13 @@ fn block_rest_ops(
         (
             "rms_norm (cross-attention q: ×1)",
             2.0,
-            median_per_call(device, 1, reps, 1, || Ok(k::rms_norm(&x, &w, 1e-6)?))?,
+            median_per_call(device, 1, reps, 1, || Ok(k::rms_norm(&x, &wb, 1e-6)?))?,
         ),
         (
             "rms_norm_rope (self-attention q, k: ×2)",
             2.0,
             median_per_call(device, 1, reps, 1, || {
-                Ok(k::rms_norm_rope(&x, &w, 1e-6, &cos, &sin, heads)?)
+                Ok(k::rms_norm_rope(&x, &wb, 1e-6, &cos, &sin, heads)?)
             })?,
         ),
         (
@@ -135,7 +135,7 @@ fn block_rest_ops(
             "layer_norm affine (×1)",
             2.0,
             median_per_call(device, 1, reps, 1, || {
-                Ok(k::layer_norm(&x, Some(&wb), Some(&wb), 1e-6)?)
+                Ok(k::layer_norm(&x, Some(&w), Some(&w), 1e-6)?)
             })?,
         ),
         (
@@ -220,6 +220,26 @@ fn main() -> Result<()> {
     let forward = median_per_call(device, args.warmup, args.iters, 1, || {
         Ok(model.forward(&x, &t, &ctx)?)
     })?;
+    // The host's share: how long queueing one forward takes (the GPU idle at the start). Far below
+    // the GPU's time, the host runs ahead and launch gaps are not its doing; near it, the GPU waits
+    // for the host (a synchronisation inside the forward, or per-op host cost).
+    let mut issue = Vec::new();
+    for _ in 0..args.iters.max(1) {
+        let mut secs = 0.0;
+        time_on(device, || {
+            let t0 = Instant::now();
+            let y = model.forward(&x, &t, &ctx)?;
+            secs = t0.elapsed().as_secs_f64();
+            Ok(y)
+        })?;
+        issue.push(secs);
+    }
+    let issue = median(&issue).context("no forwards")?;
+    println!(
+        "RESULT\tours\tforward, host issue\t{:.3}\tms\t{:.0}\t% of the forward",
+        issue * 1e3,
+        100.0 * issue / forward
+    );
     let (lf, sf, df, ff) = (l as f64, s as f64, d as f64, ffn as f64);
     let flops = layers as f64
         * (2.0 * lf * df * df * 6.0
@@ -237,9 +257,16 @@ fn main() -> Result<()> {
         // The dominant ops alone, at one block's shapes, times the block count.
         let reps = args.iters.max(3);
         let q = Tensor::randn(&[1, l, heads, hd], DType::BF16, 3, device)?;
+        let k_self = Tensor::randn(&[1, l, heads, hd], DType::BF16, 15, device)?;
+        let v_self = Tensor::randn(&[1, l, heads, hd], DType::BF16, 16, device)?;
         let kv_txt = Tensor::randn(&[1, s, heads, hd], DType::BF16, 4, device)?;
         let self_attn = median_per_call(device, 1, reps, 1, || {
-            Ok(attention(&q, &q, &q, AttentionOptions::default())?)
+            Ok(attention(
+                &q,
+                &k_self,
+                &v_self,
+                AttentionOptions::default(),
+            )?)
         })?;
         let cross_attn = median_per_call(device, 1, reps, 1, || {
             Ok(attention(

@@ -213,29 +213,40 @@ fn elementwise_ops_match_cpu() -> Result<()> {
             atol,
             rt,
         );
-        // Broadcasts the models use, in both operand dtypes.
-        for (b_shape, b_dtype) in [
-            (vec![2, 7, 33], dtype),
-            (vec![2, 1, 33], DType::F32),
-            (vec![33], DType::BF16),
-            (vec![7, 1], dtype),
-        ] {
-            let b = randn(&b_shape, b_dtype, 11);
-            let gb = b.to_device(dev)?;
-            check("add", &k::add(&g, &gb)?, &k::add(&x, &b)?, atol, rt);
-            check("sub", &k::sub(&g, &gb)?, &k::sub(&x, &b)?, atol, rt);
-            check("mul", &k::mul(&g, &gb)?, &k::mul(&x, &b)?, atol, rt);
+        // Broadcasts the models use, in both operand dtypes. An innermost length of 33 takes the
+        // per-element kernel; 40 (whole 16-byte words in both dtypes) the word-wise one, with b
+        // along the words (full, [2, 1, n], [n]) or broadcast across them ([7, 1]: the weight fold).
+        for n in [33, 40] {
+            let (x, g) = if n == 33 {
+                (x.clone(), g.clone())
+            } else {
+                let x = randn(&[2, 7, n], dtype, 18);
+                let g = x.to_device(dev)?;
+                (x, g)
+            };
+            for (b_shape, b_dtype) in [
+                (vec![2, 7, n], dtype),
+                (vec![2, 1, n], DType::F32),
+                (vec![n], DType::BF16),
+                (vec![7, 1], dtype),
+            ] {
+                let b = randn(&b_shape, b_dtype, 11);
+                let gb = b.to_device(dev)?;
+                check("add", &k::add(&g, &gb)?, &k::add(&x, &b)?, atol, rt);
+                check("sub", &k::sub(&g, &gb)?, &k::sub(&x, &b)?, atol, rt);
+                check("mul", &k::mul(&g, &gb)?, &k::mul(&x, &b)?, atol, rt);
+            }
+            // b broadcasting on both sides: [2, 1, n] + [7, 1] → [2, 7, n].
+            let a = randn(&[2, 1, n], dtype, 12);
+            let b = randn(&[7, 1], dtype, 13);
+            check(
+                "add",
+                &k::add(&a.to_device(dev)?, &b.to_device(dev)?)?,
+                &k::add(&a, &b)?,
+                atol,
+                rt,
+            );
         }
-        // b broadcasting on both sides: [2, 1, 33] + [7, 1] → [2, 7, 33].
-        let a = randn(&[2, 1, 33], dtype, 12);
-        let b = randn(&[7, 1], dtype, 13);
-        check(
-            "add",
-            &k::add(&a.to_device(dev)?, &b.to_device(dev)?)?,
-            &k::add(&a, &b)?,
-            atol,
-            rt,
-        );
         // AdaLN modulation and gated residual with f32 and bf16 modulation tensors.
         for mod_dtype in [DType::F32, DType::BF16] {
             let shift = randn(&[2, 1, 33], mod_dtype, 14);

@@ -75,6 +75,27 @@ impl Layout {
     }
 }
 
+impl Layout {
+    /// Whether the index space can be walked in words of `v` elements of its innermost axis (the
+    /// word-wise binary kernel): that axis has a length that is a multiple of `v` and stride 1 in
+    /// operand 0, and every other stride of operand 0 is a multiple of `v`. Returns operand 1's
+    /// innermost stride class: `Some(true)` for stride 1 with its other strides multiples of `v`
+    /// too, `Some(false)` for stride 0 (broadcast along the axis), `None` otherwise.
+    pub(crate) fn words(&self, v: usize) -> Option<bool> {
+        let v = v as i64;
+        let inner = self.rank as usize - 1;
+        let outer_multiple = |k: usize| self.stride[k][..inner].iter().all(|s| s % v == 0);
+        if self.shape[inner] % v != 0 || self.stride[0][inner] != 1 || !outer_multiple(0) {
+            return None;
+        }
+        match self.stride[1][inner] {
+            0 => Some(false),
+            1 if outer_multiple(1) => Some(true),
+            _ => None,
+        }
+    }
+}
+
 /// A copy as contiguous runs of `width` elements, one per index of `outer` (the other axes, with both
 /// operands' strides in elements).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -14,6 +14,52 @@ __device__ __forceinline__ float ld(const bf16* p) { return __bfloat162float(*p)
 __device__ __forceinline__ void st(float* p, float v) { *p = v; }
 __device__ __forceinline__ void st(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
 
+// Stores V values as V elements of O at dst (aligned to V · sizeof(O) bytes): one 16- or 8-byte store.
+template <typename O, int V>
+__device__ __forceinline__ void store_word(O* dst, const float* v) {
+    union {
+        O e[V];
+        uint4 w16;
+        uint2 w8;
+    } u;
+#pragma unroll
+    for (int k = 0; k < V; ++k) st(u.e + k, v[k]);
+    if (sizeof(O) * V == 16) {
+        *reinterpret_cast<uint4*>(dst) = u.w16;
+    } else if (sizeof(O) * V == 8) {
+        *reinterpret_cast<uint2*>(dst) = u.w8;
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) dst[k] = u.e[k];
+    }
+}
+
+// V consecutive elements at p as f32, in 16-byte loads (one 8-byte load where V·sizeof(W) is 8);
+// p aligned to min(16, V·sizeof(W)) bytes. When a thread's V elements are its word of a row (the
+// row kernels' parameters, the word-wise binary op's operands), a warp reads each 32-byte sector
+// once; V scalar loads, one element per lane at a time, make the L1 serve each sector V times
+// (which bounded norm.cu's row kernels at ~1.5 TB/s with f32 parameters).
+template <typename W, int V>
+__device__ __forceinline__ void load_vec(const W* p, float* out) {
+    constexpr int BYTES = V * sizeof(W);
+    static_assert(BYTES % 8 == 0, "V elements are whole 8-byte pieces");
+    if constexpr (BYTES % 16 == 0) {
+        constexpr int PER = 16 / sizeof(W);
+#pragma unroll
+        for (int c = 0; c < BYTES / 16; ++c) {
+            const uint4 w = reinterpret_cast<const uint4*>(p)[c];
+            const W* e = reinterpret_cast<const W*>(&w);
+#pragma unroll
+            for (int k = 0; k < PER; ++k) out[c * PER + k] = ld(e + k);
+        }
+    } else {
+        const uint2 w = *reinterpret_cast<const uint2*>(p);
+        const W* e = reinterpret_cast<const W*>(&w);
+#pragma unroll
+        for (int k = 0; k < V; ++k) out[k] = ld(e + k);
+    }
+}
+
 // SiLU, v · sigmoid(v), for every kernel that applies it (elementwise.cu's silu, norm.cu's fused
 // norm + SiLU), so they agree bit for bit. The fast intrinsics (exp2-based __expf, reciprocal-based
 // __fdividef) are within a few f32 ulps of the exact function over the range that matters (the CPU

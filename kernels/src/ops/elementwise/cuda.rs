@@ -59,9 +59,19 @@ pub(super) fn binary(
                 &broadcast_strides(b.shape(), out_shape),
             ],
         )?;
-        let name = format!("binary_{}_{}", suffix(a.dtype()), suffix(b.dtype()));
-        let f = backend.function(&SOURCE, &name)?;
         let (ap, bp, outp, n) = (sa.ptr(), sb.ptr(), out.ptr(), numel as i64);
+        // In 16-byte words of a where the layout and the addresses allow (binary_words' conditions).
+        let per_word = 16 / a.dtype().size_in_bytes();
+        let aligned = |p: u64| p.is_multiple_of(16);
+        let words = layout
+            .words(per_word)
+            .filter(|&b_inner| aligned(ap) && aligned(outp) && (!b_inner || aligned(bp)));
+        let types = format!("{}_{}", suffix(a.dtype()), suffix(b.dtype()));
+        let name = match words {
+            Some(_) => format!("binary_words_{types}"),
+            None => format!("binary_{types}"),
+        };
+        let f = backend.function(&SOURCE, &name)?;
         let mut launch = backend.stream.launch_builder(&f);
         launch
             .arg(&ap)
@@ -70,8 +80,17 @@ pub(super) fn binary(
             .arg(&n)
             .arg(&layout)
             .arg(&code);
-        // SAFETY: the layout's strides address a and b inside their shapes; out holds numel elements.
-        unsafe { launch.launch(grid_1d(numel)) }
+        let b_inner = i32::from(words == Some(true));
+        if words.is_some() {
+            launch.arg(&b_inner);
+        }
+        let threads = match words {
+            Some(_) => numel / per_word,
+            None => numel,
+        };
+        // SAFETY: the layout's strides address a and b inside their shapes; out holds numel elements;
+        // the word kernel's conditions were checked above (Layout::words and the alignment).
+        unsafe { launch.launch(grid_1d(threads)) }
             .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok(Tensor::from_cuda(out, out_shape))

@@ -42,6 +42,34 @@ __device__ void binary(const A* a, const B* b, A* out, i64 n, const Layout& l, i
     }
 }
 
+// binary in words of V = 16 / sizeof(A) consecutive elements of the innermost axis: a and out move
+// 16 bytes at a time and the index maths (one division per axis) runs once per word, not once per
+// element. a is contiguous along the innermost axis; b is too (`b_inner`, V elements of b loaded as
+// one piece) or is broadcast along it (one value for the word). The host checks that the innermost
+// length and every stride of a (and of b when `b_inner`) are multiples of V, and that a, out (and b
+// when `b_inner`) are 16-byte aligned; the same maths per element as `binary`.
+template <typename A, typename B>
+__device__ void binary_words(const A* a, const B* b, A* out, i64 n, const Layout& l, int op, int b_inner) {
+    constexpr int V = 16 / sizeof(A);
+    FOR_EACH(w, n / V) {
+        const i64 i = w * V;
+        i64 ia, ib, unused;
+        offsets(l, i, &ia, &ib, &unused);
+        float x[V], y[V], r[V];
+        load_vec<A, V>(a + ia, x);
+        if (b_inner) {
+            load_vec<B, V>(b + ib, y);
+        } else {
+            const float v = ld(b + ib);
+#pragma unroll
+            for (int k = 0; k < V; ++k) y[k] = v;
+        }
+#pragma unroll
+        for (int k = 0; k < V; ++k) r[k] = op == BINARY_ADD ? x[k] + y[k] : (op == BINARY_SUB ? x[k] - y[k] : x[k] * y[k]);
+        store_word<A, V>(out + i, r);
+    }
+}
+
 // out (contiguous, x's dtype and shape) = f(x, p, q) with x contiguous and p, q broadcast to it
 // (stride[1], stride[2] of the layout). modulate: p = shift, q = scale -> x * (1 + scale) + shift;
 // gated residual: p = y, q = gate -> x + y * gate.
@@ -67,6 +95,13 @@ UNARY(bf16, bf16)
         binary(a, b, out, n, l, op); \
     }
 FOR_TYPES2(BINARY)
+
+#define BINARY_WORDS(AN, A, BN, B) \
+    extern "C" __global__ void binary_words_##AN##_##BN(const A* a, const B* b, A* out, i64 n, Layout l, int op, \
+                                                         int b_inner) { \
+        binary_words(a, b, out, n, l, op, b_inner); \
+    }
+FOR_TYPES2(BINARY_WORDS)
 
 #define TERNARY(XN, X, PN, P, QN, Q) \
     extern "C" __global__ void ternary_##XN##_##PN##_##QN(const X* x, const P* p, const Q* q, X* out, i64 n, \

@@ -113,53 +113,6 @@ __device__ __forceinline__ void load_row(const T* xr, int words, Row<T>& r) {
     }
 }
 
-// Stores V values as V elements of O at dst (aligned to V · sizeof(O) bytes): one 16- or 8-byte store.
-template <typename O, int V>
-__device__ __forceinline__ void store_word(O* dst, const float* v) {
-    union {
-        O e[V];
-        uint4 w16;
-        uint2 w8;
-    } u;
-#pragma unroll
-    for (int k = 0; k < V; ++k) st(u.e + k, v[k]);
-    if (sizeof(O) * V == 16) {
-        *reinterpret_cast<uint4*>(dst) = u.w16;
-    } else if (sizeof(O) * V == 8) {
-        *reinterpret_cast<uint2*>(dst) = u.w8;
-    } else {
-#pragma unroll
-        for (int k = 0; k < V; ++k) dst[k] = u.e[k];
-    }
-}
-
-// The V per-element parameters p[0..V) of a word (a weight, a bias, a modulation row, a RoPE table
-// row) as f32, in 16-byte loads (8-byte where V·sizeof(W) is 8). Lane by lane these follow the row's
-// words, so a warp reads each 32-byte sector of the parameters once; V scalar loads, one element per
-// lane at a time, made the L1 serve each sector V times, which bounded the kernels at ~1.5 TB/s with
-// f32 parameters. Needs p aligned to min(16, V·sizeof(W)) bytes (the host checks the base pointers;
-// words start at multiples of V).
-template <typename W, int V>
-__device__ __forceinline__ void load_params(const W* p, float* out) {
-    constexpr int BYTES = V * sizeof(W);
-    static_assert(BYTES % 8 == 0, "a word's parameters are whole 8-byte pieces");
-    if constexpr (BYTES % 16 == 0) {
-        constexpr int PER = 16 / sizeof(W);
-#pragma unroll
-        for (int c = 0; c < BYTES / 16; ++c) {
-            const uint4 w = reinterpret_cast<const uint4*>(p)[c];
-            const W* e = reinterpret_cast<const W*>(&w);
-#pragma unroll
-            for (int k = 0; k < PER; ++k) out[c * PER + k] = ld(e + k);
-        }
-    } else {
-        const uint2 w = *reinterpret_cast<const uint2*>(p);
-        const W* e = reinterpret_cast<const W*>(&w);
-#pragma unroll
-        for (int k = 0; k < V; ++k) out[k] = ld(e + k);
-    }
-}
-
 // Sum over the row of v (one pass over the registers), to every thread of the block.
 template <typename T>
 __device__ __forceinline__ float row_sum(const Row<T>& r, int words, float centre, bool square) {
@@ -214,8 +167,8 @@ __device__ void layer_norm_rows(const T* x, const W* w, const W* b, T* out, i64 
         return [=](int i, const float* v, float* y) {
             constexpr int V = Row<T>::V;
             float wv[V], bv[V];
-            if (has_w) load_params<W, V>(w + i, wv);
-            if (has_b) load_params<W, V>(b + i, bv);
+            if (has_w) load_vec<W, V>(w + i, wv);
+            if (has_b) load_vec<W, V>(b + i, bv);
 #pragma unroll
             for (int k = 0; k < V; ++k) {
                 y[k] = (v[k] - s.x) * s.y;
@@ -236,8 +189,8 @@ __device__ void layer_norm_modulate_rows(const T* x, const float* shift, const f
         return [=](int i, const float* v, float* y) {
             constexpr int V = Row<T>::V;
             float shv[V], scv[V];
-            load_params<float, V>(sh + i, shv);
-            load_params<float, V>(sc + i, scv);
+            load_vec<float, V>(sh + i, shv);
+            load_vec<float, V>(sc + i, scv);
 #pragma unroll
             for (int k = 0; k < V; ++k) y[k] = (v[k] - s.x) * s.y * (1.0f + scv[k]) + shv[k];
         };
@@ -251,7 +204,7 @@ __device__ void rms_norm_rows(const T* x, const W* w, T* out, i64 rows, int d, f
         return [=](int i, const float* v, float* y) {
             constexpr int V = Row<T>::V;
             float wv[V];
-            load_params<W, V>(w + i, wv);
+            load_vec<W, V>(w + i, wv);
 #pragma unroll
             for (int k = 0; k < V; ++k) y[k] = v[k] * inv_rms * wv[k];
         };
@@ -273,7 +226,7 @@ __device__ void rms_norm_rope_rows(const T* x, const W* w, const float* cos_t, c
         return [=](int i, const float* v, float* y) {
             constexpr int V = Row<T>::V;
             float wv[V];
-            load_params<W, V>(w + i, wv);
+            load_vec<W, V>(w + i, wv);
 #pragma unroll
             for (int k = 0; k < V; ++k) {
                 T rounded;
@@ -284,8 +237,8 @@ __device__ void rms_norm_rope_rows(const T* x, const W* w, const float* cos_t, c
             // (head_dim a multiple of V, the DiT's case), loaded as one piece; else entry by entry.
             float cv[V / 2], sv[V / 2];
             if (head_dim % V == 0) {
-                load_params<float, V / 2>(cs + (i % head_dim) / 2, cv);
-                load_params<float, V / 2>(sn + (i % head_dim) / 2, sv);
+                load_vec<float, V / 2>(cs + (i % head_dim) / 2, cv);
+                load_vec<float, V / 2>(sn + (i % head_dim) / 2, sv);
             } else {
 #pragma unroll
                 for (int k = 0; k < V; k += 2) {

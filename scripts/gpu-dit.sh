@@ -10,8 +10,9 @@
 #      forwards (~1.2 s each);
 #   5. with --full, where Nsight Systems is installed: the GPU kernels of ours at 480p 81 frames
 #      (one warm-up and one timed forward), summed per kernel name, the top 25 (the itemised "rest");
-#      where only Nsight Compute is, every kernel of one forward timed by ncu, summed per name, and
-#      the launches of one middle block in order (scripts/lib/kernel-times.py);
+#      where only Nsight Compute is, every kernel of two forwards timed by ncu (serialised, at the
+#      idle boost clock), summed per name, and one middle block's launches in order
+#      (scripts/lib/kernel-times.py);
 #   6. a short table last: the parity summary, then ours vs diffusers and the ratio.
 # Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu.
 # Exits non-zero if any step failed (the table is printed anyway).
@@ -101,7 +102,7 @@ for r in sorted(body, key=lambda r: -float(r[ti]))[:25]:
     # show; ours' wall time minus this sum is what the gaps and the host cost). L2 is not flushed and
     # the clocks are left alone, so each kernel runs as it does in the forward.
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    step "kernels of ours, 480p81f, 1 forward (ncu gpu__time_duration: total ms, launches, name)"
+    step "kernels of ours, 480p81f, 2 forwards (the timed one and the host-issue one; ncu gpu__time_duration: total ms, launches, name)"
     timeout 400 "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
       --csv --print-units base target/gpu/dit_step --height 480 --width 832 --frames 81 \
       --warmup 0 --iters 1 --no-split > "$LOGS/ncu_dit_481f.csv" 2> "$LOGS/ncu_dit_481f.err"

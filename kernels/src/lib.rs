@@ -9,6 +9,7 @@
 //!   [`KernelError::UnsupportedDevice`].
 //! - `cuda` (feature `cuda`): the GPU backend's device layer: contexts, the per-device stream, NVRTC
 //!   compilation with a CUBIN cache, cuBLASLt plans, device storage.
+//! - [`timeline`]: per-op times inside a real run (CUDA events between the ops a model marks).
 //! - [`weights`]: checkpoints (safetensors, sharded or not) and seeded random weights, by name.
 //! - `testing` (feature `testing`): approximate-equality helpers and the GPU-count gate shared by
 //!   the tests here and in the model crates.
@@ -25,6 +26,7 @@ mod rng;
 mod tensor;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod timeline;
 pub mod weights;
 
 pub use device::{DType, Device};

@@ -11,6 +11,14 @@
 //! times diffusers' `WanTransformer3DModel` the same way; `scripts/gpu-dit.sh` runs both and
 //! compares the `RESULT` lines. `--device cpu` runs the same code on the CPU backend (wall clock) as
 //! a smoke test of the driver with `--preset tiny`.
+//!
+//! Two more views of the forward: its host issue time (how long queueing one forward takes with
+//! the GPU idle at the start: far below the forward, the host runs ahead; a forward longer than the
+//! launch queue holds, as at 14B dims, blocks the host on the full queue, so there it is an upper
+//! bound), and with the split the same four parts measured inside recorded forwards
+//! (`kernels::timeline`: CUDA events between the ops the model marks, so each op runs at the clocks
+//! and with the caches it has there; ops timed alone in short bursts run at the boost clock while
+//! the forward runs power-limited, which is why the alone-timed "rest" is much larger).
 
 use std::time::Instant;
 
@@ -151,6 +159,63 @@ fn block_rest_ops(
             secs * 1e3 * calls * n,
             passes * act / secs / 1e9,
             secs * 1e3
+        );
+    }
+    Ok(())
+}
+
+/// `reps` forwards recorded on the timeline: each mark's total per forward (median over the
+/// forwards), then the forward in four parts as the split alone reports it (self-attention,
+/// cross-attention, linears; "rest" = every other mark: norms, modulation, embedding, head, and
+/// the gaps before each), and the recorded forward's total beside the unrecorded one's.
+fn in_forward_split(
+    device: Device,
+    reps: usize,
+    forward: f64,
+    mut run: impl FnMut() -> Result<Tensor>,
+) -> Result<()> {
+    use ditstream_kernels::timeline;
+    let mut per_label: Vec<(&'static str, Vec<f64>, usize)> = Vec::new();
+    let mut totals = Vec::new();
+    for _ in 0..reps {
+        let (_, intervals) = timeline::record(device, &mut run)?;
+        totals.push(intervals.iter().map(|(_, s)| s).sum::<f64>());
+        for (label, secs, n) in timeline::totals(&intervals) {
+            match per_label.iter_mut().find(|(l, _, _)| *l == label) {
+                Some((_, v, _)) => v.push(secs),
+                None => per_label.push((label, vec![secs], n)),
+            }
+        }
+    }
+    let total = median(&totals).context("no recorded forwards")?;
+    println!(
+        "RESULT\tours\tin forward: recorded forward\t{:.3}\tms\t{:.1}\t% of the unrecorded one",
+        total * 1e3,
+        100.0 * total / forward
+    );
+    let mut parts = [0.0f64; 4];
+    for (label, v, n) in &per_label {
+        let secs = median(v).unwrap_or(0.0);
+        println!(
+            "RESULT\tours\tin forward: {label}\t{:.3}\tms\t{n}\tintervals",
+            secs * 1e3
+        );
+        let part = match *label {
+            "self-attention" => 0,
+            "cross-attention" => 1,
+            "linears" => 2,
+            _ => 3,
+        };
+        parts[part] += secs;
+    }
+    for (what, secs) in ["self-attention", "cross-attention", "linears", "rest"]
+        .iter()
+        .zip(parts)
+    {
+        println!(
+            "RESULT\tours\tin forward, {what}\t{:.3}\tms\t{:.1}\t% of the recorded forward",
+            secs * 1e3,
+            100.0 * secs / total
         );
     }
     Ok(())
@@ -362,6 +427,9 @@ fn main() -> Result<()> {
             up_unfused * 1e3 * layers as f64,
             up_fused * 1e3 * layers as f64
         );
+        // The same split inside the forward (kernels::timeline: CUDA events between the ops the
+        // model marks), so each op runs at the clocks and with the caches it has there.
+        in_forward_split(device, reps, forward, || Ok(model.forward(&x, &t, &ctx)?))?;
         let n = layers as f64;
         let rest = forward - n * (self_attn + cross_attn + linears);
         block_rest_ops([l, d, heads, hd, ffn], latent, reps, n, device)?;

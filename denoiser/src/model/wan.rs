@@ -6,6 +6,11 @@
 //! around the blocks, and the blocks' self-attention goes through a [`SelfAttention`] the caller
 //! chooses, so a parallel wrapper can gather heads or keys without the model knowing.
 //!
+//! Timing: each op group of a block ends in a [`mark`] (`"linears"`, `"self-attention"`,
+//! `"cross-attention"`, the norms, `"modulation"`; `"embed"` and `"head"` around the blocks), so a
+//! [`ditstream_kernels::timeline::record`] of a forward says where its time goes; unrecorded, a mark
+//! costs a thread-local read.
+//!
 //! Devices and precision: the weights are put on the model's device once, at construction; inputs are
 //! moved there (a no-op when they already are). Every op runs on that device, the Conv3d patch
 //! embedding included (kernel = stride, so it is a linear over flattened patches). In bf16 the model
@@ -19,6 +24,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use ditstream_kernels::timeline::mark;
 use ditstream_kernels::weights::WeightSource;
 use ditstream_kernels::{
     AttentionOptions, DType, Device, Tensor, attention, gated_residual, gelu_tanh, layer_norm,
@@ -466,6 +472,7 @@ impl WanTransformer {
         let context = context.to_device(self.device)?.to_dtype(self.dtype)?;
         let context = t2.forward(&t1.forward_gelu(&context)?)?;
         let (rope_cos, rope_sin) = self.rope_tables(grid)?;
+        mark("embed");
         Ok((
             tokens,
             Conditioning {
@@ -537,53 +544,60 @@ impl WanTransformer {
                 .collect::<Result<_, _>>()?
         };
 
+        mark("modulation");
+
         // Self-attention: h = LN(x)·(1 + m1) + m0; q/k RMSNorm across heads and RoPE (one pass
         // each), attention, then x + to_out(o)·m2 in the output projection's GEMM.
         let h = norm_modulate(x, &m[0], &m[1], eps, self.dtype)?;
+        mark("norm + modulate");
         let a = &blk.attn1;
-        let q = rms_norm_rope(
-            &a.to_q.forward(&h)?,
-            &a.norm_q,
-            eps,
-            rope_cos,
-            rope_sin,
-            heads,
-        )?;
-        let k = rms_norm_rope(
-            &a.to_k.forward(&h)?,
-            &a.norm_k,
-            eps,
-            rope_cos,
-            rope_sin,
-            heads,
-        )?;
-        let v = a.to_v.forward(&h)?.reshape(&[b, l, heads, hd])?;
+        let (q, k, v) = (
+            a.to_q.forward(&h)?,
+            a.to_k.forward(&h)?,
+            a.to_v.forward(&h)?,
+        );
+        mark("linears");
+        let q = rms_norm_rope(&q, &a.norm_q, eps, rope_cos, rope_sin, heads)?;
+        let k = rms_norm_rope(&k, &a.norm_k, eps, rope_cos, rope_sin, heads)?;
+        let v = v.reshape(&[b, l, heads, hd])?;
+        mark("q/k norm + rope");
         let o = attn.attend(&q, &k, &v)?.reshape(&[b, l, d])?;
+        mark("self-attention");
         let x = a.to_out.forward_residual(&o, x, Some(&m[2]))?;
+        mark("linears");
 
         // Cross-attention to the text: no RoPE, no mask, no gate.
         let h = match &blk.norm2 {
             Some((w, bias)) => layer_norm(&x, Some(w), Some(bias), eps)?,
             None => x.clone(),
         };
+        mark("norm");
         let a = &blk.attn2;
         let s_txt = cond.context.shape()[1];
-        let q = rms_norm(&a.to_q.forward(&h)?, &a.norm_q, eps)?.reshape(&[b, l, heads, hd])?;
-        let k = rms_norm(&a.to_k.forward(&cond.context)?, &a.norm_k, eps)?
-            .reshape(&[b, s_txt, heads, hd])?;
-        let v = a
-            .to_v
-            .forward(&cond.context)?
-            .reshape(&[b, s_txt, heads, hd])?;
+        let (q, k, v) = (
+            a.to_q.forward(&h)?,
+            a.to_k.forward(&cond.context)?,
+            a.to_v.forward(&cond.context)?,
+        );
+        mark("linears");
+        let q = rms_norm(&q, &a.norm_q, eps)?.reshape(&[b, l, heads, hd])?;
+        let k = rms_norm(&k, &a.norm_k, eps)?.reshape(&[b, s_txt, heads, hd])?;
+        let v = v.reshape(&[b, s_txt, heads, hd])?;
+        mark("q/k norm");
         let o = attention(&q, &k, &v, AttentionOptions::default())?
             .0
             .reshape(&[b, l, d])?;
+        mark("cross-attention");
         let x = a.to_out.forward_residual(&o, &x, None)?;
+        mark("linears");
 
         // Feed-forward: h = LN(x)·(1 + m4) + m3; x + W2·GELU(W1·h)·m5 (the residual in W2's GEMM).
         let h = norm_modulate(&x, &m[3], &m[4], eps, self.dtype)?;
+        mark("norm + modulate");
         let f = blk.ffn_in.forward_gelu(&h)?;
-        blk.ffn_out.forward_residual(&f, &x, Some(&m[5]))
+        let out = blk.ffn_out.forward_residual(&f, &x, Some(&m[5]))?;
+        mark("linears");
+        Ok(out)
     }
 
     /// Output norm, projection and unpatchify: tokens [B, L, D] (all of them, in order) and temb
@@ -611,6 +625,7 @@ impl WanTransformer {
         };
         let h = norm_modulate(x, &shift, &scale, cfg.eps as f32, self.dtype)?;
         let out = self.proj_out.forward(&h)?;
+        mark("head");
         // [B, F', H', W', pt, ph, pw, C] → [B, C, F', pt, H', ph, W', pw] → [B, C, T, H, W].
         let [pt, ph, pw] = cfg.patch_size;
         let [f, hh, ww] = grid;

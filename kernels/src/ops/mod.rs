@@ -14,6 +14,7 @@ mod elementwise;
 mod embedding; // umT5 text encoder: token lookup, `Indices`
 mod matmul;
 mod norm;
+mod quant; // FP8 (e4m3): the CPU reference of issue 24's recipe
 mod random; // random-weight models drawn on the device
 mod rope;
 mod softmax; // T5 attention: relative-position bias + mask + softmax
@@ -33,6 +34,7 @@ pub use norm::{
     layer_norm, layer_norm_modulate, rms_norm, rms_norm_channels, rms_norm_channels_silu,
     rms_norm_rope,
 };
+pub use quant::{E4M3_MAX, e4m3, linear_fp8_reference, quantize_rows_e4m3};
 pub use random::random_normal;
 pub use rope::{apply_rope, rope_band_dims, rope_tables_3d};
 pub use softmax::position_bias_softmax;
@@ -71,7 +73,6 @@ pub(crate) fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Devic
 }
 
 /// `UnsupportedDevice` for the CUDA arm of an op without a CUDA twin (or a build without feature `cuda`).
-#[cfg(not(feature = "cuda"))]
 pub(crate) fn unsupported<T>(op: &'static str, device: Device) -> Result<T> {
     Err(KernelError::UnsupportedDevice { op, device })
 }

@@ -560,3 +560,48 @@ fn bf16_model_on_every_two_rank_mesh() {
         }
     }
 }
+
+/// Each rank's thread records its own timeline of a parallel forward (`kernels::timeline`): the
+/// model's ops and the collectives of its schedule (Ulysses: all-to-all; Ring: send/recv; the
+/// final sequence gather: all-gather), intervals that add up to the recorded time, and the same
+/// output as the unrecorded single rank.
+#[test]
+fn each_rank_records_its_timeline_with_the_collectives() {
+    use ditstream_kernels::timeline;
+    let model = mini128();
+    let inp = inputs(&model, 1, [2, 4, 4], false);
+    let want = model.forward(&inp.x, &inp.t, &inp.ctx).unwrap();
+    for (mesh, collective) in [
+        (Mesh::new(1, 1, CpLayout::None, 2), "all-to-all"),
+        (Mesh::new(1, 1, CpLayout::Ring(2), 1), "send/recv"),
+    ] {
+        let outs = run(mesh, |comms| {
+            let t0 = Instant::now();
+            let (out, intervals) = timeline::record(Device::Cpu, || {
+                parallel::forward(&model, comms, &inp.x, &inp.t, &inp.ctx)
+            })?;
+            Ok((out, intervals, t0.elapsed().as_secs_f64()))
+        });
+        for (r, (out, intervals, wall)) in outs.iter().enumerate() {
+            assert!(rel_err(out, &want) <= FORWARD_TOL, "{mesh}: rank {r}");
+            let labels: Vec<&str> = intervals.iter().map(|(l, _)| *l).collect();
+            for label in [
+                collective,
+                "all-gather",
+                "self-attention",
+                "linears",
+                "embed",
+            ] {
+                assert!(
+                    labels.contains(&label),
+                    "{mesh}: rank {r} has no {label:?}: {labels:?}"
+                );
+            }
+            let sum: f64 = intervals.iter().map(|(_, s)| s).sum();
+            assert!(
+                sum <= *wall,
+                "{mesh}: rank {r}: {sum} s of intervals in {wall} s"
+            );
+        }
+    }
+}

@@ -15,7 +15,9 @@
 //!
 //! Default size: Wan2.1-1.3B dims (12 heads × 128, 30 blocks), 480p 17 frames = 5 latent frames
 //! = 7,800 tokens (the portable attention makes 81 frames take ~35 s per forward on one GPU).
-//! Prints `RESULT` lines that `scripts/gpu-parallel.sh` tabulates.
+//! Prints `RESULT` lines that `scripts/gpu-parallel.sh` tabulates, and per rank the timeline of one
+//! more recorded step (`TIMELINE\t<mesh>\trank <r>\t<label>\t<ms>\tms\t<intervals>`: the model's
+//! ops and the collectives' exposed waits, measured inside the step; `kernels::timeline`).
 
 use std::time::{Duration, Instant};
 
@@ -253,7 +255,27 @@ fn finish_with_gather(comms: &MeshComms<NcclComm>, d: Dims, t0: Instant) -> Resu
 }
 
 /// Per-iteration (event s, wall s) of one rank for one mesh, and the collectives-alone medians.
-type RankTimes = (Vec<(f64, f64)>, f64);
+type RankTimes = (Vec<(f64, f64)>, f64, Vec<(&'static str, f64, usize)>);
+
+/// One more `step` recorded on this thread's timeline (`kernels::timeline`): seconds and
+/// intervals per label, the collectives' among them (the waits the step could not hide).
+fn timeline_of(
+    device: Device,
+    step: impl FnOnce() -> Result<()>,
+) -> Result<Vec<(&'static str, f64, usize)>> {
+    let (_, intervals) = ditstream_kernels::timeline::record(device, step)?;
+    Ok(ditstream_kernels::timeline::totals(&intervals))
+}
+
+/// `TIMELINE` lines of one rank's recorded step: label, ms, intervals.
+fn print_timeline(mesh: &str, rank: usize, totals: &[(&'static str, f64, usize)]) {
+    for (label, secs, n) in totals {
+        println!(
+            "TIMELINE\t{mesh}\trank {rank}\t{label}\t{:.3}\tms\t{n}",
+            secs * 1e3
+        );
+    }
+}
 
 fn main() -> Result<()> {
     let args = Args::parse();
@@ -341,6 +363,7 @@ fn main() -> Result<()> {
             ev * 1e3,
             wall * 1e3
         );
+        print_timeline("1gpu", 0, &timeline_of(Device::Cuda(0), step)?);
         ev
     };
 
@@ -386,12 +409,14 @@ fn main() -> Result<()> {
                         barrier.barrier()?;
                         samples.push(timed(rank, step)?);
                     }
+                    barrier.barrier()?;
+                    let timeline = timeline_of(device, step)?;
                     let mut comm = Vec::new();
                     for _ in 0..args.iters.max(3) {
                         barrier.barrier()?;
                         comm.push(collectives_alone(&comms, dims)?);
                     }
-                    out.push((samples, median(&comm).context("samples")?));
+                    out.push((samples, median(&comm).context("samples")?, timeline));
                 }
                 Ok(out)
             };
@@ -404,6 +429,9 @@ fn main() -> Result<()> {
         .collect::<std::result::Result<Vec<_>, String>>()
         .map_err(|e| anyhow::anyhow!(e))?;
     for (m, (name, mesh)) in meshes.iter().enumerate() {
+        for (rank, r) in per_rank.iter().enumerate() {
+            print_timeline(name, rank, &r[m].2);
+        }
         let iters = per_rank[0][m].0.len();
         // A step lasts as long as its slower rank.
         let ev: Vec<f64> = (0..iters)

@@ -34,6 +34,11 @@
 //!   stream when its last clone goes, which is after the collective has completed on the host's
 //!   clock, so the pool never hands the memory to a kernel while NCCL still uses it.
 //!
+//! Timing: the tensor-level collectives end in a [`mark`] (`"all-gather"`, `"all-to-all"`,
+//! `"send/recv"`), so a rank's recorded timeline ([`ditstream_kernels::timeline::record`] on its
+//! thread) shows each collective beside the model's ops: the interval runs from the previous mark
+//! to the collective's return, the kernels it waited for included.
+//!
 //! Stream-ordered transfers ([`TensorWire::transfer`] with `ordered`, NCCL only). The transfers
 //! that do not wait on the host: the parallel VAE swaps a halo before every 3×3 convolution (~30
 //! per latent frame) and gathers the frame attention's keys and values once, and a host wait there
@@ -56,6 +61,7 @@
 
 use std::borrow::{Borrow, BorrowMut};
 
+use ditstream_kernels::timeline::mark;
 use ditstream_kernels::{DType as TensorDType, Device, KernelError, Tensor};
 use half::bf16;
 
@@ -575,7 +581,9 @@ fn stacked(p: usize, shape: &[usize]) -> Vec<usize> {
 
 /// all_gather: t [..] on every rank → [P, ..], entry i from group rank i (t's dtype and device).
 pub fn all_gather<C: TensorWire>(comm: &C, t: &Tensor) -> Result<Tensor> {
-    by_dtype!(t.dtype(), all_gather_as::<C>(comm, t))
+    let out = by_dtype!(t.dtype(), all_gather_as::<C>(comm, t))?;
+    mark("all-gather");
+    Ok(out)
 }
 
 fn all_gather_as<C: TensorWire, T: WireElement>(comm: &C, t: &Tensor) -> Result<Tensor> {
@@ -588,7 +596,9 @@ fn all_gather_as<C: TensorWire, T: WireElement>(comm: &C, t: &Tensor) -> Result<
 /// Uneven all-gather: `t` (this rank's `counts[rank]` elements, any shape) → `[Σ counts]` flat, rank
 /// i's values at offset `Σ_{j<i} counts[j]`, in t's dtype on t's device.
 pub fn all_gather_v<C: TensorWire>(comm: &C, t: &Tensor, counts: &[usize]) -> Result<Tensor> {
-    by_dtype!(t.dtype(), all_gather_v_as::<C>(comm, t, counts))
+    let out = by_dtype!(t.dtype(), all_gather_v_as::<C>(comm, t, counts))?;
+    mark("all-gather");
+    Ok(out)
 }
 
 fn all_gather_v_as<C: TensorWire, T: WireElement>(
@@ -605,7 +615,9 @@ fn all_gather_v_as<C: TensorWire, T: WireElement>(
 
 /// all_to_all: t [P, ..] (entry j goes to group rank j) → [P, ..] (entry i came from rank i).
 pub fn all_to_all<C: TensorWire>(comm: &C, t: &Tensor) -> Result<Tensor> {
-    by_dtype!(t.dtype(), all_to_all_as::<C>(comm, t))
+    let out = by_dtype!(t.dtype(), all_to_all_as::<C>(comm, t))?;
+    mark("all-to-all");
+    Ok(out)
 }
 
 fn all_to_all_as<C: TensorWire, T: WireElement>(comm: &C, t: &Tensor) -> Result<Tensor> {
@@ -624,7 +636,9 @@ pub fn send_recv<C: TensorWire>(
     shape: &[usize],
     from: usize,
 ) -> Result<Tensor> {
-    by_dtype!(t.dtype(), send_recv_as::<C>(comm, t, to, shape, from))
+    let out = by_dtype!(t.dtype(), send_recv_as::<C>(comm, t, to, shape, from))?;
+    mark("send/recv");
+    Ok(out)
 }
 
 fn send_recv_as<C: TensorWire, T: WireElement>(

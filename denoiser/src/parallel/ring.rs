@@ -13,6 +13,7 @@ use std::borrow::{Borrow, BorrowMut};
 use ditstream_common::by_dtype;
 use ditstream_common::collectives::Pending;
 use ditstream_common::collectives::wire::{TensorWire, WireElement};
+use ditstream_kernels::timeline::mark;
 use ditstream_kernels::{AttentionOptions, DType, Tensor, attention, lse_merge_pair};
 
 use super::attention::ChunkAttention;
@@ -97,9 +98,12 @@ fn ring_as<C: TensorWire, T: WireElement>(
                     None => (out, lse),
                     Some((acc_out, acc_lse)) => lse_merge_pair(&acc_out, &acc_lse, &out, &lse)?,
                 });
+                mark("self-attention");
             }
+            // On a rank's timeline the wait is the part of the hop the attention did not hide.
             if let Some(pending) = pending {
                 pending.wait()?;
+                mark("send/recv");
             }
         }
         if let Some(incoming) = incoming {

@@ -109,7 +109,10 @@ enum UlyssesWay {
 /// layout of `way`. The tensor crosses the communicator as every other does ([`TensorWire`]: on
 /// NCCL its device storage, in place).
 fn exchange<C: TensorWire>(comm: &C, way: UlyssesWay, t: &Tensor) -> Result<Tensor> {
-    by_dtype!(t.dtype(), exchange_as::<C>(comm, way, t))
+    let out = by_dtype!(t.dtype(), exchange_as::<C>(comm, way, t))?;
+    // The Ulysses all-to-all on a rank's timeline, as the collectives of `wire` mark theirs.
+    ditstream_kernels::timeline::mark("all-to-all");
+    Ok(out)
 }
 
 fn exchange_as<C: TensorWire, T: WireElement>(

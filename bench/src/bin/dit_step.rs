@@ -4,8 +4,9 @@
 //!
 //! Timing follows GPU.md: CUDA events around each call on the one stream every op runs on, after
 //! `--warmup` untimed calls (the first compiles the kernels and plans the GEMMs), the median of
-//! `--iters`. Inputs are seeded normals (never zeros). The effective rate counts the forward's
-//! matrix FLOPs: per block 2·L·D²·6 (self q/k/v/o, cross q/o) + 2·S·D²·2 (cross k/v over the S text
+//! `--iters`. Inputs are seeded normals (never zeros; beyond 16 Mi elements one drawn block
+//! repeated, `random_input`: drawing 10⁹ normals on the host took minutes at 14B dims, which kept
+//! the 14B split from finishing). The effective rate counts the forward's matrix FLOPs: per block 2·L·D²·6 (self q/k/v/o, cross q/o) + 2·S·D²·2 (cross k/v over the S text
 //! tokens) + 4·L·D·F (FFN) + 4·L²·D (self-attention) + 4·L·S·D (cross-attention); at 1.3B dims and
 //! 32,760 tokens that is the 283 TFLOP GPU.md's diffusers figure uses. `bench/dit_step_torch.py`
 //! times diffusers' `WanTransformer3DModel` the same way; `scripts/gpu-dit.sh` runs both and
@@ -24,7 +25,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ditstream_bench::{median, median_per_call, time_on};
+use ditstream_bench::{median, median_per_call, random_input, time_on};
 use ditstream_common::config::Preset;
 use ditstream_denoiser::model::{WanConfig, WanTransformer};
 use ditstream_kernels::weights::DrawnWeights;
@@ -86,13 +87,13 @@ fn block_rest_ops(
     device: Device,
 ) -> Result<()> {
     use ditstream_kernels as k;
-    let x = Tensor::randn(&[1, l, d], DType::BF16, 20, device)?;
-    let y = Tensor::randn(&[1, l, d], DType::BF16, 21, device)?;
-    let m = Tensor::randn(&[1, 1, d], DType::F32, 22, device)?;
-    let w = Tensor::randn(&[d], DType::F32, 23, device)?;
-    let wb = Tensor::randn(&[d], DType::BF16, 24, device)?;
-    let up = Tensor::randn(&[1, l, ffn], DType::BF16, 25, device)?;
-    let q = Tensor::randn(&[1, l, heads, hd], DType::BF16, 26, device)?;
+    let x = random_input(&[1, l, d], DType::BF16, 20, device)?;
+    let y = random_input(&[1, l, d], DType::BF16, 21, device)?;
+    let m = random_input(&[1, 1, d], DType::F32, 22, device)?;
+    let w = random_input(&[d], DType::F32, 23, device)?;
+    let wb = random_input(&[d], DType::BF16, 24, device)?;
+    let up = random_input(&[1, l, ffn], DType::BF16, 25, device)?;
+    let q = random_input(&[1, l, heads, hd], DType::BF16, 26, device)?;
     let grid = [latent[2], latent[3] / 2, latent[4] / 2];
     let (cos, sin) = k::rope_tables_3d(grid, hd, 10_000.0, device)?;
     let act = (l * d * 2) as f64; // one bf16 [L, D] activation, bytes
@@ -277,10 +278,10 @@ fn main() -> Result<()> {
         args.frames, args.height, args.width
     );
 
-    let x = Tensor::randn(&latent, DType::BF16, 1, device)?;
+    let x = random_input(&latent, DType::BF16, 1, device)?;
     // The timestep stays on the host: the model computes the sinusoid there (no device read-back).
     let t = Tensor::from_vec(vec![500.0], &[1])?;
-    let ctx = Tensor::randn(&[1, s, cfg.text_dim], DType::BF16, 2, device)?;
+    let ctx = random_input(&[1, s, cfg.text_dim], DType::BF16, 2, device)?;
 
     let forward = median_per_call(device, args.warmup, args.iters, 1, || {
         Ok(model.forward(&x, &t, &ctx)?)
@@ -321,10 +322,10 @@ fn main() -> Result<()> {
     if !args.no_split {
         // The dominant ops alone, at one block's shapes, times the block count.
         let reps = args.iters.max(3);
-        let q = Tensor::randn(&[1, l, heads, hd], DType::BF16, 3, device)?;
-        let k_self = Tensor::randn(&[1, l, heads, hd], DType::BF16, 15, device)?;
-        let v_self = Tensor::randn(&[1, l, heads, hd], DType::BF16, 16, device)?;
-        let kv_txt = Tensor::randn(&[1, s, heads, hd], DType::BF16, 4, device)?;
+        let q = random_input(&[1, l, heads, hd], DType::BF16, 3, device)?;
+        let k_self = random_input(&[1, l, heads, hd], DType::BF16, 15, device)?;
+        let v_self = random_input(&[1, l, heads, hd], DType::BF16, 16, device)?;
+        let kv_txt = random_input(&[1, s, heads, hd], DType::BF16, 4, device)?;
         let self_attn = median_per_call(device, 1, reps, 1, || {
             Ok(attention(
                 &q,
@@ -342,15 +343,15 @@ fn main() -> Result<()> {
             )?)
         })?;
         use ditstream_kernels as k;
-        let h = Tensor::randn(&[1, l, d], DType::BF16, 5, device)?;
-        let h_ffn = Tensor::randn(&[1, l, ffn], DType::BF16, 6, device)?;
-        let txt = Tensor::randn(&[1, s, d], DType::BF16, 7, device)?;
-        let w_dd = Tensor::randn(&[d, d], DType::BF16, 8, device)?;
-        let w_up = Tensor::randn(&[ffn, d], DType::BF16, 9, device)?;
-        let w_down = Tensor::randn(&[d, ffn], DType::BF16, 10, device)?;
-        let bias_d = Tensor::randn(&[d], DType::BF16, 11, device)?;
-        let bias_f = Tensor::randn(&[ffn], DType::BF16, 12, device)?;
-        let gate = Tensor::randn(&[1, 1, d], DType::F32, 13, device)?;
+        let h = random_input(&[1, l, d], DType::BF16, 5, device)?;
+        let h_ffn = random_input(&[1, l, ffn], DType::BF16, 6, device)?;
+        let txt = random_input(&[1, s, d], DType::BF16, 7, device)?;
+        let w_dd = random_input(&[d, d], DType::BF16, 8, device)?;
+        let w_up = random_input(&[ffn, d], DType::BF16, 9, device)?;
+        let w_down = random_input(&[d, ffn], DType::BF16, 10, device)?;
+        let bias_d = random_input(&[d], DType::BF16, 11, device)?;
+        let bias_f = random_input(&[ffn], DType::BF16, 12, device)?;
+        let gate = random_input(&[1, 1, d], DType::F32, 13, device)?;
         let linears = median_per_call(device, 1, reps, 1, || {
             // As the block runs them: self q/k/v and cross q over the video tokens, cross k/v over
             // the text, the output projections and the FFN's down-projection with their residuals
@@ -400,7 +401,7 @@ fn main() -> Result<()> {
             residual_fused * 1e3 * layers as f64
         );
         // The q/k preparation: rms_norm then apply_rope (before) against one pass (now), q and k.
-        let w_norm = Tensor::randn(&[d], DType::BF16, 14, device)?;
+        let w_norm = random_input(&[d], DType::BF16, 14, device)?;
         let grid = [latent[2], latent[3] / 2, latent[4] / 2];
         let (cos, sin) = k::rope_tables_3d(grid, hd, 10_000.0, device)?;
         let qk_unfused = median_per_call(device, 1, reps, 1, || {

@@ -9,7 +9,8 @@
 #      "17 17/0 81": 480p 17 frames = 7,800 tokens; the same without blocks, i.e. the part sequence
 #      parallelism does not split; 480p 81 frames = 32,760 tokens, which needs a fast attention
 #      kernel: the portable one takes ~35 s per forward there);
-#   3. a short table last: parity (worst per model, mesh and kind) and step times with speedups.
+#   3. a short table last: parity (worst per model, mesh and kind), step times with speedups, and
+#      each rank's recorded step, ms per op and per collective (denoise_step's TIMELINE lines).
 # Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu.
 # Exits non-zero if any step failed (the table is printed anyway).
 # Knobs: FRAMES ("17 17/0 81": frames[/blocks] per driver run), WARMUP (1), ITERS (3), SKIP_TEST=1,
@@ -91,6 +92,13 @@ if [ -f "$LOGS/denoise_step.log" ]; then
     BEGIN { printf "  %-12s %-12s %10s %10s %9s %10s %8s\n", "run", "config", "step ms", "wall ms", "speedup", "comm ms", "comm %" }
     { c = ($10 == "-") ? "-" : $10; p = ($10 == "-" || $4 + 0 == 0) ? "-" : sprintf("%.1f", 100 * $10 / $4)
       printf "  %-12s %-12s %10s %10s %8sx %10s %8s\n", $13, $2, $4, $6, $8, c, p }'
+  # One recorded step per rank (denoise_step's TIMELINE lines: mesh, rank, label, ms, intervals,
+  # run): the collectives' exposed waits beside the model's ops, per run, config and rank.
+  echo "one recorded step per rank: ms per label inside the step (kernels::timeline)"
+  grep -h '^TIMELINE' "$LOGS/denoise_step.log" | awk -F'\t' '
+    { key = $8 " " $2 " | " $3; if (!(key in seen)) { seen[key] = 1; order[n++] = key }
+      line[key] = line[key] sprintf(" %s %s;", $4, $5) }
+    END { for (i = 0; i < n; i++) printf "  %-30s%s\n", order[i], line[order[i]] }'
 fi
 echo
 [ "$status" -eq 0 ] && echo "gpu-parallel: all steps passed" || echo "gpu-parallel: SOME STEPS FAILED"

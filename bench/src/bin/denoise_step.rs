@@ -16,8 +16,9 @@
 //! Default size: Wan2.1-1.3B dims (12 heads × 128, 30 blocks), 480p 17 frames = 5 latent frames
 //! = 7,800 tokens (the portable attention makes 81 frames take ~35 s per forward on one GPU).
 //! Prints `RESULT` lines that `scripts/gpu-parallel.sh` tabulates, and per rank the timeline of one
-//! more recorded step (`TIMELINE\t<mesh>\trank <r>\t<label>\t<ms>\tms\t<intervals>`: the model's
-//! ops and the collectives' exposed waits, measured inside the step; `kernels::timeline`).
+//! more recorded step (`TIMELINE\t<mesh>\trank <r>\t<label>\t<ms>\tms\t<intervals>\t<run>`:
+//! the model's ops and the collectives' exposed waits, measured inside the step;
+//! `kernels::timeline`).
 
 use std::time::{Duration, Instant};
 
@@ -267,11 +268,11 @@ fn timeline_of(
     Ok(ditstream_kernels::timeline::totals(&intervals))
 }
 
-/// `TIMELINE` lines of one rank's recorded step: label, ms, intervals.
-fn print_timeline(mesh: &str, rank: usize, totals: &[(&'static str, f64, usize)]) {
+/// `TIMELINE` lines of one rank's recorded step: label, ms, intervals, and the run's label.
+fn print_timeline(mesh: &str, rank: usize, totals: &[(&'static str, f64, usize)], run: &str) {
     for (label, secs, n) in totals {
         println!(
-            "TIMELINE\t{mesh}\trank {rank}\t{label}\t{:.3}\tms\t{n}",
+            "TIMELINE\t{mesh}\trank {rank}\t{label}\t{:.3}\tms\t{n}\t{run}",
             secs * 1e3
         );
     }
@@ -363,7 +364,7 @@ fn main() -> Result<()> {
             ev * 1e3,
             wall * 1e3
         );
-        print_timeline("1gpu", 0, &timeline_of(Device::Cuda(0), step)?);
+        print_timeline("1gpu", 0, &timeline_of(Device::Cuda(0), step)?, &label);
         ev
     };
 
@@ -430,7 +431,7 @@ fn main() -> Result<()> {
         .map_err(|e| anyhow::anyhow!(e))?;
     for (m, (name, mesh)) in meshes.iter().enumerate() {
         for (rank, r) in per_rank.iter().enumerate() {
-            print_timeline(name, rank, &r[m].2);
+            print_timeline(name, rank, &r[m].2, &label);
         }
         let iters = per_rank[0][m].0.len();
         // A step lasts as long as its slower rank.

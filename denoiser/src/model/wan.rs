@@ -6,8 +6,9 @@
 //! around the blocks, and the blocks' self-attention goes through a [`SelfAttention`] the caller
 //! chooses, so a parallel wrapper can gather heads or keys without the model knowing.
 //!
-//! Timing: each op group of a block ends in a [`mark`] (`"linears"`, `"self-attention"`,
-//! `"cross-attention"`, the norms, `"modulation"`; `"embed"` and `"head"` around the blocks), so a
+//! Timing: every op group ends in a [`mark`] (each `Linear` marks `"linears"`; the blocks mark
+//! `"self-attention"`, `"cross-attention"`, the norms and `"modulation"`; the rest of the patch
+//! embedding and conditioning `"embed"`, the output norm `"head"`), so a
 //! [`ditstream_kernels::timeline::record`] of a forward says where its time goes; unrecorded, a mark
 //! costs a thread-local read.
 //!
@@ -110,16 +111,20 @@ impl Linear {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        Ok(linear(x, &self.weight, self.bias.as_ref())?)
+        let y = linear(x, &self.weight, self.bias.as_ref())?;
+        mark("linears");
+        Ok(y)
     }
 
     /// GELU(tanh) of [`forward`](Self::forward), fused into the GEMM where there is a bias (the
     /// activation then sees the f32 sum, rounded once).
     fn forward_gelu(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        Ok(match &self.bias {
+        let y = match &self.bias {
             Some(bias) => linear_gelu_tanh(x, &self.weight, bias)?,
             None => gelu_tanh(&linear(x, &self.weight, None)?)?,
-        })
+        };
+        mark("linears");
+        Ok(y)
     }
 
     /// `residual + forward(x) ⊙ gate` (no gate: `residual + forward(x)`) with the residual added in
@@ -131,12 +136,14 @@ impl Linear {
         residual: &Tensor,
         gate: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
-        Ok(match gate {
+        let y = match gate {
             Some(g) if g.rank() == 3 && g.shape()[1] > 1 => {
                 gated_residual(residual, &self.forward(x)?, g)?
             }
             _ => linear_residual(x, &self.weight, self.bias.as_ref(), residual, gate)?,
-        })
+        };
+        mark("linears");
+        Ok(y)
     }
 }
 
@@ -551,20 +558,30 @@ impl WanTransformer {
         let h = norm_modulate(x, &m[0], &m[1], eps, self.dtype)?;
         mark("norm + modulate");
         let a = &blk.attn1;
-        let (q, k, v) = (
-            a.to_q.forward(&h)?,
-            a.to_k.forward(&h)?,
-            a.to_v.forward(&h)?,
-        );
-        mark("linears");
-        let q = rms_norm_rope(&q, &a.norm_q, eps, rope_cos, rope_sin, heads)?;
-        let k = rms_norm_rope(&k, &a.norm_k, eps, rope_cos, rope_sin, heads)?;
-        let v = v.reshape(&[b, l, heads, hd])?;
+        // Each projection's output is a temporary, freed once normed (the projections mark
+        // themselves as "linears").
+        let q = rms_norm_rope(
+            &a.to_q.forward(&h)?,
+            &a.norm_q,
+            eps,
+            rope_cos,
+            rope_sin,
+            heads,
+        )?;
         mark("q/k norm + rope");
+        let k = rms_norm_rope(
+            &a.to_k.forward(&h)?,
+            &a.norm_k,
+            eps,
+            rope_cos,
+            rope_sin,
+            heads,
+        )?;
+        mark("q/k norm + rope");
+        let v = a.to_v.forward(&h)?.reshape(&[b, l, heads, hd])?;
         let o = attn.attend(&q, &k, &v)?.reshape(&[b, l, d])?;
         mark("self-attention");
         let x = a.to_out.forward_residual(&o, x, Some(&m[2]))?;
-        mark("linears");
 
         // Cross-attention to the text: no RoPE, no mask, no gate.
         let h = match &blk.norm2 {
@@ -574,30 +591,26 @@ impl WanTransformer {
         mark("norm");
         let a = &blk.attn2;
         let s_txt = cond.context.shape()[1];
-        let (q, k, v) = (
-            a.to_q.forward(&h)?,
-            a.to_k.forward(&cond.context)?,
-            a.to_v.forward(&cond.context)?,
-        );
-        mark("linears");
-        let q = rms_norm(&q, &a.norm_q, eps)?.reshape(&[b, l, heads, hd])?;
-        let k = rms_norm(&k, &a.norm_k, eps)?.reshape(&[b, s_txt, heads, hd])?;
-        let v = v.reshape(&[b, s_txt, heads, hd])?;
+        let q = rms_norm(&a.to_q.forward(&h)?, &a.norm_q, eps)?.reshape(&[b, l, heads, hd])?;
         mark("q/k norm");
+        let k = rms_norm(&a.to_k.forward(&cond.context)?, &a.norm_k, eps)?
+            .reshape(&[b, s_txt, heads, hd])?;
+        mark("q/k norm");
+        let v = a
+            .to_v
+            .forward(&cond.context)?
+            .reshape(&[b, s_txt, heads, hd])?;
         let o = attention(&q, &k, &v, AttentionOptions::default())?
             .0
             .reshape(&[b, l, d])?;
         mark("cross-attention");
         let x = a.to_out.forward_residual(&o, &x, None)?;
-        mark("linears");
 
         // Feed-forward: h = LN(x)·(1 + m4) + m3; x + W2·GELU(W1·h)·m5 (the residual in W2's GEMM).
         let h = norm_modulate(&x, &m[3], &m[4], eps, self.dtype)?;
         mark("norm + modulate");
         let f = blk.ffn_in.forward_gelu(&h)?;
-        let out = blk.ffn_out.forward_residual(&f, &x, Some(&m[5]))?;
-        mark("linears");
-        Ok(out)
+        blk.ffn_out.forward_residual(&f, &x, Some(&m[5]))
     }
 
     /// Output norm, projection and unpatchify: tokens [B, L, D] (all of them, in order) and temb
@@ -624,8 +637,8 @@ impl WanTransformer {
             (sum.narrow(1, 0, 1)?, sum.narrow(1, 1, 1)?)
         };
         let h = norm_modulate(x, &shift, &scale, cfg.eps as f32, self.dtype)?;
-        let out = self.proj_out.forward(&h)?;
         mark("head");
+        let out = self.proj_out.forward(&h)?;
         // [B, F', H', W', pt, ph, pw, C] → [B, C, F', pt, H', ph, W', pw] → [B, C, T, H, W].
         let [pt, ph, pw] = cfg.patch_size;
         let [f, hh, ww] = grid;

@@ -13,13 +13,22 @@
 #      where only Nsight Compute is, every kernel of two forwards timed by ncu (serialised, at the
 #      idle boost clock), summed per name, and one middle block's launches in order
 #      (scripts/lib/kernel-times.py);
-#   6. a short table last: the parity summary, then ours vs diffusers and the ratio.
+#   6. with --14b: both at Wan2.1-14B dims, 720p 81 frames (75,600 tokens), ours one warm-up and
+#      one timed forward (~10 s each; the model takes ~95 s to build), with the split (≈ 4–5 min
+#      for the pair);
+#   7. a short table last: the parity summary, then ours vs diffusers and the ratio.
 # Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu.
 # Exits non-zero if any step failed (the table is printed anyway).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-full=0
-[ "${1:-}" = "--full" ] && full=1
+full=0 big=0
+for arg in "$@"; do
+  case "$arg" in
+    --full) full=1 ;;
+    --14b) big=1 ;;
+    *) echo "usage: $0 [--full] [--14b]" >&2; exit 2 ;;
+  esac
+done
 
 LOGS=${OUT:-/tmp/ditstream-gpu}
 mkdir -p "$LOGS"
@@ -112,6 +121,10 @@ for r in sorted(body, key=lambda r: -float(r[ti]))[:25]:
     echo "(neither nsys nor ncu installed: no kernel breakdown)"
   fi
 fi
+if [ "$big" -eq 1 ]; then
+  OURS_ITERS="--warmup 1 --iters 1"
+  run_pair 14b720p81f --preset wan2.1-t2v-14b --height 720 --width 1280 --frames 81
+fi
 
 step "summary"
 echo "GPU vs diffusers (f32 CPU run): worst over the 3 timestep cases per fixture, dtype and tensor"
@@ -126,9 +139,11 @@ grep -ho 'WANPARITY.*' "$LOGS/wan_cuda.log" | awk -F'\t' '
     for (i = 0; i < n; i++) { k = order[i]; printf "%-40s %10s %10s %10s  %s\n", k, sc[k], mx[k], rms[k], tol[k] }
   }'
 echo
-for label in 480p5f 480p81f; do
+for label in 480p5f 480p81f 14b720p81f; do
   [ -f "$LOGS/dit_step_$label.log" ] || continue
-  echo "Wan2.1-1.3B dims, bf16, $label: ms (ours | diffusers), ours/diffusers"
+  dims=Wan2.1-1.3B
+  [ "$label" = 14b720p81f ] && dims=Wan2.1-14B
+  echo "$dims dims, bf16, $label: ms (ours | diffusers), ours/diffusers"
   cat "$LOGS/dit_step_$label.log" "$LOGS/dit_step_torch_$label.log" 2>/dev/null | grep -h '^RESULT' | awk -F'\t' '
     { v[$2 " " $3] = $4; x[$2 " " $3] = $6 " " $7; if (!($3 in seen)) { seen[$3] = 1; order[n++] = $3 } }
     END {

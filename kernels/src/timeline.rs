@@ -95,12 +95,22 @@ pub fn record<T, E: From<KernelError>>(
             points: vec![("start", start)],
         })
     });
+    // Ends the recording however `f` ends: a panic unwinding through here must not leave this
+    // thread recording (every later mark would then pile up, and every later record be refused).
+    struct Stop;
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            RECORDING.with(|r| r.borrow_mut().take());
+        }
+    }
+    let stop = Stop;
     let out = f();
     mark("unmarked");
     let points = RECORDING
         .with(|r| r.borrow_mut().take())
         .map(|rec| rec.points)
         .unwrap_or_default();
+    drop(stop);
     let out = out?;
     let mut intervals = Vec::with_capacity(points.len());
     for pair in points.windows(2) {
@@ -176,7 +186,7 @@ mod tests {
     }
 
     #[test]
-    fn a_nested_record_is_refused_and_an_error_still_ends_the_recording() {
+    fn a_nested_record_is_refused_and_an_error_or_a_panic_still_ends_the_recording() {
         let nested: Result<_> = record(Device::Cpu, || {
             record(Device::Cpu, || Ok::<_, KernelError>(())).map(drop)
         });
@@ -185,6 +195,15 @@ mod tests {
             Err(KernelError::arg("test", "x", 1, "fails"))
         });
         assert!(failed.is_err());
+        assert!(record(Device::Cpu, || Ok::<_, KernelError>(())).is_ok());
+        // A panic inside the recording ends it too.
+        let panicked = std::panic::catch_unwind(|| {
+            let _ = record(Device::Cpu, || -> Result<()> {
+                panic!("inside the recording")
+            });
+        });
+        assert!(panicked.is_err());
+        assert!(RECORDING.with(|r| r.borrow().is_none()));
         assert!(record(Device::Cpu, || Ok::<_, KernelError>(())).is_ok());
     }
 }

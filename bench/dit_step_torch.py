@@ -25,6 +25,34 @@ PRESETS = {
 }
 
 
+HEAD_DIM = 128
+
+
+def wan_transformer(preset, dev, dt):
+    """diffusers' `WanTransformer3DModel` at `preset`'s dims, built on `dev` with diffusers' own
+    random init (seed it first), in `dt`, in eval mode: the reference model of every torch script
+    here (this one and `wan_pipeline_torch.py`)."""
+    from diffusers import WanTransformer3DModel
+
+    heads, layers, ffn, channels, text_dim = PRESETS[preset]
+    with torch.device(dev):
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=heads,
+            attention_head_dim=HEAD_DIM,
+            in_channels=channels,
+            out_channels=channels,
+            text_dim=text_dim,
+            freq_dim=256,
+            ffn_dim=ffn,
+            num_layers=layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+        )
+    return model.to(dt).eval()
+
+
 def timed(warmup, iters, f):
     """Median seconds of `iters` calls of f after `warmup` untimed ones (CUDA events)."""
     for _ in range(warmup):
@@ -55,30 +83,14 @@ def main():
     assert args.frames % 4 == 1 and args.height % 16 == 0 and args.width % 16 == 0
 
     import diffusers
-    from diffusers import WanTransformer3DModel
 
     heads, layers, ffn, channels, text_dim = PRESETS[args.preset]
-    hd = 128
+    hd = HEAD_DIM
     d = heads * hd
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    with torch.device(dev):
-        model = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=heads,
-            attention_head_dim=hd,
-            in_channels=channels,
-            out_channels=channels,
-            text_dim=text_dim,
-            freq_dim=256,
-            ffn_dim=ffn,
-            num_layers=layers,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-        )
-    model = model.to(dt).eval()
+    model = wan_transformer(args.preset, dev, dt)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     latent = (1, channels, (args.frames - 1) // 4 + 1, args.height // 8, args.width // 8)

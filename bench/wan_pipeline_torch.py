@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from dit_step_torch import PRESETS
+from dit_step_torch import PRESETS, wan_transformer
 
 
 def main():
@@ -34,21 +34,15 @@ def main():
     args = p.parse_args()
 
     import diffusers
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
 
-    heads, layers, ffn, channels, text_dim = PRESETS[args.preset]
+    text_dim = PRESETS[args.preset][4]
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     t0 = time.perf_counter()
+    transformer = wan_transformer(args.preset, dev, dt)
     with torch.device(dev):
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=128,
-            in_channels=channels, out_channels=channels, text_dim=text_dim, freq_dim=256,
-            ffn_dim=ffn, num_layers=layers, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", eps=1e-6,
-        )
         vae = AutoencoderKLWan()
-    transformer = transformer.to(dt).eval()
     vae = vae.to(dt).eval()
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         flow_shift=args.shift)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Summarises Nsight Compute's per-kernel durations of one DiT forward (scripts/gpu-dit.sh --full).
+"""Summarises Nsight Compute's per-kernel durations of the DiT forwards one run profiled
+(scripts/gpu-dit.sh --full profiles two: the timed one and the host-issue one).
 
 Input: `ncu --csv --print-units base --metrics gpu__time_duration.sum ...` output (the driven
 program's own stdout lines are mixed in and skipped). Prints the total kernel time, the top kernels

@@ -491,17 +491,23 @@ pub struct CudaSettings {
     /// How each convolution shape's cuDNN algorithm is chosen on first use
     /// (`DITSTREAM_CUDNN_SEARCH`): `find` measures every candidate (the default; ~20 s per GPU on
     /// the first 480p decode, decodes ~1.15× faster), `heuristic` ranks without running.
-    pub cudnn_search: CudnnSearch,
+    pub cudnn_search: AlgoSearch,
+    /// How each large GEMM shape's cuBLASLt algorithm is chosen on first use
+    /// (`DITSTREAM_GEMM_SEARCH`): `find` times the heuristic's first eight candidates on the
+    /// call's buffers and keeps one that is clearly faster than its first (the default; up to
+    /// ~1.5 s per shape, once per GPU model and cuBLASLt version: the choice is kept in the kernel
+    /// cache), `heuristic` takes its first.
+    pub gemm_search: AlgoSearch,
 }
 
-/// `cuda.cudnn_search`.
+/// `cuda.cudnn_search` and `cuda.gemm_search`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
-pub enum CudnnSearch {
-    /// Run and time every candidate.
+pub enum AlgoSearch {
+    /// Run and time the candidates.
     #[default]
     Find,
-    /// cuDNN's heuristic ranking, nothing run.
+    /// The library's heuristic ranking, nothing run.
     Heuristic,
 }
 
@@ -1523,7 +1529,7 @@ mod tests {
     #[test]
     fn cuda_settings_parse_and_refuse_unknown_values() {
         let c = Config::parse(
-            "model: {preset: tiny}\ncuda: {kernel_cache: /var/cache/k, cudnn_search: heuristic}\n",
+            "model: {preset: tiny}\ncuda: {kernel_cache: /var/cache/k, cudnn_search: heuristic, gemm_search: heuristic}\n",
             "<t>",
         )
         .unwrap();
@@ -1531,8 +1537,16 @@ mod tests {
             c.cuda.kernel_cache.as_deref(),
             Some(Path::new("/var/cache/k"))
         );
-        assert_eq!(c.cuda.cudnn_search, CudnnSearch::Heuristic);
+        assert_eq!(c.cuda.cudnn_search, AlgoSearch::Heuristic);
+        assert_eq!(c.cuda.gemm_search, AlgoSearch::Heuristic);
         assert_eq!(c.cuda.include_dir, None);
+        assert_eq!(
+            Config::parse("model: {preset: tiny}\n", "<t>")
+                .unwrap()
+                .cuda
+                .gemm_search,
+            AlgoSearch::Find
+        );
         let e = Config::parse("model: {preset: tiny}\ncuda: {cudnn_search: fast}\n", "<t>")
             .unwrap_err()
             .to_string();

@@ -153,14 +153,18 @@ pub fn rank_devices(cfg: &Config, what: &str, ranks: usize) -> Result<Vec<Device
 /// process before its first kernel; both stages of `serve` ask for the same.
 #[cfg(feature = "cuda")]
 fn configure_cuda(cfg: &Config) -> Result<(), DeviceError> {
-    use ditstream_kernels::cuda::{CudaConfig, CudnnSearch, ensure_cuda_config};
+    use ditstream_kernels::cuda::{AlgoSearch, CudaConfig, ensure_cuda_config};
     let c = &cfg.cuda;
-    let search = match c.cudnn_search {
-        crate::config::CudnnSearch::Find => CudnnSearch::Find,
-        crate::config::CudnnSearch::Heuristic => CudnnSearch::Heuristic,
+    let search = |s| match s {
+        crate::config::AlgoSearch::Find => AlgoSearch::Find,
+        crate::config::AlgoSearch::Heuristic => AlgoSearch::Heuristic,
     };
-    let settings =
-        CudaConfig::resolve(c.kernel_cache.clone(), c.include_dir.clone(), Some(search))?;
+    let settings = CudaConfig::resolve(
+        c.kernel_cache.clone(),
+        c.include_dir.clone(),
+        Some(search(c.cudnn_search)),
+        Some(search(c.gemm_search)),
+    )?;
     ensure_cuda_config(settings).map_err(|source| DeviceError::CudaSettings { source })?;
     Ok(())
 }

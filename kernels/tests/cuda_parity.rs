@@ -422,6 +422,63 @@ fn rope_matches_cpu() -> Result<()> {
     Ok(())
 }
 
+/// A GEMM large enough for its algorithm to be chosen by timing (`gemm.rs`: ≥ 1e11 FLOPs) runs the
+/// chosen one correctly, with the bias and with the GELU epilogue; the choice is written to the
+/// algorithm cache when the search is on. Rows at both ends are checked against the CPU (the whole
+/// product would be 1.2e11 FLOPs there), with `gemms_match_cpu`'s bounds.
+#[test]
+fn searched_gemms_match_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    let (rows, inf, outf) = (24576, 1536, 1536);
+    let x = randn(&[rows, inf], DType::BF16, 48);
+    let w = randn(&[outf, inf], DType::BF16, 49);
+    let b = randn(&[outf], DType::F32, 50);
+    let (gx, gw, gb) = (x.to_device(dev)?, w.to_device(dev)?, b.to_device(dev)?);
+    let atol = 1e-5 * inf as f32 + 8.0 * 2f32.powi(-9);
+    let ends = |t: &Tensor| -> Result<Vec<Tensor>> {
+        let t = t.to_device(Device::Cpu)?;
+        Ok(vec![t.narrow(0, 0, 32)?, t.narrow(0, rows - 32, 32)?])
+    };
+    let (out, gelu) = (
+        k::linear(&gx, &gw, Some(&gb))?,
+        k::linear_gelu_tanh(&gx, &gw, &gb)?,
+    );
+    for ((got, got_gelu), xs) in ends(&out)?.iter().zip(ends(&gelu)?).zip(ends(&x)?) {
+        check(
+            "searched linear",
+            got,
+            &k::linear(&xs, &w, Some(&b))?,
+            atol,
+            rtol(DType::BF16),
+        );
+        check(
+            "searched linear_gelu_tanh",
+            &got_gelu,
+            &k::linear_gelu_tanh(&xs, &w, &b)?,
+            1.13 * atol,
+            rtol(DType::BF16),
+        );
+    }
+    let searching =
+        std::env::var("DITSTREAM_GEMM_SEARCH").map_or(true, |v| v.is_empty() || v == "find");
+    if searching {
+        let path = ditstream_kernels::cuda::cuda_config()
+            .cache_dir
+            .join("cublaslt-algos.tsv");
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        for epilogue in ["bias", "gelu_bias"] {
+            let shape = format!("bf16 m{outf} n{rows} k{inf} ta b1 s0,0,0 {epilogue}");
+            assert!(
+                text.lines().any(|l| l.contains(&format!("\t{shape}\t"))),
+                "{} holds no choice for {shape}:\n{text}",
+                path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn gemms_match_cpu() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };

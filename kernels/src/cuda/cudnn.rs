@@ -51,7 +51,7 @@ use super::cudnn_graph::{self, Candidate, ConvGraph, GraphPlan};
 use super::plan_cache::{self, Choice, PlanCache};
 // How a plan's algorithm is chosen: `$DITSTREAM_CUDNN_SEARCH`, else the process's `CudaConfig`
 // (the deployment's `cuda.cudnn_search`).
-use super::nvrtc::CudnnSearch as Search;
+use super::nvrtc::AlgoSearch as Search;
 use super::{CudaBackend, catch};
 use crate::{DType, KernelError, Result};
 
@@ -318,7 +318,7 @@ pub(crate) struct Dnn {
     device: String,
     /// The plan cache file and its choices as read when this handle was made.
     cache_path: std::path::PathBuf,
-    cache: PlanCache,
+    cache: PlanCache<Choice>,
     plans: HashMap<DnnConvKey, Plan>,
     workspace: Option<CudaSlice<u8>>,
 }
@@ -369,7 +369,7 @@ fn library_version() -> Result<usize> {
 
 impl Dnn {
     fn new(backend: &CudaBackend) -> Result<Self> {
-        let search = match super::nvrtc::cudnn_search_from_env()? {
+        let search = match super::nvrtc::search_from_env(super::nvrtc::CUDNN_SEARCH_VAR)? {
             Some(search) => search,
             None => super::cuda_config().cudnn_search,
         };
@@ -385,12 +385,7 @@ impl Dnn {
         let handle =
             catch("libcudnn", dnn::create_handle)?.map_err(|e| unavailable("cudnnCreate", e))?;
         let cache_path = super::cuda_config().cache_dir.join("cudnn-plans.tsv");
-        let device = format!(
-            "{} {} {}",
-            backend.ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
-            backend.arch,
-            backend.sm_count
-        );
+        let device = backend.model();
         let dnn = Dnn {
             handle,
             version,

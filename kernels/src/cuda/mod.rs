@@ -40,7 +40,7 @@ pub use conv_algo::{
 };
 pub(crate) use copy::{EdgeRuns, Layout, copy_strided, halo_edges};
 pub use cudnn::{cudnn_conv_plans, cudnn_version};
-pub use nvrtc::{CudaConfig, CudnnSearch, cuda_config, ensure_cuda_config, set_cuda_config};
+pub use nvrtc::{AlgoSearch, CudaConfig, cuda_config, ensure_cuda_config, set_cuda_config};
 pub(crate) use storage::{CudaBuf, CudaStorage};
 
 use crate::{DType, Device, KernelError, Result, Tensor};
@@ -289,6 +289,17 @@ impl CudaBackend {
 
     pub fn device(&self) -> Device {
         Device::Cuda(self.ordinal)
+    }
+
+    /// The GPU model as the plan caches key their choices: name, NVRTC architecture and SM count,
+    /// e.g. `NVIDIA H200 sm_90a 132`.
+    pub fn model(&self) -> String {
+        format!(
+            "{} {} {}",
+            self.ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
+            self.arch,
+            self.sm_count
+        )
     }
 
     /// A [`KernelError::Cuda`] for a failed driver call.

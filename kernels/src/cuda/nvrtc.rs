@@ -34,17 +34,21 @@ pub struct CudaConfig {
     /// kernels then fail to compile, and the error says so).
     pub include_dir: Option<PathBuf>,
     /// How each convolution shape's cuDNN algorithm is chosen.
-    pub cudnn_search: CudnnSearch,
+    pub cudnn_search: AlgoSearch,
+    /// How each large GEMM shape's cuBLASLt algorithm is chosen (`gemm.rs`).
+    pub gemm_search: AlgoSearch,
 }
 
-/// How a convolution's cuDNN algorithm is chosen on the first use of its shape.
+/// How a library's algorithm for a shape is chosen on the first use of the shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CudnnSearch {
-    /// Run and time every candidate on the call's buffers (the default: ~1.15× faster decodes,
-    /// ~20 s of search per GPU on the first 480p decode).
+pub enum AlgoSearch {
+    /// Run and time the candidates on the call's buffers, keeping the fastest (the default). For
+    /// cuDNN: ~1.15× faster decodes, ~20 s of search per GPU on the first 480p decode; for
+    /// cuBLASLt: the heuristic's first few algorithms, for GEMMs large enough to be worth it.
     #[default]
     Find,
-    /// cuDNN's heuristic ranking, nothing run (no search cost; legacy algorithms only).
+    /// The library's heuristic ranking, nothing run (no search cost; cuDNN: legacy algorithms
+    /// only).
     Heuristic,
 }
 
@@ -57,31 +61,38 @@ impl CudaConfig {
     /// `$XDG_CACHE_HOME/ditstream/kernels`, else `~/.cache/ditstream/kernels`, else the temp dir;
     /// `include_dir` = `$DITSTREAM_CUDA_INCLUDE`, else `include_dir`, else the first directory
     /// holding `cuda_bf16.h` among `$CUDA_HOME/include` and `/usr/local/cuda/include`;
-    /// `cudnn_search` = `$DITSTREAM_CUDNN_SEARCH` (`find` or `heuristic`; another value is an
-    /// error naming it), else `cudnn_search`, else [`CudnnSearch::Find`].
+    /// `cudnn_search` = `$DITSTREAM_CUDNN_SEARCH` and `gemm_search` = `$DITSTREAM_GEMM_SEARCH`
+    /// (`find` or `heuristic`; another value is an error naming it), else the setting, else
+    /// [`AlgoSearch::Find`].
     pub fn resolve(
         kernel_cache: Option<PathBuf>,
         include_dir: Option<PathBuf>,
-        cudnn_search: Option<CudnnSearch>,
+        cudnn_search: Option<AlgoSearch>,
+        gemm_search: Option<AlgoSearch>,
     ) -> Result<Self> {
         let (cache_dir, include_dir) = paths(kernel_cache, include_dir);
         Ok(CudaConfig {
             cache_dir,
             include_dir,
-            cudnn_search: cudnn_search_from_env()?
+            cudnn_search: search_from_env(CUDNN_SEARCH_VAR)?
                 .or(cudnn_search)
+                .unwrap_or_default(),
+            gemm_search: search_from_env(GEMM_SEARCH_VAR)?
+                .or(gemm_search)
                 .unwrap_or_default(),
         })
     }
 
     /// The defaults with the environment's overrides and no deployment settings. An invalid
-    /// `$DITSTREAM_CUDNN_SEARCH` is reported by the first convolution, not here.
+    /// search variable is reported by the first convolution or GEMM, not here.
     pub fn from_env() -> Self {
         let (cache_dir, include_dir) = paths(None, None);
+        let search = |var| search_from_env(var).ok().flatten().unwrap_or_default();
         CudaConfig {
             cache_dir,
             include_dir,
-            cudnn_search: cudnn_search_from_env().ok().flatten().unwrap_or_default(),
+            cudnn_search: search(CUDNN_SEARCH_VAR),
+            gemm_search: search(GEMM_SEARCH_VAR),
         }
     }
 }
@@ -113,15 +124,20 @@ fn paths(
     (cache_dir, include_dir)
 }
 
-/// `$DITSTREAM_CUDNN_SEARCH`, if set: `find` or `heuristic`, another value an error naming it.
-pub fn cudnn_search_from_env() -> Result<Option<CudnnSearch>> {
-    match std::env::var("DITSTREAM_CUDNN_SEARCH") {
+/// The variable overriding `cuda.cudnn_search`.
+pub const CUDNN_SEARCH_VAR: &str = "DITSTREAM_CUDNN_SEARCH";
+/// The variable overriding `cuda.gemm_search`.
+pub const GEMM_SEARCH_VAR: &str = "DITSTREAM_GEMM_SEARCH";
+
+/// The search variable `var`, if set: `find` or `heuristic`, another value an error naming it.
+pub fn search_from_env(var: &'static str) -> Result<Option<AlgoSearch>> {
+    match std::env::var(var) {
         Ok(v) if !v.is_empty() => match v.as_str() {
-            "find" => Ok(Some(CudnnSearch::Find)),
-            "heuristic" => Ok(Some(CudnnSearch::Heuristic)),
+            "find" => Ok(Some(AlgoSearch::Find)),
+            "heuristic" => Ok(Some(AlgoSearch::Heuristic)),
             other => Err(KernelError::arg(
-                "cudnn",
-                "DITSTREAM_CUDNN_SEARCH",
+                "cuda settings",
+                var,
                 other,
                 "expected `find` (measure each algorithm) or `heuristic` (rank without running)",
             )),
@@ -345,7 +361,8 @@ mod tests {
         let config = CudaConfig {
             cache_dir: PathBuf::from("/tmp/x"),
             include_dir: Some(PathBuf::from("/inc")),
-            cudnn_search: CudnnSearch::Find,
+            cudnn_search: AlgoSearch::Find,
+            gemm_search: AlgoSearch::Find,
         };
         let opts = options("sm_90a", &config);
         assert!(opts.contains(&"--gpu-architecture=sm_90a".to_string()));
@@ -359,24 +376,26 @@ mod tests {
         let c = CudaConfig::resolve(
             Some(PathBuf::from("/srv/ditstream/kernels")),
             Some(PathBuf::from("/opt/cuda/include")),
-            Some(CudnnSearch::Heuristic),
+            Some(AlgoSearch::Heuristic),
+            Some(AlgoSearch::Heuristic),
         );
         let env = |name| std::env::var_os(name).filter(|v| !v.is_empty());
-        match std::env::var("DITSTREAM_CUDNN_SEARCH")
-            .ok()
-            .filter(|v| !v.is_empty())
-        {
-            None => assert_eq!(c.as_ref().unwrap().cudnn_search, CudnnSearch::Heuristic),
-            Some(v) if v == "find" => {
-                assert_eq!(c.as_ref().unwrap().cudnn_search, CudnnSearch::Find)
-            }
-            Some(v) if v == "heuristic" => {
-                assert_eq!(c.as_ref().unwrap().cudnn_search, CudnnSearch::Heuristic)
-            }
-            Some(_) => {
-                assert!(c.is_err(), "an unknown DITSTREAM_CUDNN_SEARCH is refused");
-                return;
-            }
+        type Field = fn(&CudaConfig) -> AlgoSearch;
+        let searches: [(&str, Field); 2] = [
+            (CUDNN_SEARCH_VAR, |c| c.cudnn_search),
+            (GEMM_SEARCH_VAR, |c| c.gemm_search),
+        ];
+        for (var, field) in searches {
+            let want = match std::env::var(var).ok().filter(|v| !v.is_empty()) {
+                None => AlgoSearch::Heuristic,
+                Some(v) if v == "find" => AlgoSearch::Find,
+                Some(v) if v == "heuristic" => AlgoSearch::Heuristic,
+                Some(_) => {
+                    assert!(c.is_err(), "an unknown {var} is refused");
+                    return;
+                }
+            };
+            assert_eq!(field(c.as_ref().unwrap()), want, "{var}");
         }
         let c = c.unwrap();
         let want = env("DITSTREAM_KERNEL_CACHE")

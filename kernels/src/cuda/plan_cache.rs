@@ -1,17 +1,18 @@
-//! cuDNN's plan choices on disk, so that a restart does not search again: the first decode of a
+//! Algorithm choices on disk, so that a restart does not search again: the first decode of a
 //! fresh process pays cuDNN's algorithm search per convolution shape (~20 s at 480p on an H200,
-//! see `cudnn.rs`); a process that finds the shape's choice here builds that plan directly.
+//! see `cudnn.rs`), the first forward cuBLASLt's per GEMM shape (`gemm.rs`); a process that finds
+//! the shape's choice here builds that plan directly.
 //!
-//! File: `<kernel cache dir>/cudnn-plans.tsv`, one line per choice, tab-separated:
-//! `v1  <device>  <cudnn version>  <shape>  <legacy algo>  <math type>  <graph config or ->  <ms>`.
-//! A choice is valid only for the GPU model and the cuDNN version it was measured with, so both
-//! are part of its key (`device` is the GPU's name, NVRTC architecture and SM count, e.g.
-//! `NVIDIA H200 sm_90a 132`); lines of other devices and versions are kept untouched, so one
-//! cache directory serves a mixed fleet. Unknown versions of the line format and lines that do
-//! not parse are skipped (and dropped at the next write). Writes go to a temporary file that is
-//! renamed over the old one, after merging what another process may have added meanwhile; two
-//! processes adding at the same instant can lose one line, which costs one search later, never a
-//! wrong plan.
+//! One file per library (`<kernel cache dir>/cudnn-plans.tsv`, `cublaslt-algos.tsv`), one line
+//! per choice, tab-separated: `v1  <device>  <library version>  <shape>  <choice's fields…>`
+//! ([`Entry`] says what the choice's fields are). A choice is valid only for the GPU model and the
+//! library version it was measured with, so both are part of its key (`device` is the GPU's name,
+//! NVRTC architecture and SM count, e.g. `NVIDIA H200 sm_90a 132`); lines of other devices and
+//! versions are kept untouched, so one cache directory serves a mixed fleet. Unknown versions of the
+//! line format and lines that do not parse are skipped (and dropped at the next write). Writes go to
+//! a temporary file that is renamed over the old one, after merging what another process may have
+//! added meanwhile; two processes adding at the same instant can lose one line, which costs one
+//! search later, never a wrong plan.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -22,7 +23,15 @@ use crate::DType;
 /// First field of every line this version writes.
 const FORMAT: &str = "v1";
 
-/// What was chosen for one shape.
+/// What a cache file records per shape: its fields after the shape, and back.
+pub(crate) trait Entry: Clone + PartialEq + Sized {
+    /// The fields, in file order (none may contain a tab or a newline).
+    fn fields(&self) -> Vec<String>;
+    /// The entry of `fields`, or `None` if they do not parse.
+    fn parse(fields: &[&str]) -> Option<Self>;
+}
+
+/// What cuDNN's search chose for one convolution shape.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Choice {
     /// `cudnnConvolutionFwdAlgo_t` of the legacy algorithm, as its number.
@@ -36,13 +45,45 @@ pub(crate) struct Choice {
     pub ms: f32,
 }
 
-/// The cache file's choices, by (device, cuDNN version, shape).
-#[derive(Debug, Default, PartialEq)]
-pub(crate) struct PlanCache {
-    choices: BTreeMap<(String, usize, String), Choice>,
+impl Entry for Choice {
+    fn fields(&self) -> Vec<String> {
+        let graph = self.graph.as_deref().unwrap_or("-");
+        vec![
+            self.algo.to_string(),
+            self.math.to_string(),
+            graph.to_string(),
+            self.ms.to_string(),
+        ]
+    }
+
+    fn parse(fields: &[&str]) -> Option<Self> {
+        let [algo, math, graph, ms] = fields[..] else {
+            return None;
+        };
+        Some(Choice {
+            algo: algo.parse().ok()?,
+            math: math.parse().ok()?,
+            graph: (graph != "-").then(|| graph.to_string()),
+            ms: ms.parse().ok()?,
+        })
+    }
 }
 
-/// The text form of a shape: every field of the key, e.g.
+/// A cache file's choices, by (device, library version, shape).
+#[derive(Debug, PartialEq)]
+pub(crate) struct PlanCache<C> {
+    choices: BTreeMap<(String, usize, String), C>,
+}
+
+impl<C> Default for PlanCache<C> {
+    fn default() -> Self {
+        PlanCache {
+            choices: BTreeMap::new(),
+        }
+    }
+}
+
+/// The text form of a convolution shape: every field of the key, e.g.
 /// `bf16 ndhwc b1 c96>96 in6x48x80 k3x3x3 s1x1x1 p0x1x1`.
 pub(crate) fn shape_text(key: &DnnConvKey) -> String {
     let dims = |d: [usize; 3]| format!("{}x{}x{}", d[0], d[1], d[2]);
@@ -66,36 +107,24 @@ pub(crate) fn shape_text(key: &DnnConvKey) -> String {
     )
 }
 
-impl PlanCache {
+impl<C: Entry> PlanCache<C> {
     /// The choices in `text` (the file's contents); lines that do not parse are skipped.
-    pub fn parse(text: &str) -> PlanCache {
+    pub fn parse(text: &str) -> Self {
         let mut cache = PlanCache::default();
         for line in text.lines() {
             let f: Vec<&str> = line.split('\t').collect();
-            let [format, device, cudnn, shape, algo, math, graph, ms] = f[..] else {
+            let [format, device, version, shape, ref rest @ ..] = f[..] else {
                 continue;
             };
             if format != FORMAT {
                 continue;
             }
-            let (Ok(cudnn), Ok(algo), Ok(math), Ok(ms)) = (
-                cudnn.parse::<usize>(),
-                algo.parse::<i32>(),
-                math.parse::<i32>(),
-                ms.parse::<f32>(),
-            ) else {
+            let (Ok(version), Some(choice)) = (version.parse::<usize>(), C::parse(rest)) else {
                 continue;
             };
-            let graph = (graph != "-").then(|| graph.to_string());
-            cache.choices.insert(
-                (device.to_string(), cudnn, shape.to_string()),
-                Choice {
-                    algo,
-                    math,
-                    graph,
-                    ms,
-                },
-            );
+            cache
+                .choices
+                .insert((device.to_string(), version, shape.to_string()), choice);
         }
         cache
     }
@@ -103,30 +132,31 @@ impl PlanCache {
     /// The file's text: one line per choice, sorted (so equal caches write equal files).
     pub fn render(&self) -> String {
         let mut out = String::new();
-        for ((device, cudnn, shape), c) in &self.choices {
-            let graph = c.graph.as_deref().unwrap_or("-");
-            out.push_str(&format!(
-                "{FORMAT}\t{device}\t{cudnn}\t{shape}\t{}\t{}\t{graph}\t{}\n",
-                c.algo, c.math, c.ms
-            ));
+        for ((device, version, shape), c) in &self.choices {
+            out.push_str(&format!("{FORMAT}\t{device}\t{version}\t{shape}"));
+            for field in c.fields() {
+                out.push('\t');
+                out.push_str(&field);
+            }
+            out.push('\n');
         }
         out
     }
 
-    /// The choice for `shape` on `device` with cuDNN `cudnn`.
-    pub fn get(&self, device: &str, cudnn: usize, shape: &str) -> Option<&Choice> {
+    /// The choice for `shape` on `device` with library version `version`.
+    pub fn get(&self, device: &str, version: usize, shape: &str) -> Option<&C> {
         self.choices
-            .get(&(device.to_string(), cudnn, shape.to_string()))
+            .get(&(device.to_string(), version, shape.to_string()))
     }
 
     /// Records a choice.
-    pub fn insert(&mut self, device: &str, cudnn: usize, shape: &str, choice: Choice) {
+    pub fn insert(&mut self, device: &str, version: usize, shape: &str, choice: C) {
         self.choices
-            .insert((device.to_string(), cudnn, shape.to_string()), choice);
+            .insert((device.to_string(), version, shape.to_string()), choice);
     }
 
     /// Reads the file at `path` (absent or unreadable: empty).
-    pub fn load(path: &Path) -> PlanCache {
+    pub fn load(path: &Path) -> Self {
         std::fs::read_to_string(path)
             .map(|t| PlanCache::parse(&t))
             .unwrap_or_default()
@@ -137,12 +167,12 @@ impl PlanCache {
     pub fn store(
         path: &Path,
         device: &str,
-        cudnn: usize,
+        version: usize,
         shape: &str,
-        choice: Choice,
+        choice: C,
     ) -> std::io::Result<()> {
         let mut cache = PlanCache::load(path);
-        cache.insert(device, cudnn, shape, choice);
+        cache.insert(device, version, shape, choice);
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
@@ -234,7 +264,7 @@ mod tests {
     #[test]
     fn choices_are_keyed_by_device_cudnn_and_shape() {
         let shape = shape_text(&key(96, [6, 48, 80]));
-        let mut cache = PlanCache::default();
+        let mut cache = PlanCache::<Choice>::default();
         cache.insert("NVIDIA H200 sm_90a 132", 91900, &shape, choice(1, None));
         cache.insert(
             "NVIDIA H200 sm_90a 132",
@@ -267,7 +297,7 @@ mod tests {
     #[test]
     fn the_file_round_trips_and_bad_lines_are_skipped() {
         let shape = shape_text(&key(96, [6, 48, 80]));
-        let mut cache = PlanCache::default();
+        let mut cache = PlanCache::<Choice>::default();
         cache.insert("gpu a", 91900, &shape, choice(1, Some("eng0")));
         cache.insert("gpu b", 91900, &shape, choice(2, None));
         let text = cache.render();
@@ -289,11 +319,11 @@ mod tests {
         );
         PlanCache::store(&path, "gpu", 91900, &a, choice(1, None)).unwrap();
         // Another process's line appears meanwhile; the next store keeps it.
-        let mut other = PlanCache::load(&path);
+        let mut other = PlanCache::<Choice>::load(&path);
         other.insert("other gpu", 90100, &a, choice(3, None));
         std::fs::write(&path, other.render()).unwrap();
         PlanCache::store(&path, "gpu", 91900, &b, choice(2, Some("eng5"))).unwrap();
-        let read = PlanCache::load(&path);
+        let read = PlanCache::<Choice>::load(&path);
         assert_eq!(read.get("gpu", 91900, &a).unwrap().algo, 1);
         assert_eq!(read.get("gpu", 91900, &b).unwrap().algo, 2);
         assert_eq!(read.get("other gpu", 90100, &a).unwrap().algo, 3);

@@ -2,7 +2,8 @@
 //! it. Construction walks the checkpoint's tensor names, so the code reads like the checkpoint.
 //!
 //! The forward is split at the two places sequence parallelism needs: [`WanTransformer::embed`]
-//! (patchify, conditioning, RoPE tables) and [`WanTransformer::head`] (final norm and unpatchify)
+//! (patchify, conditioning, RoPE tables, the text's cross-attention keys and values — these two
+//! built once per token grid and per context tensor, as every step of a request repeats them) and [`WanTransformer::head`] (final norm and unpatchify)
 //! around the blocks, and the blocks' self-attention goes through a [`SelfAttention`] the caller
 //! chooses, so a parallel wrapper can gather heads or keys without the model knowing.
 //!
@@ -197,6 +198,10 @@ pub struct Conditioning {
     pub timestep_proj: Tensor,
     /// Projected text: [B, S_txt, D].
     pub context: Tensor,
+    /// Every block's cross-attention keys (normed) and values of `context`, [B, S_txt, heads,
+    /// head_dim] each: the same at every step of a request, so computed once per context tensor
+    /// (see `text_cache`).
+    pub cross_kv: Arc<Vec<(Tensor, Tensor)>>,
     /// RoPE angles for the tokens, [L, head_dim/2] each.
     pub rope_cos: Tensor,
     /// See `rope_cos`.
@@ -225,6 +230,26 @@ pub struct WanTransformer {
     /// grid, and building them takes an f64 cos and sin per token and pair on the host (2·10⁶ of
     /// each at 480p 81 frames), while the GPU waits for the forward's first kernels.
     rope_cache: Arc<Mutex<Option<RopeTables>>>,
+    /// The text side of the last contexts seen ([`TEXT_CACHE_ENTRIES`]): every step of a request
+    /// passes the same context tensor, and its projection and the blocks' cross-attention keys and
+    /// values (60 GEMMs at Wan2.1-1.3B dims) do not depend on the latent.
+    text_cache: Arc<Mutex<Vec<TextStates>>>,
+}
+
+/// How many contexts `text_cache` keeps: two, for ranks that share one model and each run one CFG
+/// branch.
+const TEXT_CACHE_ENTRIES: usize = 2;
+
+/// What the model computes from one context tensor.
+#[derive(Debug)]
+struct TextStates {
+    /// The caller's context, kept so that [`Tensor::is_same`] identifies it (holding it also keeps
+    /// its storage from being reused for another tensor).
+    input: Tensor,
+    /// The text embedder's output, [B, S_txt, D].
+    projected: Tensor,
+    /// Per block: cross-attention keys (normed) and values.
+    kv: Arc<Vec<(Tensor, Tensor)>>,
 }
 
 /// RoPE cos/sin tables for one token grid.
@@ -329,6 +354,7 @@ impl WanTransformer {
             scale_shift_table: ws.tensor("scale_shift_table", &[1, 2, d], DType::F32)?,
             proj_out: Linear::load(ws, "proj_out", out_features, d, dtype)?,
             rope_cache: Arc::default(),
+            text_cache: Arc::default(),
             cfg,
             dtype,
             device,
@@ -475,9 +501,7 @@ impl WanTransformer {
             (temb.reshape(&[b, d])?, tproj.reshape(&[b, 6, d])?)
         };
 
-        let (t1, t2) = &self.text_embedder;
-        let context = context.to_device(self.device)?.to_dtype(self.dtype)?;
-        let context = t2.forward(&t1.forward_gelu(&context)?)?;
+        let (context, cross_kv) = self.text_states(context)?;
         let (rope_cos, rope_sin) = self.rope_tables(grid)?;
         mark("embed");
         Ok((
@@ -486,11 +510,63 @@ impl WanTransformer {
                 temb,
                 timestep_proj,
                 context,
+                cross_kv,
                 rope_cos,
                 rope_sin,
                 grid,
             },
         ))
+    }
+
+    /// The projected text of `context` and every block's cross-attention keys and values, computed
+    /// once per context tensor (see `text_cache`).
+    #[allow(clippy::type_complexity)]
+    fn text_states(
+        &self,
+        context: &Tensor,
+    ) -> Result<(Tensor, Arc<Vec<(Tensor, Tensor)>>), ModelError> {
+        let cached = |cache: &[TextStates]| {
+            cache
+                .iter()
+                .find(|t| t.input.is_same(context))
+                .map(|t| (t.projected.clone(), Arc::clone(&t.kv)))
+        };
+        if let Some(hit) = cached(&self.text_cache.lock().unwrap_or_else(|e| e.into_inner())) {
+            return Ok(hit);
+        }
+        // Computed without the lock: ranks sharing the model do not wait for each other's text.
+        let (cfg, eps) = (&self.cfg, self.cfg.eps as f32);
+        let (heads, hd) = (cfg.num_attention_heads, cfg.attention_head_dim);
+        let (t1, t2) = &self.text_embedder;
+        let text = context.to_device(self.device)?.to_dtype(self.dtype)?;
+        let projected = t2.forward(&t1.forward_gelu(&text)?)?;
+        let [b, s_txt] = [projected.shape()[0], projected.shape()[1]];
+        let kv = self
+            .blocks
+            .iter()
+            .map(|blk| {
+                let a = &blk.attn2;
+                let k = rms_norm(&a.to_k.forward(&projected)?, &a.norm_k, eps)?
+                    .reshape(&[b, s_txt, heads, hd])?;
+                mark("q/k norm");
+                let v = a
+                    .to_v
+                    .forward(&projected)?
+                    .reshape(&[b, s_txt, heads, hd])?;
+                Ok((k, v))
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let kv = Arc::new(kv);
+        let mut cache = self.text_cache.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.len() == TEXT_CACHE_ENTRIES {
+            cache.remove(0);
+        }
+        cache.push(TextStates {
+            input: context.clone(),
+            projected: projected.clone(),
+            kv: Arc::clone(&kv),
+        });
+        Ok((projected, kv))
     }
 
     /// The RoPE tables of `grid` on the model's device, built once per grid (see `rope_cache`).
@@ -583,24 +659,18 @@ impl WanTransformer {
         mark("self-attention");
         let x = a.to_out.forward_residual(&o, x, Some(&m[2]))?;
 
-        // Cross-attention to the text: no RoPE, no mask, no gate.
+        // Cross-attention to the text: no RoPE, no mask, no gate; its keys and values come from
+        // `embed`, once per request.
         let h = match &blk.norm2 {
             Some((w, bias)) => layer_norm(&x, Some(w), Some(bias), eps)?,
             None => x.clone(),
         };
         mark("norm");
         let a = &blk.attn2;
-        let s_txt = cond.context.shape()[1];
         let q = rms_norm(&a.to_q.forward(&h)?, &a.norm_q, eps)?.reshape(&[b, l, heads, hd])?;
         mark("q/k norm");
-        let k = rms_norm(&a.to_k.forward(&cond.context)?, &a.norm_k, eps)?
-            .reshape(&[b, s_txt, heads, hd])?;
-        mark("q/k norm");
-        let v = a
-            .to_v
-            .forward(&cond.context)?
-            .reshape(&[b, s_txt, heads, hd])?;
-        let o = attention(&q, &k, &v, AttentionOptions::default())?
+        let (k, v) = &cond.cross_kv[i];
+        let o = attention(&q, k, v, AttentionOptions::default())?
             .0
             .reshape(&[b, l, d])?;
         mark("cross-attention");
@@ -663,4 +733,55 @@ pub fn timestep_sinusoid(timesteps: &[f32], dim: usize) -> Vec<f32> {
         out.extend(freqs.iter().map(|w| (t * w).sin()));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use ditstream_common::config::Preset;
+    use ditstream_kernels::weights::RandomWeights;
+
+    use super::*;
+
+    fn tiny() -> WanTransformer {
+        let cfg = WanConfig::preset(Preset::Tiny);
+        WanTransformer::new(cfg, &RandomWeights::new(7), DType::F32, Device::Cpu).unwrap()
+    }
+
+    /// The text side is computed once per context tensor, and a new context (even one reusing
+    /// nothing but the shape) gets its own: forwards through a model that has seen other contexts
+    /// equal those of a fresh model, bit for bit.
+    #[test]
+    fn text_states_are_computed_once_per_context() {
+        let model = tiny();
+        let cfg = model.config().clone();
+        let x = Tensor::randn(&[2, cfg.in_channels, 1, 4, 4], DType::F32, 1, Device::Cpu).unwrap();
+        let t = Tensor::from_vec(vec![500.0, 500.0], &[2]).unwrap();
+        let ctx =
+            |seed| Tensor::randn(&[2, 3, cfg.text_dim], DType::F32, seed, Device::Cpu).unwrap();
+        let (a, b, c) = (ctx(2), ctx(3), ctx(4));
+        let run = |m: &WanTransformer, ctx: &Tensor| {
+            m.forward(&x, &t, ctx).unwrap().to_vec_f32().unwrap()
+        };
+
+        let first = model.embed(&x, &t, &a).unwrap().1;
+        let again = model.embed(&x, &t, &a.clone()).unwrap().1;
+        assert!(
+            Arc::ptr_eq(&first.cross_kv, &again.cross_kv),
+            "the same context tensor reuses its keys and values"
+        );
+        let equal_values = Tensor::from_vec(a.to_vec_f32().unwrap(), a.shape()).unwrap();
+        let copy = model.embed(&x, &t, &equal_values).unwrap().1;
+        assert!(
+            !Arc::ptr_eq(&first.cross_kv, &copy.cross_kv),
+            "another tensor is computed"
+        );
+
+        // Contexts a, b, c in turn (the cache keeps two): each forward equals a fresh model's.
+        for ctx in [&a, &b, &a, &c, &b, &a] {
+            assert_eq!(run(&model, ctx), run(&tiny(), ctx));
+        }
+        assert_ne!(run(&model, &b), run(&model, &c), "the contexts matter");
+    }
 }

@@ -39,7 +39,10 @@
 
 use std::path::{Path, PathBuf};
 
+use ditstream_common::config::SamplerKind;
+use ditstream_denoiser::denoise::{Control, DenoiseParams, Experts, denoise, make_sampler};
 use ditstream_denoiser::model::{LocalAttention, WanTransformer};
+use ditstream_denoiser::sampler::cfg_combine;
 use ditstream_kernels::weights::Checkpoint;
 use ditstream_kernels::{DType, Device, Tensor};
 
@@ -272,4 +275,116 @@ fn weights_are_on_the_gpu() {
             .is_err(),
         "a host activation against device weights must be a device-mismatch error"
     );
+}
+
+/// A 20-step request on the GPU (UniPC, CFG 5, shift 5: the Wan2.1 defaults) through `denoise`,
+/// with the fused kernels, against the same loop in f32 on the CPU, where each op is its own CPU
+/// twin (the unfused reference). Fixture: `loop` (`denoise_vs_diffusers.rs`; two blocks).
+///
+/// ## Bound
+/// Per forward the GPU's roundings leave an error of relative RMS ε in each branch's velocity
+/// (module docs: bf16 (u/√3)·√N ≈ 0.019 for N = 70 roundings; f32 ~1e-5). CFG weighs the two
+/// branches' errors by g and 1 − g, and the multistep sampler carries every step's error into the
+/// later steps through the model, which no closed form bounds for a random model. So the bound is
+/// derived by running that error model: the CPU loop again, with independent Gaussian noise of
+/// relative RMS ε added to each branch's velocity at every step (three seeds), gives the spread
+/// those roundings cause after 20 steps; the GPU's RMS error against the clean CPU loop must stay
+/// within 2× the largest spread (the factor 2 of the module docs, for correlations between
+/// roundings the model leaves out). A fused op that changed the maths (a wrong gate, a dropped
+/// bias, a mis-scaled RoPE) moves the latent by far more than rounding does.
+#[test]
+fn twenty_steps_stay_within_the_rounding_bound_of_the_f32_loop() {
+    let Some(dev) = gpu() else { return };
+    let dir = fixture("loop");
+    let ck = Checkpoint::open_dir(&dir, "io").unwrap();
+    let (latents, cond, uncond) = (
+        io(&ck, "latents"),
+        io(&ck, "prompt_embeds"),
+        io(&ck, "negative_prompt_embeds"),
+    );
+    let p = DenoiseParams {
+        sampler: SamplerKind::Unipc,
+        steps: 20,
+        shift: 5.0,
+        guidance_scale: 5.0,
+        guidance_scale_2: None,
+    };
+    let run = |model: &WanTransformer| -> Vec<f32> {
+        let experts = Experts {
+            high: model,
+            low: None,
+        };
+        denoise(experts, &p, latents.clone(), &cond, Some(&uncond), |_| {
+            Control::Continue
+        })
+        .unwrap()
+        .to_vec_f32()
+        .unwrap()
+    };
+    let cpu = WanTransformer::from_dir(&dir.join("transformer"), DType::F32, Device::Cpu).unwrap();
+    // `denoise`'s loop by hand, with noise of relative RMS `eps` on each branch's velocity.
+    let context = Tensor::concat(&[&cond, &uncond], 0).unwrap();
+    let noisy_loop = |eps: f64, seed: u64| -> Vec<f32> {
+        let mut sampler = make_sampler(&p).unwrap();
+        let mut x = latents.to_vec_f32().unwrap();
+        let n = x.len();
+        for k in 0..sampler.steps() {
+            let t = sampler.timestep(k) as f32;
+            let input = Tensor::from_vec(x.clone(), latents.shape()).unwrap();
+            let input = Tensor::concat(&[&input, &input], 0).unwrap();
+            let timestep = Tensor::from_vec(vec![t; 2], &[2]).unwrap();
+            let mut v = cpu
+                .forward(&input, &timestep, &context)
+                .unwrap()
+                .to_vec_f32()
+                .unwrap();
+            if eps > 0.0 {
+                for (branch, part) in v.chunks_mut(n).enumerate() {
+                    let rms =
+                        (part.iter().map(|&a| f64::from(a).powi(2)).sum::<f64>() / n as f64).sqrt();
+                    let noise_seed = seed * 1000 + 2 * k as u64 + branch as u64;
+                    let noise = Tensor::randn(&[n], DType::F32, noise_seed, Device::Cpu)
+                        .unwrap()
+                        .to_vec_f32()
+                        .unwrap();
+                    for (a, z) in part.iter_mut().zip(noise) {
+                        *a += (eps * rms) as f32 * z;
+                    }
+                }
+            }
+            let (v_cond, v_uncond) = v.split_at_mut(n);
+            cfg_combine(v_cond, v_uncond, p.guidance_scale);
+            sampler.step(v_cond, &mut x).unwrap();
+        }
+        x
+    };
+    let reference = noisy_loop(0.0, 0);
+    assert_eq!(
+        reference,
+        run(&cpu),
+        "the hand loop is `denoise`'s (the same f32 maths on the CPU)"
+    );
+    let bf16_eps = BF16_U / 3f64.sqrt() * BF16_ROUNDINGS.sqrt();
+    for (dtype, eps) in [(DType::F32, 1e-5), (DType::BF16, bf16_eps)] {
+        let model = WanTransformer::from_dir(&dir.join("transformer"), dtype, dev).unwrap();
+        let got = run(&model);
+        assert!(
+            got.iter().all(|v| v.is_finite()),
+            "{dtype:?}: non-finite latent"
+        );
+        let spread = (1..=3)
+            .map(|seed| errors(&noisy_loop(eps, seed), &reference).rms_rel_rms)
+            .fold(0.0f64, f64::max);
+        let bound = 2.0 * spread;
+        let e = errors(&got, &reference);
+        println!(
+            "WANLOOP\t20 steps unipc cfg5\t{dtype:?}\trms/rms {:.3e}\tmax/rms {:.3e}\tnoise spread {spread:.3e} (eps {eps:.1e})\tbound {bound:.3e}",
+            e.rms_rel_rms, e.max_rel_rms
+        );
+        assert!(
+            e.rms_rel_rms <= bound,
+            "{dtype:?}: 20-step latent rms/rms {:.3e} against the f32 CPU loop, bound {bound:.3e}",
+            e.rms_rel_rms
+        );
+    }
 }

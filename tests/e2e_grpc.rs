@@ -259,7 +259,7 @@ async fn events_arrive_in_order_and_form_a_playable_mp4() {
     let E::Completed(done) = events.last().unwrap() else {
         panic!("last event {:?}", events.last())
     };
-    assert_eq!((done.frames, done.segments), (9, 3));
+    assert_eq!((done.frames, done.segments), (9, 4));
 
     let path = temp_file("ordered.mp4", &mp4_of(&events));
     probe(&path, 9, 64, 48, "12/1", &[0, 1, 5]);

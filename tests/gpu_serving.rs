@@ -319,7 +319,7 @@ mod gpu {
         }
         server.stop().await.unwrap();
         let completed = completed.expect("the stream ends with Completed");
-        assert_eq!((completed.frames, completed.segments), (9, 3));
+        assert_eq!((completed.frames, completed.segments), (9, 4));
 
         // Playable: every frame decodes, at the request's size.
         assert_eq!(decode_mp4(&served), vec![(64, 48); 9]);

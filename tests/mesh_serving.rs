@@ -185,7 +185,7 @@ async fn a_multi_rank_config_serves_a_video() {
     let Some(pb::generate_event::Event::Completed(done)) = last else {
         panic!("{last:?}")
     };
-    assert_eq!((done.frames, done.segments), (9, 3));
+    assert_eq!((done.frames, done.segments), (9, 4));
     server.stop().await.unwrap();
 }
 

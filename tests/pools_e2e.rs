@@ -237,7 +237,7 @@ async fn three_processes_stream_a_playable_video_and_pipeline_requests() {
         let Some((_, E::Completed(done))) = events.last() else {
             panic!("{name}: {:?}", events.last())
         };
-        assert_eq!((done.frames, done.segments), (17, 5), "{name}");
+        assert_eq!((done.frames, done.segments), (17, 6), "{name}");
         let t = done.timings.unwrap();
         assert!(
             t.denoise_ms > 0.0 && t.decode_ms > 0.0 && t.first_segment_ms <= t.total_ms,

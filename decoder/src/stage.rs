@@ -696,9 +696,10 @@ fn video_params(p: &DecodeJob) -> VideoParams {
 }
 
 /// Frame 0 alone (the first picture leaves as soon as latent frame 0 is decoded), then
-/// `segment_frames` each.
+/// `segment_frames` each, the last one cut in two halves that encode in parallel (see
+/// [`SegmentPlan::split_last`]).
 fn segment_plan(p: &DecodeJob) -> Result<SegmentPlan, StageError> {
-    Ok(SegmentPlan::new(1, p.segment_frames as u32)?)
+    Ok(SegmentPlan::new(1, p.segment_frames as u32)?.split_last(p.num_frames as u64))
 }
 
 /// Frames `range` of VAE output [1, 3, F, H, W] in [−1, 1] (any device) → YUV 4:2:0 frames.

@@ -16,11 +16,31 @@ use super::{EncodeError, OpenEncoder, RgbFrame, VideoParams, Yuv420Frame, fmp4};
 
 /// How frames are grouped into segments: the first segment holds `first` frames, every later one
 /// `rest` frames (the last may be shorter). Every segment starts with a keyframe.
+///
+/// With [`SegmentPlan::split_last`] the video's length is known and its last segment is cut in two
+/// halves, which encode in parallel: the last segment's frames arrive together (one latent frame
+/// decodes to all four) and nothing else is left to overlap them with, so its encode is the part
+/// of the streaming tail no parallelism hides (≈ 4 × 25 ms at 480p with OpenH264). Halves cost one
+/// more IDR frame per video.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SegmentPlan {
     first: u32,
     rest: u32,
+    last: Option<LastSegment>,
 }
+
+/// The last planned segment, frames `start..end`, cut into parts of `part` frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LastSegment {
+    start: u64,
+    end: u64,
+    part: u64,
+}
+
+/// A last segment is cut in two only from this many frames, so both halves have at least two:
+/// a run of one-frame segments needs the alternating IDR ids of [`SegmentPlan::follows_lone_idr`],
+/// which assumes such runs only where every segment has one frame.
+const SPLIT_MIN_FRAMES: u64 = 4;
 
 impl SegmentPlan {
     /// A plan of `first` frames, then `rest` frames per segment. Both must be at least 1.
@@ -32,7 +52,33 @@ impl SegmentPlan {
                 rule: "every segment needs at least one frame",
             });
         }
-        Ok(Self { first, rest })
+        Ok(Self {
+            first,
+            rest,
+            last: None,
+        })
+    }
+
+    /// This plan for a video of `frames` frames, with its last segment cut into two halves (the
+    /// first half the longer) when it has at least 4 frames.
+    pub fn split_last(self, frames: u64) -> Self {
+        let uniform = Self { last: None, ..self };
+        let Some(last_frame) = frames.checked_sub(1) else {
+            return uniform;
+        };
+        let (_, start, _) = uniform.segment_of(last_frame);
+        let len = frames - start;
+        if len < SPLIT_MIN_FRAMES {
+            return uniform;
+        }
+        Self {
+            last: Some(LastSegment {
+                start,
+                end: frames,
+                part: len.div_ceil(2),
+            }),
+            ..self
+        }
     }
 
     /// Frames in the first segment.
@@ -47,15 +93,23 @@ impl SegmentPlan {
 
     /// Whether frame `frame_index` opens a segment (and so must be a keyframe).
     pub fn is_segment_start(&self, frame_index: u64) -> bool {
-        let (first, rest) = (u64::from(self.first), u64::from(self.rest));
-        // Not `is_multiple_of`: the workspace's rust-version (1.85) predates it (1.87).
-        #[allow(clippy::manual_is_multiple_of)]
-        let on_boundary = frame_index >= first && (frame_index - first) % rest == 0;
-        frame_index == 0 || on_boundary
+        self.segment_of(frame_index).1 == frame_index
     }
 
     /// The segment holding `frame_index`: (sequence number from 1, first frame, planned frame count).
     pub fn segment_of(&self, frame_index: u64) -> (u32, u64, u32) {
+        if let Some(last) = self.last.filter(|l| frame_index >= l.start) {
+            let (sequence, _, _) = Self {
+                last: None,
+                ..*self
+            }
+            .segment_of(last.start);
+            let k = ((frame_index - last.start) / last.part).min(1);
+            let start = last.start + k * last.part;
+            // Two parts of at most `rest` frames each.
+            let planned = (last.end - start).min(last.part) as u32;
+            return (sequence + k as u32, start, planned);
+        }
         let (first, rest) = (u64::from(self.first), u64::from(self.rest));
         if frame_index < first {
             return (1, 0, self.first);
@@ -107,7 +161,11 @@ impl Default for SegmentPlan {
     /// frames of one latent frame, so it leaves the moment that latent frame is decoded. The price is
     /// one extra IDR (frame 0 alone, then frame 1) compared with grouping frames 0–4.
     fn default() -> Self {
-        Self { first: 1, rest: 4 }
+        Self {
+            first: 1,
+            rest: 4,
+            last: None,
+        }
     }
 }
 
@@ -416,6 +474,35 @@ mod tests {
         assert_eq!(plan.segment_of(0), (1, 0, 1));
         assert_eq!(plan.segment_of(4), (2, 1, 4));
         assert_eq!(plan.segment_of(5), (3, 5, 4));
+    }
+
+    /// The last segment is cut in halves of at least two frames; everything before stays.
+    #[test]
+    fn the_last_segment_splits_in_two() {
+        let plan = SegmentPlan::default();
+        let split = |frames| plan.split_last(frames).lengths(frames);
+        assert_eq!(split(17), vec![1, 4, 4, 4, 2, 2]);
+        assert_eq!(split(81), [vec![1], vec![4; 19], vec![2, 2]].concat());
+        assert_eq!(split(5), vec![1, 2, 2]);
+        // Too short to split: 3 frames would leave a lone frame.
+        assert_eq!(split(8), vec![1, 4, 3]);
+        assert_eq!(split(1), vec![1]);
+        assert_eq!(split(0), Vec::<u32>::new());
+        let p = plan.split_last(17);
+        assert_eq!(p.segment_of(12), (4, 9, 4));
+        assert_eq!(p.segment_of(13), (5, 13, 2));
+        assert_eq!(p.segment_of(14), (5, 13, 2));
+        assert_eq!(p.segment_of(15), (6, 15, 2));
+        assert_eq!(p.segment_of(16), (6, 15, 2));
+        let starts: Vec<u64> = (0..17).filter(|&i| p.is_segment_start(i)).collect();
+        assert_eq!(starts, vec![0, 1, 5, 9, 13, 15]);
+        // Odd lengths: the first half is the longer.
+        let p = SegmentPlan::new(1, 5).expect("valid").split_last(11);
+        assert_eq!(p.lengths(11), vec![1, 5, 3, 2]);
+        // A first segment that is also the last splits too.
+        let p = SegmentPlan::new(6, 4).expect("valid").split_last(6);
+        assert_eq!(p.lengths(6), vec![3, 3]);
+        assert!(!p.follows_lone_idr(2));
     }
 
     #[test]

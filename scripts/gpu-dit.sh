@@ -17,6 +17,7 @@
 #      one timed forward (~10 s each; the model takes ~95 s to build), with the split (≈ 4–5 min
 #      for the pair);
 #   7. a short table last: the parity summary, then ours vs diffusers and the ratio.
+# KERNELS=0 skips step 5 (the kernel profile, ~2 minutes).
 # Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu.
 # Exits non-zero if any step failed (the table is printed anyway).
 set -uo pipefail
@@ -90,7 +91,9 @@ if [ "$full" -eq 1 ]; then
   OURS_ITERS="--warmup 1 --iters 2"
   run_pair 480p81f --height 480 --width 832 --frames 81
   NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -n 1)
-  if [ -n "$NSYS" ] && [ -x "$NSYS" ]; then
+  if [ "${KERNELS:-1}" = 0 ]; then
+    echo "(KERNELS=0: no kernel breakdown)"
+  elif [ -n "$NSYS" ] && [ -x "$NSYS" ]; then
     step "kernels of ours, 480p81f, 2 forwards (nsys: total ms, launches, name)"
     timeout 300 "$NSYS" profile --force-overwrite true --trace cuda -o "$LOGS/dit_481f" \
       target/gpu/dit_step --height 480 --width 832 --frames 81 --warmup 1 --iters 1 --no-split \

@@ -1675,3 +1675,174 @@ fn causal_conv3d_residual_matches_unfused_and_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// FP8 (e4m3) linears against the CPU reference.
+///
+/// Quantisation: exact. The kernel does the reference's arithmetic step for step (`quant.cu`), so
+/// the codes and the scales must be bit-identical, for bf16 and f32 rows, for k a multiple of 8
+/// (the vectorised kernel) and not (the scalar one), with all-zero rows and rows of very different
+/// magnitudes.
+///
+/// The linear: both sides multiply the same codes (exact products: 4 × 4 significant bits) and
+/// apply the same scales; they differ in the sum S = Σₖ qx·qw. The CPU rounds k f32 additions
+/// (≤ k·2⁻²⁴·A, A = Σₖ|qx·qw|); the GPU's FP8 tensor cores accumulate with fewer bits than f32
+/// (DeepSeek-V3 reports ~14 retained on Hopper) before cuBLASLt promotes the partial sums to f32:
+/// we allow 2⁻¹⁰·A, sixteen such roundings. Scaled by s_x·s_w and rounded to bf16 on both sides
+/// (two results that close are at most one bf16 ulp, 2⁻⁷ of the value, apart):
+/// |gpu − cpu| ≤ 2⁻⁷·|cpu| + 2⁻¹⁰·A·s_x·s_w, times GELU's largest slope (1.13) after the sum, or
+/// |gate| where the gate is folded into the scales; plus 2⁻⁸·|bias| of margin for the f32 order in
+/// which the epilogue adds the bias. A is computed per element from the codes.
+#[test]
+fn fp8_linears_match_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    if !ditstream_kernels::cuda::supports_fp8(0)? {
+        eprintln!("skipped: this GPU has no FP8 tensor cores");
+        return Ok(());
+    }
+    // Quantisation, bit for bit.
+    for (dtype, kk) in [(DType::BF16, 256), (DType::F32, 256), (DType::BF16, 37)] {
+        let mut x = randn(&[6, kk], DType::F32, 60).to_vec_f32()?;
+        for (i, v) in x.iter_mut().enumerate() {
+            *v *= [1e-3f32, 1.0, 300.0][i / kk % 3];
+        }
+        x[kk..2 * kk].fill(0.0);
+        let x = Tensor::from_vec(x, &[6, kk])?.to_dtype(dtype)?;
+        let (cpu, gpu) = (
+            k::Fp8Tensor::quantize(&x)?,
+            k::Fp8Tensor::quantize(&x.to_device(dev)?)?,
+        );
+        assert_eq!(gpu.codes()?, cpu.codes()?, "{dtype:?} k {kk}: codes");
+        assert_eq!(
+            differing_bits(gpu.scales(), cpu.scales())?,
+            0,
+            "{dtype:?} k {kk}: scales"
+        );
+        println!(
+            "PARITY\tquantize_e4m3\t{}\t[6, {kk}]\t0\texact",
+            name(dtype)
+        );
+    }
+
+    // Every epilogue of the FP8 GEMM runs (each one reported, so one run says which cuBLASLt
+    // refuses, if any).
+    {
+        let x = randn(&[2, 24, 256], DType::BF16, 66).to_device(dev)?;
+        let w = k::Fp8Tensor::quantize(&randn(&[256, 256], DType::BF16, 67).to_device(dev)?)?;
+        let b = randn(&[256], DType::BF16, 68).to_device(dev)?;
+        let res = randn(&[2, 24, 256], DType::BF16, 69).to_device(dev)?;
+        let gate = randn(&[2, 1, 256], DType::F32, 70).to_device(dev)?;
+        let variants: [(&str, ditstream_kernels::Result<Tensor>); 6] = [
+            ("no bias", k::linear_fp8(&x, &w, None)),
+            ("bias", k::linear_fp8(&x, &w, Some(&b))),
+            ("gelu + bias", k::linear_fp8_gelu_tanh(&x, &w, &b)),
+            ("residual", k::linear_fp8_residual(&x, &w, None, &res, None)),
+            (
+                "residual + bias",
+                k::linear_fp8_residual(&x, &w, Some(&b), &res, None),
+            ),
+            (
+                "residual + bias, per-sample gate",
+                k::linear_fp8_residual(&x, &w, Some(&b), &res, Some(&gate)),
+            ),
+        ];
+        let mut failed = Vec::new();
+        for (what, out) in variants {
+            match out.and_then(|t| t.to_vec_f32()) {
+                Ok(v) if v.iter().all(|x| x.is_finite()) => println!("FP8GEMM\t{what}\tok"),
+                Ok(_) => failed.push(format!("{what}: non-finite output")),
+                Err(e) => failed.push(format!("{what}: {e}")),
+            }
+        }
+        assert!(
+            failed.is_empty(),
+            "FP8 GEMM variants failed:\n{}",
+            failed.join("\n")
+        );
+    }
+
+    // The linears: a small case whole, and the DiT's 1.3B q/k/v/o shape (searched) on sampled rows
+    // (per-token quantisation makes each output row depend on its input row only).
+    for (rows, inf, outf, sampled) in [(154, 256, 96, None), (32760, 1536, 1536, Some(16))] {
+        let x = randn(&[rows, inf], DType::BF16, 61);
+        let w = randn(&[outf, inf], DType::BF16, 62);
+        let b = randn(&[outf], DType::BF16, 63);
+        let res = randn(&[rows, outf], DType::BF16, 64);
+        let (gx, gb, gres) = (x.to_device(dev)?, b.to_device(dev)?, res.to_device(dev)?);
+        let (cw, gw) = (
+            k::Fp8Tensor::quantize(&w)?,
+            k::Fp8Tensor::quantize(&w.to_device(dev)?)?,
+        );
+        let gate = randn(&[1, 1, outf], DType::F32, 65);
+        let gate_abs: Vec<f32> = gate.to_vec_f32()?.iter().map(|g| g.abs()).collect();
+        // (op, GPU result, the slope of what follows the sum per output feature: GELU's bound,
+        // the gate folded into the scales)
+        let outs = [
+            (
+                "linear_fp8",
+                k::linear_fp8(&gx, &gw, Some(&gb))?,
+                vec![1.0; outf],
+            ),
+            (
+                "linear_fp8_gelu_tanh",
+                k::linear_fp8_gelu_tanh(&gx, &gw, &gb)?,
+                vec![1.13; outf],
+            ),
+            (
+                "linear_fp8_residual",
+                k::linear_fp8_residual(&gx, &gw, Some(&gb), &gres, Some(&gate.to_device(dev)?))?,
+                gate_abs,
+            ),
+        ];
+        let pick = |t: &Tensor| -> Result<Tensor> {
+            let t = t.to_device(Device::Cpu)?;
+            Ok(match sampled {
+                Some(n) => t.narrow(0, rows - n, n)?,
+                None => t,
+            })
+        };
+        let (xs, ress) = (pick(&x)?, pick(&res)?);
+        let cpu_outs = [
+            k::linear_fp8(&xs, &cw, Some(&b))?,
+            k::linear_fp8_gelu_tanh(&xs, &cw, &b)?,
+            k::linear_fp8_residual(&xs, &cw, Some(&b), &ress, Some(&gate))?,
+        ];
+        // A·s_x·s_w per element, from the codes: |qx|·|qw|ᵀ scaled.
+        let abs_values = |t: &k::Fp8Tensor| -> Result<Tensor> {
+            let v: Vec<f32> = t
+                .codes()?
+                .into_iter()
+                .map(|c| k::e4m3_value(c).abs())
+                .collect();
+            Ok(Tensor::from_vec(v, t.shape())?)
+        };
+        let qx = k::Fp8Tensor::quantize(&xs)?;
+        let a = k::linear(&abs_values(&qx)?, &abs_values(&cw)?, None)?;
+        let scaled = k::mul(
+            &k::mul(&a, &qx.scales().reshape(&[xs.shape()[0], 1])?)?,
+            cw.scales(),
+        )?
+        .to_vec_f32()?;
+        let bias = b.to_vec_f32()?;
+        for ((op, got, slope), cpu) in outs.iter().zip(&cpu_outs) {
+            let got = pick(got)?;
+            let (g, c) = (got.to_vec_f32()?, cpu.to_vec_f32()?);
+            let mut worst = 0f32;
+            for (i, (gv, cv)) in g.iter().zip(&c).enumerate() {
+                let o = i % outf;
+                let bound = 2f32.powi(-7) * cv.abs()
+                    + slope[o] * (2f32.powi(-10) * scaled[i] + 2f32.powi(-8) * bias[o].abs());
+                assert!(
+                    (gv - cv).abs() <= bound,
+                    "{op} [{rows}, {inf}]·[{outf}, {inf}]ᵀ element {i}: {gv} vs {cv} (bound {bound})"
+                );
+                worst = worst.max((gv - cv).abs() / bound);
+            }
+            println!(
+                "PARITY\t{op}\tbf16\t[{rows}, {inf}]x[{outf}, {inf}]\t{:.3e}\tworst/bound {worst:.3}",
+                max_abs_diff(&got, cpu)?
+            );
+        }
+    }
+    Ok(())
+}

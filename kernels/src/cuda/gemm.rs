@@ -64,10 +64,15 @@ pub(crate) enum Epilogue {
 /// One GEMM shape, column-major: D [m × n] = op(A) [m × k] · B [k × n] (+ bias [m] broadcast over n,
 /// then GELU, per the [`Epilogue`]).
 /// A is stored [k × m] (ld k) when `transa`, else [m × k] (ld m); B is [k × n] (ld k); D is [m × n]
-/// (ld m). A, B and D all have `dtype`; accumulation and scaling are f32.
+/// (ld m). A, B and D all have `dtype`, unless `e4m3`; accumulation and scaling are f32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct GemmKey {
     pub dtype: DType,
+    /// A and B hold e4m3 codes, each with one f32 scale per row of op(A) and per column of B
+    /// (cuBLASLt's outer-vector scaling, applied to the f32 accumulator with alpha): D =
+    /// diag(scale_a)·(op(A)·B)·diag(scale_b). C, D and the bias stay in `dtype`. cuBLASLt takes
+    /// FP8 operands only transposed-A ("TN") with k and m multiples of 16.
+    pub e4m3: bool,
     pub m: u64,
     pub n: u64,
     pub k: u64,
@@ -88,7 +93,7 @@ impl GemmKey {
     }
 
     /// The key's text in the algorithm cache: every field, e.g.
-    /// `bf16 m1536 n32760 k1536 ta b1 s0,0,0 bias`.
+    /// `bf16 m1536 n32760 k1536 ta b1 s0,0,0 bias` (`e4m3>bf16 …` for FP8 operands).
     fn text(&self) -> String {
         let dtype = match self.dtype {
             DType::F32 => "f32",
@@ -100,7 +105,8 @@ impl GemmKey {
             Epilogue::GeluBias => "gelu_bias",
         };
         format!(
-            "{dtype} m{} n{} k{} {} b{} s{},{},{} {epilogue}",
+            "{}{dtype} m{} n{} k{} {} b{} s{},{},{} {epilogue}",
+            if self.e4m3 { "e4m3>" } else { "" },
             self.m,
             self.n,
             self.k,
@@ -238,9 +244,14 @@ impl Blas {
 
     /// The plan of `key`, built on first use: with its cached choice if there is one, else the
     /// heuristic's first and a search pending when the shape is large enough.
-    fn plan(&mut self, key: GemmKey) -> std::result::Result<&mut Plan, CublasError> {
+    /// `scales`: an e4m3 key's scale pointers for the heuristic (see `build_plan`).
+    fn plan(
+        &mut self,
+        key: GemmKey,
+        scales: Option<(u64, u64)>,
+    ) -> std::result::Result<&mut Plan, CublasError> {
         if !self.plans.contains_key(&key) {
-            let mut plan = build_plan(self.handle, key)?;
+            let mut plan = build_plan(self.handle, key, scales)?;
             let wants_search = self.search == AlgoSearch::Find && key.flops() >= SEARCH_MIN_FLOPS;
             if wants_search {
                 match self.cache.get(&self.device, self.version, &key.text()) {
@@ -270,15 +281,26 @@ impl Blas {
     }
 }
 
+/// What a matrix holds: elements of a tensor dtype, or e4m3 codes.
+#[derive(Debug, Clone, Copy)]
+enum Operand {
+    Of(DType),
+    E4m3,
+}
+
 fn layout(
-    dtype: DType,
+    operand: Operand,
     rows: u64,
     cols: u64,
     ld: i64,
     batch: i32,
     stride: i64,
 ) -> std::result::Result<lt_sys::cublasLtMatrixLayout_t, CublasError> {
-    let layout = lt::create_matrix_layout(lt_type(dtype), rows, cols, ld)?;
+    let ty = match operand {
+        Operand::Of(dtype) => lt_type(dtype),
+        Operand::E4m3 => lt_sys::cudaDataType_t::CUDA_R_8F_E4M3,
+    };
+    let layout = lt::create_matrix_layout(ty, rows, cols, ld)?;
     if batch > 1 {
         // SAFETY: `layout` is live; the attribute values are an i32 and an i64, as cuBLASLt expects.
         unsafe {
@@ -311,30 +333,29 @@ fn set_desc<T>(
 fn build_plan(
     handle: lt_sys::cublasLtHandle_t,
     key: GemmKey,
+    scales: Option<(u64, u64)>,
 ) -> std::result::Result<Plan, CublasError> {
     let (a_rows, a_cols) = if key.transa {
         (key.k, key.m)
     } else {
         (key.m, key.k)
     };
+    let operand = if key.e4m3 {
+        Operand::E4m3
+    } else {
+        Operand::Of(key.dtype)
+    };
     let a = layout(
-        key.dtype,
+        operand,
         a_rows,
         a_cols,
         a_rows as i64,
         key.batch,
         key.stride_a,
     )?;
-    let b = layout(
-        key.dtype,
-        key.k,
-        key.n,
-        key.k as i64,
-        key.batch,
-        key.stride_b,
-    )?;
+    let b = layout(operand, key.k, key.n, key.k as i64, key.batch, key.stride_b)?;
     let d = layout(
-        key.dtype,
+        Operand::Of(key.dtype),
         key.m,
         key.n,
         key.m as i64,
@@ -369,6 +390,27 @@ fn build_plan(
     };
     if let Some(epilogue) = epilogue {
         set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+    }
+    if key.e4m3 {
+        // Fast accumulation stays off (the default): cuBLASLt then promotes the tensor cores'
+        // partial sums to f32 along k instead of accumulating the whole k in their narrower adder.
+        let outer = lt_sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+        set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
+        set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
+        // The heuristic validates the vector scales' pointers (null ones are refused as an
+        // invalid value): it sees the first call's, and every call sets its own.
+        if let Some((scale_a, scale_b)) = scales {
+            set_desc(
+                desc,
+                DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                &scale_a,
+            )?;
+            set_desc(
+                desc,
+                DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                &scale_b,
+            )?;
+        }
     }
     let pref = lt::create_matmul_pref()?;
     let workspace = WORKSPACE_BYTES;
@@ -467,6 +509,46 @@ pub(crate) fn gemm(
     bias: Option<u64>,
     c: Option<u64>,
 ) -> Result<()> {
+    run_gemm(backend, op, key, a, b, d, bias, c, None)
+}
+
+/// [`gemm`] for an `e4m3` key: A and B hold e4m3 codes, `scales` = (A's per-row scales [m], B's
+/// per-column scales [n]), f32 device buffers.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_e4m3(
+    backend: &CudaBackend,
+    op: &'static str,
+    key: GemmKey,
+    a: u64,
+    b: u64,
+    d: u64,
+    bias: Option<u64>,
+    c: Option<u64>,
+    scales: (u64, u64),
+) -> Result<()> {
+    run_gemm(backend, op, key, a, b, d, bias, c, Some(scales))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_gemm(
+    backend: &CudaBackend,
+    op: &'static str,
+    key: GemmKey,
+    a: u64,
+    b: u64,
+    d: u64,
+    bias: Option<u64>,
+    c: Option<u64>,
+    scales: Option<(u64, u64)>,
+) -> Result<()> {
+    if key.e4m3 != scales.is_some() {
+        return Err(KernelError::arg(
+            op,
+            "scales",
+            format!("{scales:?}"),
+            "e4m3 operands need their scales, other operands none",
+        ));
+    }
     let mut guard = backend.blas.lock().unwrap_or_else(|e| e.into_inner());
     let blas = match &mut *guard {
         Some(blas) => blas,
@@ -475,7 +557,7 @@ pub(crate) fn gemm(
     let (workspace, _) = blas.workspace.device_ptr(&backend.stream);
     let handle = blas.handle;
     let plan = blas
-        .plan(key)
+        .plan(key, scales)
         .map_err(|e| backend.err(op, "cublasLtMatmulAlgoGetHeuristic", (key, e)))?;
     if let Some(bias) = bias {
         set_desc(
@@ -483,6 +565,21 @@ pub(crate) fn gemm(
             DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
             &bias,
         )
+        .map_err(|e| backend.err(op, "cublasLtMatmulDescSetAttribute", e))?;
+    }
+    if let Some((scale_a, scale_b)) = scales {
+        set_desc(
+            plan.desc,
+            DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+            &scale_a,
+        )
+        .and_then(|()| {
+            set_desc(
+                plan.desc,
+                DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                &scale_b,
+            )
+        })
         .map_err(|e| backend.err(op, "cublasLtMatmulDescSetAttribute", e))?;
     }
     backend
@@ -514,7 +611,7 @@ pub(crate) fn gemm(
         }
     }
     let plan = blas
-        .plan(key)
+        .plan(key, scales)
         .map_err(|e| backend.err(op, "cublasLtMatmulAlgoGetHeuristic", (key, e)))?;
     let algo = plan.candidates[plan.chosen];
     // SAFETY: see `Call::run`; the algorithm is one the heuristic returned for this plan.
@@ -651,6 +748,7 @@ mod tests {
     fn key() -> GemmKey {
         GemmKey {
             dtype: DType::BF16,
+            e4m3: false,
             m: 1536,
             n: 32760,
             k: 1536,
@@ -673,6 +771,7 @@ mod tests {
                 dtype: DType::F32,
                 ..base
             },
+            GemmKey { e4m3: true, ..base },
             GemmKey { m: 1537, ..base },
             GemmKey { n: 32761, ..base },
             GemmKey { k: 1537, ..base },

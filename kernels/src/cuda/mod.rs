@@ -130,6 +130,11 @@ pub fn tensor_device_ptr(t: &Tensor) -> Result<u64> {
     Ok(t.cuda_storage("tensor_device_ptr")?.ptr())
 }
 
+/// Whether GPU `ordinal` has FP8 (e4m3) tensor cores: compute capability 8.9 (Ada) or later.
+pub fn supports_fp8(ordinal: usize) -> Result<bool> {
+    Ok(CudaBackend::get(ordinal)?.capability >= (8, 9))
+}
+
 /// A contiguous tensor on GPU `ordinal` whose storage is allocated (stream-ordered, on [`cuda_stream`])
 /// but not written: its values are unspecified until the caller fills every element through
 /// [`tensor_device_ptr`] (on another stream: after an event recorded on [`cuda_stream`] following this
@@ -147,6 +152,8 @@ pub(crate) struct CudaBackend {
     pub stream: Arc<CudaStream>,
     /// NVRTC target, e.g. `sm_90a` on H200.
     pub arch: String,
+    /// Compute capability (major, minor): (9, 0) on H200.
+    pub capability: (i32, i32),
     /// Streaming multiprocessors (132 on the H200): how many CTAs of a one-CTA-per-SM kernel run at once.
     pub sm_count: usize,
     /// Most dynamic shared memory one block may opt in to, bytes (227 KiB on the H200).
@@ -278,6 +285,7 @@ impl CudaBackend {
             ctx,
             stream,
             arch,
+            capability: (major, minor),
             sm_count,
             smem_optin,
             modules: Mutex::default(),

@@ -14,7 +14,7 @@ mod elementwise;
 mod embedding; // umT5 text encoder: token lookup, `Indices`
 mod matmul;
 mod norm;
-mod quant; // FP8 (e4m3): the CPU reference of issue 24's recipe
+mod quant; // FP8 (e4m3) linears: per-row quantisation, the e4m3 GEMM
 mod random; // random-weight models drawn on the device
 mod rope;
 mod softmax; // T5 attention: relative-position bias + mask + softmax
@@ -34,7 +34,9 @@ pub use norm::{
     layer_norm, layer_norm_modulate, rms_norm, rms_norm_channels, rms_norm_channels_silu,
     rms_norm_rope,
 };
-pub use quant::{E4M3_MAX, e4m3, linear_fp8_reference, quantize_rows_e4m3};
+pub use quant::{
+    E4M3_MAX, Fp8Tensor, e4m3, e4m3_value, linear_fp8, linear_fp8_gelu_tanh, linear_fp8_residual,
+};
 pub use random::random_normal;
 pub use rope::{apply_rope, rope_band_dims, rope_tables_3d};
 pub use softmax::position_bias_softmax;
@@ -43,7 +45,7 @@ use crate::{Device, KernelError, Result, Tensor};
 
 /// The `.cu` sources of the ops (the kernel compile test walks them).
 #[cfg(all(test, feature = "cuda"))]
-pub(crate) fn kernel_sources() -> [&'static crate::cuda::KernelSource; 9] {
+pub(crate) fn kernel_sources() -> [&'static crate::cuda::KernelSource; 10] {
     [
         &embedding::cuda::SOURCE,
         &random::cuda::SOURCE,
@@ -54,6 +56,7 @@ pub(crate) fn kernel_sources() -> [&'static crate::cuda::KernelSource; 9] {
         &rope::cuda::SOURCE,
         &attention::cuda::SOURCE,
         &attention::hopper::SOURCE,
+        &quant::cuda::SOURCE,
     ]
 }
 
@@ -72,7 +75,9 @@ pub(crate) fn same_device(op: &'static str, tensors: &[&Tensor]) -> Result<Devic
     Ok(first)
 }
 
-/// `UnsupportedDevice` for the CUDA arm of an op without a CUDA twin (or a build without feature `cuda`).
+/// `UnsupportedDevice` for the CUDA arm of an op in a build without feature `cuda` (every op has
+/// its CUDA twin).
+#[cfg(not(feature = "cuda"))]
 pub(crate) fn unsupported<T>(op: &'static str, device: Device) -> Result<T> {
     Err(KernelError::UnsupportedDevice { op, device })
 }

@@ -923,6 +923,7 @@ fn im2col_conv3d(
             };
             let key = GemmKey {
                 dtype,
+                e4m3: false,
                 m: np as u64,
                 n: g.out_channels as u64,
                 k: taps as u64,

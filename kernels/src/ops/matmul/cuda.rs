@@ -70,6 +70,7 @@ pub(super) fn linear(
     let out = backend.alloc(dtype, rows * out_features)?;
     let key = GemmKey {
         dtype,
+        e4m3: false,
         m: out_features as u64,
         n: rows as u64,
         k: in_features as u64,
@@ -126,6 +127,7 @@ pub(super) fn linear_residual(
     if rows_per_group > 0 && out_features > 0 {
         let key = GemmKey {
             dtype,
+            e4m3: false,
             m: out_features as u64,
             n: rows_per_group as u64,
             k: in_features as u64,
@@ -199,6 +201,7 @@ pub(super) fn matmul(
     let (cols, gemm_batch) = if shared_b { (batch * m, 1) } else { (m, batch) };
     let key = GemmKey {
         dtype,
+        e4m3: false,
         m: n as u64,
         n: cols as u64,
         k: k as u64,

@@ -89,37 +89,8 @@ pub fn linear_residual(
     gate: Option<&Tensor>,
 ) -> Result<Tensor> {
     const OP: &str = "linear_residual";
-    let contract = "x [.., in], w [out, in], bias [out], residual [.., out] (x's leading dims), \
-                    gate [out], [1, 1, out] or [B, 1, out] (x [B, L, in])";
-    let rank = x.rank();
-    let shapes_ok = rank >= 1
-        && w.rank() == 2
-        && x.shape()[rank - 1] == w.shape()[1]
-        && bias.is_none_or(|b| b.shape() == [w.shape()[0]])
-        && residual.rank() == rank
-        && residual.shape()[..rank - 1] == x.shape()[..rank - 1]
-        && residual.shape()[rank - 1] == w.shape()[0];
-    let bad = || {
-        let mut shapes = vec![x.shape(), w.shape(), residual.shape()];
-        shapes.extend(bias.map(|b| b.shape()));
-        shapes.extend(gate.map(|g| g.shape()));
-        KernelError::shape(OP, contract, &shapes)
-    };
-    if !shapes_ok {
-        return Err(bad());
-    }
+    let (rows, groups) = residual_groups(OP, x, w.shape(), bias, residual, gate)?;
     let (out_features, in_features) = (w.shape()[0], w.shape()[1]);
-    if in_features == 0 {
-        return Err(KernelError::arg(OP, "in", 0, "it must be at least 1"));
-    }
-    let rows: usize = x.shape()[..rank - 1].iter().product();
-    // Gate groups: 1 (shared) or one per sample of x's first dim, each over a contiguous run of rows.
-    let groups = match gate {
-        None => 1,
-        Some(g) if g.numel() == out_features => 1,
-        Some(g) if rank == 3 && g.shape() == [x.shape()[0], 1, out_features] => x.shape()[0],
-        Some(_) => return Err(bad()),
-    };
     let (w, bias) = match gate {
         None => (w.clone(), bias.cloned()),
         Some(g) => {
@@ -149,6 +120,50 @@ pub fn linear_residual(
         #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
+}
+
+/// The shape rules of a linear with a residual and an optional gate (see [`linear_residual`]), for
+/// a weight of `w_shape`: → (rows of x, gate groups: 1 for a shared gate or none, else one per
+/// sample of x's first dim, each over a contiguous run of rows).
+pub(crate) fn residual_groups(
+    op: &'static str,
+    x: &Tensor,
+    w_shape: &[usize],
+    bias: Option<&Tensor>,
+    residual: &Tensor,
+    gate: Option<&Tensor>,
+) -> Result<(usize, usize)> {
+    let contract = "x [.., in], w [out, in], bias [out], residual [.., out] (x's leading dims), \
+                    gate [out], [1, 1, out] or [B, 1, out] (x [B, L, in])";
+    let rank = x.rank();
+    let shapes_ok = rank >= 1
+        && w_shape.len() == 2
+        && x.shape()[rank - 1] == w_shape[1]
+        && bias.is_none_or(|b| b.shape() == [w_shape[0]])
+        && residual.rank() == rank
+        && residual.shape()[..rank - 1] == x.shape()[..rank - 1]
+        && residual.shape()[rank - 1] == w_shape[0];
+    let bad = || {
+        let mut shapes = vec![x.shape(), w_shape, residual.shape()];
+        shapes.extend(bias.map(|b| b.shape()));
+        shapes.extend(gate.map(|g| g.shape()));
+        KernelError::shape(op, contract, &shapes)
+    };
+    if !shapes_ok {
+        return Err(bad());
+    }
+    let (out_features, in_features) = (w_shape[0], w_shape[1]);
+    if in_features == 0 {
+        return Err(KernelError::arg(op, "in", 0, "it must be at least 1"));
+    }
+    let rows: usize = x.shape()[..rank - 1].iter().product();
+    let groups = match gate {
+        None => 1,
+        Some(g) if g.numel() == out_features => 1,
+        Some(g) if rank == 3 && g.shape() == [x.shape()[0], 1, out_features] => x.shape()[0],
+        Some(_) => return Err(bad()),
+    };
+    Ok((rows, groups))
 }
 
 fn linear_then(

@@ -36,22 +36,62 @@ pub(super) fn quantize_rows(x: &[f32], k: usize) -> (Vec<f32>, Vec<f32>) {
     (q, scales)
 }
 
-/// y [rows, out] = (Σₖ qx·qw)·s_x·s_w + bias, x [rows, k] and w [out, k] quantised per row, the
-/// products summed in f32 in k order.
+/// The e4m3 code of `e4m3(v)`: sign, 4 exponent bits (bias 7), 3 mantissa bits; NaN is 0x7f with
+/// v's sign (CUDA's code for NaN).
+pub(super) fn e4m3_code(v: f32) -> u8 {
+    let r = e4m3(v);
+    let sign = if r.is_sign_negative() { 0x80 } else { 0 };
+    if r.is_nan() {
+        return sign | 0x7f;
+    }
+    let a = r.abs();
+    let e = ((a.to_bits() >> 23) & 0xff) as i32 - 127;
+    if a == 0.0 {
+        sign
+    } else if e < MIN_EXP {
+        // Subnormal: a = m·2⁻⁹, m in 1..=7 (exact: `e4m3` put a on that grid).
+        sign | (a * 512.0) as u8
+    } else {
+        let m = (a / 2f32.powi(e) - 1.0) * 8.0; // 0..=7, exact
+        sign | (((e + 7) as u8) << 3) | m as u8
+    }
+}
+
+/// The value of an e4m3 code (0x7f and 0xff: NaN).
+pub(super) fn e4m3_value(code: u8) -> f32 {
+    let (e, m) = (i32::from((code >> 3) & 0xf), f32::from(code & 7));
+    let mag = match (e, code & 7) {
+        (15, 7) => f32::NAN,
+        (0, _) => m / 8.0 * 2f32.powi(MIN_EXP),
+        _ => (1.0 + m / 8.0) * 2f32.powi(e - 7),
+    };
+    if code & 0x80 != 0 { -mag } else { mag }
+}
+
+/// y [rows, out] = (Σₖ qx·qw)·s_x·s_w[o] + bias[o] (+ residual), x [rows, k] quantised per row
+/// here, w given as its e4m3 values `qw` [out, k] and scales `sw`: the products summed in f32 in k
+/// order. With `groups` > 1, `sw` and `bias` hold one [out] run per group of rows (a gate folded
+/// in, see `linear_fp8_residual`).
 pub(super) fn linear_fp8(
     x: &[f32],
-    w: &[f32],
+    (qw, sw): (&[f32], &[f32]),
     bias: Option<&[f32]>,
-    k: usize,
-    out: usize,
+    residual: Option<&[f32]>,
+    groups: usize,
+    (k, out): (usize, usize),
 ) -> Vec<f32> {
     let (qx, sx) = quantize_rows(x, k);
-    let (qw, sw) = quantize_rows(w, k);
-    let mut y = Vec::with_capacity(sx.len() * out);
-    for (xr, &sxr) in qx.chunks_exact(k).zip(&sx) {
-        for (o, (wr, &swr)) in qw.chunks_exact(k).zip(&sw).enumerate() {
+    let rows = sx.len();
+    let rows_per_group = rows / groups.max(1);
+    let mut y = Vec::with_capacity(rows * out);
+    for (r, (xr, &sxr)) in qx.chunks_exact(k).zip(&sx).enumerate() {
+        let g = r.checked_div(rows_per_group).unwrap_or(0).min(groups - 1);
+        for (o, wr) in qw.chunks_exact(k).enumerate() {
             let dot: f32 = xr.iter().zip(wr).map(|(a, b)| a * b).sum();
-            y.push(dot * (sxr * swr) + bias.map_or(0.0, |b| b[o]));
+            let v = dot * (sxr * sw[g * out + o])
+                + bias.map_or(0.0, |b| b[g * out + o])
+                + residual.map_or(0.0, |res| res[r * out + o]);
+            y.push(v);
         }
     }
     y

@@ -23,6 +23,37 @@ fn all_e4m3() -> Vec<f32> {
     v
 }
 
+/// The codes' values (unscaled) and the scales of a quantised tensor, on the host.
+fn values_and_scales(t: &Fp8Tensor) -> crate::Result<(Vec<f32>, Vec<f32>)> {
+    let values = t.codes()?.into_iter().map(e4m3_value).collect();
+    Ok((values, t.scales().to_vec_f32()?))
+}
+
+/// Codes are the format's bit patterns: every code's value is the definition's (`all_e4m3` is
+/// built from the bits too, but independently of `e4m3_value`), and quantising a value gives back
+/// its code (both zeros and NaN aside).
+#[test]
+fn codes_are_the_formats_bit_patterns() {
+    for code in 0u8..=255 {
+        let v = e4m3_value(code);
+        if code & 0x7f == 0x7f {
+            assert!(v.is_nan(), "{code:#x} is NaN");
+            continue;
+        }
+        assert_eq!(cpu::e4m3_code(v), code, "{v} ({code:#x})");
+        let (e, m) = (i32::from((code >> 3) & 0xf), f32::from(code & 7));
+        let mag = if e == 0 {
+            m * 2f32.powi(-9)
+        } else {
+            (8.0 + m) * 2f32.powi(e - 10)
+        };
+        assert_eq!(v.abs(), mag, "{code:#x}");
+        assert_eq!(v.is_sign_negative(), code & 0x80 != 0, "{code:#x}");
+    }
+    assert_eq!(cpu::e4m3_code(f32::NAN), 0x7f);
+    assert_eq!(cpu::e4m3_code(1e9), 0x7e); // saturated to 448
+}
+
 #[test]
 fn e4m3_keeps_its_values_rounds_ties_to_even_and_saturates() {
     let grid = all_e4m3();
@@ -64,10 +95,10 @@ fn rows_are_quantised_to_their_own_range_within_the_formats_error() -> crate::Re
     }
     x[96 * 5..96 * 6].fill(0.0);
     let t = Tensor::from_vec(x.clone(), &[3, 4, 96])?;
-    let (q, s) = quantize_rows_e4m3(&t)?;
-    assert_eq!(q.shape(), [3, 4, 96]);
-    assert_eq!(s.shape(), [3, 4]);
-    let (q, s) = (q.to_vec_f32()?, s.to_vec_f32()?);
+    let fp8 = Fp8Tensor::quantize(&t)?;
+    assert_eq!(fp8.shape(), [3, 4, 96]);
+    assert_eq!(fp8.scales().shape(), [3, 4]);
+    let (q, s) = values_and_scales(&fp8)?;
     let grid = all_e4m3();
     for (r, (xr, qr)) in x.chunks(96).zip(q.chunks(96)).enumerate() {
         let amax = xr.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -101,21 +132,15 @@ fn the_fp8_linear_is_the_scaled_sum_of_e4m3_products() -> crate::Result<()> {
     let x = Tensor::randn(&[1, rows, k], DType::F32, 8, Device::Cpu)?;
     let w = Tensor::randn(&[out, k], DType::F32, 9, Device::Cpu)?;
     let b = Tensor::randn(&[out], DType::F32, 10, Device::Cpu)?;
-    let y = linear_fp8_reference(&x, &w, Some(&b))?;
+    let y = linear_fp8(&x, &Fp8Tensor::quantize(&w)?, Some(&b))?;
     assert_eq!(y.shape(), [1, rows, out]);
-    let (qx, sx) = quantize_rows_e4m3(&x)?;
-    let (qw, sw) = quantize_rows_e4m3(&w)?;
+    let (qx, sx) = values_and_scales(&Fp8Tensor::quantize(&x)?)?;
+    let (qw, sw) = values_and_scales(&Fp8Tensor::quantize(&w)?)?;
     let (xv, wv, bv, yv) = (
         x.to_vec_f32()?,
         w.to_vec_f32()?,
         b.to_vec_f32()?,
         y.to_vec_f32()?,
-    );
-    let (qx, sx, qw, sw) = (
-        qx.to_vec_f32()?,
-        sx.to_vec_f32()?,
-        qw.to_vec_f32()?,
-        sw.to_vec_f32()?,
     );
     let mut worst_rel = 0f64;
     for r in 0..rows {
@@ -173,12 +198,43 @@ fn the_fp8_linear_is_the_scaled_sum_of_e4m3_products() -> crate::Result<()> {
 fn bad_shapes_are_refused() -> crate::Result<()> {
     let x = Tensor::randn(&[2, 8], DType::F32, 1, Device::Cpu)?;
     let w = Tensor::randn(&[3, 9], DType::F32, 2, Device::Cpu)?;
-    let err = linear_fp8_reference(&x, &w, None).unwrap_err().to_string();
+    let err = linear_fp8(&x, &Fp8Tensor::quantize(&w)?, None)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("w [out, in]"), "{err}");
-    let w = Tensor::randn(&[3, 8], DType::F32, 2, Device::Cpu)?;
+    let w = Fp8Tensor::quantize(&Tensor::randn(&[3, 8], DType::F32, 2, Device::Cpu)?)?;
     let b = Tensor::randn(&[4], DType::F32, 3, Device::Cpu)?;
-    assert!(linear_fp8_reference(&x, &w, Some(&b)).is_err());
+    assert!(linear_fp8(&x, &w, Some(&b)).is_err());
+    let residual = Tensor::zeros(&[2, 4], DType::F32, Device::Cpu)?;
+    assert!(linear_fp8_residual(&x, &w, None, &residual, None).is_err());
     let empty = Tensor::from_vec(Vec::new(), &[2, 0])?;
-    assert!(quantize_rows_e4m3(&empty).is_err());
+    assert!(Fp8Tensor::quantize(&empty).is_err());
+    Ok(())
+}
+
+/// The gated residual form is the plain FP8 linear, gated, plus the residual: the gate folded
+/// into the scales and the bias changes nothing but roundings of f32 sums and of the bias (here
+/// f32: none), so the two agree to f32 precision; a per-sample gate uses each sample's row.
+#[test]
+fn the_gated_residual_is_the_gated_linear_plus_the_residual() -> crate::Result<()> {
+    let (b, l, k, out) = (2, 3, 32, 16);
+    let x = Tensor::randn(&[b, l, k], DType::F32, 11, Device::Cpu)?;
+    let w = Fp8Tensor::quantize(&Tensor::randn(&[out, k], DType::F32, 12, Device::Cpu)?)?;
+    let bias = Tensor::randn(&[out], DType::F32, 13, Device::Cpu)?;
+    let residual = Tensor::randn(&[b, l, out], DType::F32, 14, Device::Cpu)?;
+    let gate = Tensor::randn(&[b, 1, out], DType::F32, 15, Device::Cpu)?;
+    let got = linear_fp8_residual(&x, &w, Some(&bias), &residual, Some(&gate))?;
+    let y = linear_fp8(&x, &w, Some(&bias))?;
+    let expect = crate::add(&residual, &crate::mul(&y, &gate)?)?;
+    let (got, expect) = (got.to_vec_f32()?, expect.to_vec_f32()?);
+    for (i, (g, e)) in got.iter().zip(&expect).enumerate() {
+        assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "{i}: {g} vs {e}");
+    }
+    // No gate: residual + y exactly as summed.
+    let plain = linear_fp8_residual(&x, &w, Some(&bias), &residual, None)?.to_vec_f32()?;
+    let sum = crate::add(&residual, &y)?.to_vec_f32()?;
+    for (p, s) in plain.iter().zip(&sum) {
+        assert!((p - s).abs() <= 1e-4 * (1.0 + s.abs()));
+    }
     Ok(())
 }

@@ -1,0 +1,217 @@
+//! CUDA twins of the FP8 ops: the per-row quantisation kernel (`quant.cu`) and the FP8 linear on
+//! cuBLASLt's e4m3 GEMM (`crate::cuda::gemm`), laid out as `ops/matmul/cuda.rs` lays out the bf16
+//! linear: m = out (the weight, transposed, as A, with its per-channel scales), n = rows (the
+//! quantised activations as B, with their per-token scales), k = in.
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::Fp8Tensor;
+use crate::cuda::gemm::{Epilogue, GemmKey, gemm_e4m3};
+use crate::cuda::{CudaBackend, CudaStorage, KernelSource, suffix};
+use crate::{DType, KernelError, Result, Tensor};
+
+pub(crate) const SOURCE: KernelSource = KernelSource {
+    name: "quant",
+    text: include_str!("quant.cu"),
+};
+
+/// Threads per row of the quantisation kernel.
+const THREADS: u32 = 256;
+
+/// e4m3 codes on one GPU.
+pub(crate) struct Codes {
+    buf: CudaSlice<u8>,
+    ordinal: usize,
+}
+
+impl Codes {
+    fn ptr(&self) -> u64 {
+        self.buf.device_ptr(self.buf.stream()).0
+    }
+
+    pub(super) fn download(&self) -> Result<Vec<u8>> {
+        let backend = CudaBackend::get(self.ordinal)?;
+        let host = backend
+            .stream
+            .clone_dtoh(&self.buf)
+            .map_err(|e| backend.err("to_host", "cuMemcpyDtoHAsync", e))?;
+        backend
+            .stream
+            .synchronize()
+            .map_err(|e| backend.err("to_host", "cuStreamSynchronize", e))?;
+        Ok(host)
+    }
+}
+
+/// The backend of x's GPU, refusing GPUs without FP8 tensor cores.
+fn fp8_backend(op: &'static str, x: &Tensor) -> Result<std::sync::Arc<CudaBackend>> {
+    let backend = CudaBackend::get(x.cuda_storage(op)?.ordinal)?;
+    let (major, minor) = backend.capability;
+    if backend.capability < (8, 9) {
+        return Err(KernelError::arg(
+            op,
+            "device",
+            format!("{} (compute capability {major}.{minor})", backend.device()),
+            "FP8 (e4m3) needs compute capability 8.9 or later (Ada, Hopper, Blackwell)",
+        ));
+    }
+    Ok(backend)
+}
+
+/// x [.., k] (f32 or bf16) → its codes and per-row f32 scales, on x's GPU.
+pub(super) fn quantize(
+    op: &'static str,
+    x: &Tensor,
+    k: usize,
+) -> Result<(std::sync::Arc<Codes>, CudaStorage)> {
+    let backend = fp8_backend(op, x)?;
+    let rows = x.numel() / k;
+    let k_i = i32::try_from(k)
+        .map_err(|_| KernelError::arg(op, "k", k, "the CUDA kernel takes it as an i32"))?;
+    // SAFETY: the kernel writes every code and scale before anything reads them.
+    let buf = unsafe { backend.stream.alloc::<u8>((rows * k).max(1)) }
+        .map_err(|e| backend.err(op, "cuMemAllocAsync", e))?;
+    let codes = Codes {
+        buf,
+        ordinal: backend.ordinal,
+    };
+    let scales = backend.alloc(DType::F32, rows)?;
+    if rows > 0 {
+        let xp = x.cuda_storage(op)?.ptr();
+        let (qp, sp) = (codes.ptr(), scales.ptr());
+        let vectorised = k.is_multiple_of(8) && xp % 16 == 0 && qp % 8 == 0;
+        let name = format!(
+            "quantize_rows_e4m3{}_{}",
+            if vectorised { "_v8" } else { "" },
+            suffix(x.dtype())
+        );
+        let f = backend.function(&SOURCE, &name)?;
+        let rows_i = rows as i64;
+        let mut launch = backend.stream.launch_builder(&f);
+        launch.arg(&xp).arg(&qp).arg(&sp).arg(&rows_i).arg(&k_i);
+        let grid = LaunchConfig {
+            grid_dim: (rows.clamp(1, 1 << 20) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x holds rows·k elements of the kernel's T, codes rows·k bytes, scales rows f32s;
+        // the _v8 kernel's alignment and k % 8 were checked above.
+        unsafe { launch.launch(grid) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    }
+    Ok((std::sync::Arc::new(codes), scales))
+}
+
+/// The FP8 linear on the GPU: x [.., in] (bf16) quantised per token, times w (codes [out, in]
+/// and `w`'s scales, or the gate-folded `scales` [groups, out] of `residual`), + bias (+ GELU),
+/// → `out_shape` in bf16. With `residual` = (residual, scales, groups), group g of the rows adds
+/// its rows of the residual in the accumulator (C, beta 1) and uses scales and bias row g.
+pub(super) fn linear(
+    op: &'static str,
+    x: &Tensor,
+    w: &Fp8Tensor,
+    bias: Option<&Tensor>,
+    gelu: bool,
+    residual: Option<(&Tensor, &Tensor, usize)>,
+    out_shape: &[usize],
+) -> Result<Tensor> {
+    let backend = fp8_backend(op, x)?;
+    let (out_f, in_f) = (w.shape()[0], w.shape()[1]);
+    let rows = x.numel() / in_f;
+    let bf16_only = |what: &'static str, t: &Tensor| {
+        if t.dtype() == DType::BF16 {
+            Ok(())
+        } else {
+            Err(KernelError::arg(
+                op,
+                what,
+                format!("{:?}", t.dtype()),
+                "the GPU's FP8 GEMM reads and writes bf16 activations",
+            ))
+        }
+    };
+    bf16_only("x", x)?;
+    if let Some((r, _, _)) = residual {
+        bf16_only("residual", r)?;
+    }
+    for (name, v) in [("in", in_f), ("out", out_f)] {
+        if !v.is_multiple_of(16) {
+            return Err(KernelError::arg(
+                op,
+                name,
+                v,
+                "cuBLASLt's FP8 GEMM needs in and out features that are multiples of 16",
+            ));
+        }
+    }
+    if rows == 0 || out_f == 0 {
+        return match residual {
+            Some((r, _, _)) => Ok(r.clone()),
+            None => Tensor::zeros(out_shape, DType::BF16, x.device()),
+        };
+    }
+    let (groups, scales) = match residual {
+        Some((_, s, g)) => (g.max(1), s),
+        None => (1, w.scales()),
+    };
+    let x_codes = quantize(op, x, in_f)?;
+    let super::Codes::Cuda(w_codes) = &w.codes else {
+        return Err(KernelError::DeviceMismatch {
+            op,
+            first: x.device(),
+            other: w.device(),
+        });
+    };
+    let bias = bias.map(|b| b.to_dtype(DType::BF16)).transpose()?;
+    let out = backend.alloc(DType::BF16, rows * out_f)?;
+    let rows_per_group = rows / groups;
+    let epilogue = match (bias.is_some(), gelu) {
+        (false, _) => Epilogue::None,
+        (true, false) => Epilogue::Bias,
+        (true, true) => Epilogue::GeluBias,
+    };
+    let key = GemmKey {
+        dtype: DType::BF16,
+        e4m3: true,
+        m: out_f as u64,
+        n: rows_per_group as u64,
+        k: in_f as u64,
+        transa: true,
+        batch: 1,
+        stride_a: 0,
+        stride_b: 0,
+        stride_d: 0,
+        epilogue,
+    };
+    let (wp, xp, sxp) = (w_codes.ptr(), x_codes.0.ptr(), x_codes.1.ptr());
+    let swp = scales.cuda_storage(op)?.ptr();
+    let bp = bias
+        .as_ref()
+        .map(|b| b.cuda_storage(op).map(|s| s.ptr()))
+        .transpose()?;
+    let rp = residual
+        .map(|(r, _, _)| r.cuda_storage(op).map(|s| s.ptr()))
+        .transpose()?;
+    // Per-group scales and biases are stacked [groups, out]; shared ones are [out].
+    let param_step = |elem: u64| {
+        if scales.numel() > out_f {
+            out_f as u64 * elem
+        } else {
+            0
+        }
+    };
+    for g in 0..groups as u64 {
+        let rows_before = g * rows_per_group as u64;
+        gemm_e4m3(
+            &backend,
+            op,
+            key,
+            wp,
+            xp + rows_before * in_f as u64,
+            out.ptr() + rows_before * out_f as u64 * 2,
+            bp.map(|b| b + g * param_step(2)),
+            rp.map(|r| r + rows_before * out_f as u64 * 2),
+            (swp + g * param_step(4), sxp + rows_before * 4),
+        )?;
+    }
+    Ok(Tensor::from_cuda(out, out_shape))
+}

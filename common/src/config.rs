@@ -383,6 +383,11 @@ pub enum Dtype {
     F32,
     /// bfloat16 storage with f32 accumulation: the GPU path.
     Bf16,
+    /// bf16, with the transformer blocks' linear layers in FP8 (e4m3: weights quantised per
+    /// output channel at load, activations per token on the fly; norms, modulation, embeddings,
+    /// the head and the text encoder stay bf16). GPUs of compute capability 8.9 or later only
+    /// (Ada, Hopper, Blackwell): refused on the CPU and on older GPUs.
+    Fp8,
 }
 
 /// Where weights come from.
@@ -1107,6 +1112,14 @@ impl Config {
 
     fn validate_model(&self) -> Result<(), ConfigError> {
         let m = &self.model;
+        if m.dtype == Dtype::Fp8 && self.serving.device == DeviceKind::Cpu {
+            return Err(invalid(
+                "model.dtype",
+                "fp8",
+                "FP8 runs on GPUs only (serving.device: cuda, compute capability 8.9 or later); \
+                 the CPU computes in f32 or bf16",
+            ));
+        }
         match (m.weights, &m.checkpoint, m.preset) {
             (WeightSource::Checkpoint, None, _) => Err(invalid(
                 "model.checkpoint",
@@ -1390,6 +1403,35 @@ mod tests {
         let both = "  api_keys: keys.txt\n  tls: {cert: c.pem, key: k.pem}\n";
         assert!(serving(both).check_exposure(public).is_ok());
         assert!(serving("  insecure: true\n").check_exposure(public).is_ok());
+    }
+
+    /// FP8 is a GPU precision: the CPU is refused with the key, the value and the rule; on
+    /// `device: cuda` the config is valid (the GPU's FP8 support is checked when the devices
+    /// are opened, `devices::rank_devices`).
+    #[test]
+    fn fp8_is_refused_on_the_cpu() {
+        let e = Config::parse(
+            "model: {preset: tiny, dtype: fp8}
+",
+            "<t>",
+        )
+        .unwrap()
+        .validate(None)
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("model.dtype = fp8: FP8 runs on GPUs only"),
+            "{e}"
+        );
+        let gpu = Config::parse(
+            "model: {preset: tiny, dtype: fp8}
+serving: {device: cuda}
+",
+            "<t>",
+        )
+        .unwrap();
+        assert_eq!(gpu.model.dtype, Dtype::Fp8);
+        assert!(gpu.validate(None).is_ok());
     }
 
     #[test]

@@ -37,6 +37,16 @@ pub enum DeviceError {
         /// The driver's failure (boxed: it is large, and this error is rare).
         source: Box<ditstream_kernels::KernelError>,
     },
+    /// `model.dtype: fp8` on a GPU without FP8 tensor cores.
+    #[cfg(feature = "cuda")]
+    #[error(
+        "model.dtype = fp8: GPU {gpu} has no FP8 tensor cores (compute capability 8.9 or later \
+         is needed: Ada, Hopper, Blackwell); use bf16"
+    )]
+    NoFp8 {
+        /// The GPU.
+        gpu: usize,
+    },
     /// A rank's GPU is not on this machine.
     #[cfg(feature = "cuda")]
     #[error(
@@ -125,11 +135,12 @@ pub enum BuildError<E> {
 /// every process of a deployment (gateway, denoiser and decoder pools) serves the same model.
 pub const WEIGHT_SEED: u64 = 0;
 
-/// The compute dtype the config names (weights and activations are stored in it; maths in f32).
+/// The compute dtype the config names (weights and activations are stored in it; maths in f32):
+/// bf16 for `fp8`, whose FP8 linears read and write bf16 activations.
 pub fn dtype(cfg: &Config) -> DType {
     match cfg.model.dtype {
         Dtype::F32 => DType::F32,
-        Dtype::Bf16 => DType::BF16,
+        Dtype::Bf16 | Dtype::Fp8 => DType::BF16,
     }
 }
 
@@ -189,6 +200,13 @@ fn check_gpus(cfg: &Config, gpus: &[usize]) -> Result<(), DeviceError> {
             missing,
             count,
         });
+    }
+    if cfg.model.dtype == Dtype::Fp8 {
+        for &gpu in gpus {
+            if !ditstream_kernels::cuda::supports_fp8(gpu)? {
+                return Err(DeviceError::NoFp8 { gpu });
+            }
+        }
     }
     Ok(())
 }

@@ -10,7 +10,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use ditstream_common::config::{Config, WeightSource as SourceKind};
+use ditstream_common::config::{Config, Dtype, WeightSource as SourceKind};
 use ditstream_common::devices::{WEIGHT_SEED, check_random_on, distinct, dtype, on_each, per_rank};
 use ditstream_kernels::weights::DrawnWeights;
 use ditstream_kernels::{DType, Device};
@@ -46,6 +46,11 @@ pub fn denoiser_models(
 ) -> Result<Vec<Arc<DenoiserModels>>, StageError> {
     let dtype = dtype(cfg);
     let m = &cfg.model;
+    // `model.dtype: fp8` quantises the blocks' linears of each copy on its device, once built.
+    let precision = |t: WanTransformer| match m.dtype {
+        Dtype::Fp8 => t.with_fp8_linears(),
+        Dtype::F32 | Dtype::Bf16 => Ok(t),
+    };
     let distinct = distinct(devices);
     let copies: Vec<DenoiserModels> = match (m.weights, &m.checkpoint, m.preset) {
         (SourceKind::Random, _, Some(preset)) => {
@@ -62,10 +67,10 @@ pub fn denoiser_models(
             };
             on_each(&distinct, |device| {
                 Ok::<_, ModelError>(DenoiserModels {
-                    high: WanTransformer::new(config.clone(), &high, dtype, device)?,
+                    high: precision(WanTransformer::new(config.clone(), &high, dtype, device)?)?,
                     low: match &low {
                         Some(low) => Some((
-                            WanTransformer::new(config.clone(), low, dtype, device)?,
+                            precision(WanTransformer::new(config.clone(), low, dtype, device)?)?,
                             A14B_BOUNDARY_RATIO,
                         )),
                         None => None,
@@ -77,10 +82,18 @@ pub fn denoiser_models(
             let boundary = low_expert_boundary(dir)?;
             on_each(&distinct, |device| {
                 Ok::<_, ModelError>(DenoiserModels {
-                    high: WanTransformer::from_dir(&dir.join("transformer"), dtype, device)?,
+                    high: precision(WanTransformer::from_dir(
+                        &dir.join("transformer"),
+                        dtype,
+                        device,
+                    )?)?,
                     low: match boundary {
                         Some(b) => Some((
-                            WanTransformer::from_dir(&dir.join("transformer_2"), dtype, device)?,
+                            precision(WanTransformer::from_dir(
+                                &dir.join("transformer_2"),
+                                dtype,
+                                device,
+                            )?)?,
                             b,
                         )),
                         None => None,

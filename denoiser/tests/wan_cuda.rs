@@ -388,3 +388,64 @@ fn twenty_steps_stay_within_the_rounding_bound_of_the_f32_loop() {
         );
     }
 }
+
+/// `model.dtype: fp8` on the GPU: mini128 with its blocks' linears in e4m3, against the same
+/// quantisation on the CPU (`ditstream_kernels::linear_fp8`'s reference) and against diffusers'
+/// f32 output.
+///
+/// The weights' codes and scales are the CPU's bit for bit (the kernel's parity test); the
+/// activations' codes can differ where a bf16 rounding of the GPU and the CPU differ (one bf16
+/// ulp, 2⁻⁸ relative): a value that close to an e4m3 rounding boundary (1 in 16 or so) then
+/// rounds one e4m3 ulp (2⁻³) the other way. That leaves the two FP8 forwards well inside one FP8
+/// linear's own error, ~0.05 relative RMS (`fp8_linears_move_the_forward_by_the_quantisation_error`
+/// in the model's CPU tests derives it): 0.1 is allowed. Against diffusers, the CPU test's bound
+/// on the quantisation's effect, 0.25, plus bf16's.
+#[test]
+fn mini128_fp8_on_gpu_matches_the_cpu_fp8_model() {
+    let Some(dev) = gpu() else { return };
+    if !ditstream_kernels::cuda::supports_fp8(0).unwrap() {
+        eprintln!("skipped: this GPU has no FP8 tensor cores");
+        return;
+    }
+    let dir = fixture("dit_mini128");
+    let load = |device| {
+        WanTransformer::from_dir(&dir.join("transformer"), DType::BF16, device)
+            .unwrap()
+            .with_fp8_linears()
+            .unwrap()
+    };
+    let (gpu_model, cpu_model) = (load(dev), load(Device::Cpu));
+    let ck = Checkpoint::open_dir(&dir, "io").unwrap();
+    let (x, ctx) = (io(&ck, "hidden_states"), io(&ck, "encoder_hidden_states"));
+    for case in ["t500", "t999"] {
+        let t = io(&ck, &format!("{case}.timestep"));
+        let got = gpu_model
+            .forward(&x, &t, &ctx)
+            .unwrap()
+            .to_vec_f32()
+            .unwrap();
+        let cpu = cpu_model
+            .forward(&x, &t, &ctx)
+            .unwrap()
+            .to_vec_f32()
+            .unwrap();
+        let want = io(&ck, &format!("{case}.output")).to_vec_f32().unwrap();
+        let (vs_cpu, vs_diffusers) = (errors(&got, &cpu), errors(&got, &want));
+        println!(
+            "FP8PARITY\tmini128\t{case}\trms/rms vs the CPU's FP8 {:.3e} (bound 0.1)\tvs diffusers f32 {:.3e} (bound {:.3})",
+            vs_cpu.rms_rel_rms,
+            vs_diffusers.rms_rel_rms,
+            0.25 + bf16_rms_bound()
+        );
+        assert!(
+            vs_cpu.rms_rel_rms <= 0.1,
+            "{case}: {:.3e}",
+            vs_cpu.rms_rel_rms
+        );
+        assert!(
+            vs_diffusers.rms_rel_rms <= 0.25 + bf16_rms_bound(),
+            "{case}: {:.3e}",
+            vs_diffusers.rms_rel_rms
+        );
+    }
+}

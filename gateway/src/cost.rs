@@ -104,7 +104,9 @@ impl CostModel {
         let value_bytes = match (device, cfg.model.dtype) {
             // The CPU computes in f32 whatever the storage dtype.
             (DeviceKind::Cpu, _) | (_, Dtype::F32) => 4.0,
-            (DeviceKind::Cuda, Dtype::Bf16) => 2.0,
+            // FP8 weights are half the linears' bytes, but activations stay bf16: the estimate
+            // keeps bf16's (an upper bound).
+            (DeviceKind::Cuda, Dtype::Bf16 | Dtype::Fp8) => 2.0,
         };
         CostModel {
             dit,

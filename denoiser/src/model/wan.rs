@@ -29,9 +29,9 @@ use std::sync::{Arc, Mutex};
 use ditstream_kernels::timeline::mark;
 use ditstream_kernels::weights::WeightSource;
 use ditstream_kernels::{
-    AttentionOptions, DType, Device, Tensor, attention, gated_residual, gelu_tanh, layer_norm,
-    layer_norm_modulate, linear, linear_gelu_tanh, linear_residual, rms_norm, rms_norm_rope,
-    rope_tables_3d, silu,
+    AttentionOptions, DType, Device, Fp8Tensor, Tensor, attention, gated_residual, gelu_tanh,
+    layer_norm, layer_norm_modulate, linear, linear_fp8, linear_fp8_gelu_tanh, linear_fp8_residual,
+    linear_gelu_tanh, linear_residual, rms_norm, rms_norm_rope, rope_tables_3d, silu,
 };
 
 use super::{ModelError, WanConfig};
@@ -90,10 +90,18 @@ fn norm_modulate(
     Ok(layer_norm_modulate(x, shift, scale, eps, dtype)?)
 }
 
+/// A linear layer's weight [out, in]: in the model's dtype, or e4m3 with a scale per output
+/// channel (see [`WanTransformer::with_fp8_linears`]).
+#[derive(Debug, Clone)]
+enum Weight {
+    Dense(Tensor),
+    Fp8(Fp8Tensor),
+}
+
 /// A `Linear` layer: weight [out, in], optional bias [out].
 #[derive(Debug, Clone)]
 struct Linear {
-    weight: Tensor,
+    weight: Weight,
     bias: Option<Tensor>,
 }
 
@@ -106,13 +114,29 @@ impl Linear {
         dtype: DType,
     ) -> Result<Linear, ModelError> {
         Ok(Linear {
-            weight: ws.tensor(&format!("{name}.weight"), &[out, inp], dtype)?,
+            weight: Weight::Dense(ws.tensor(&format!("{name}.weight"), &[out, inp], dtype)?),
             bias: Some(ws.tensor(&format!("{name}.bias"), &[out], dtype)?),
         })
     }
 
+    /// The same layer with its weight quantised to e4m3 (on the weight's device).
+    fn to_fp8(&self) -> Result<Linear, ModelError> {
+        let weight = match &self.weight {
+            Weight::Dense(w) => Weight::Fp8(Fp8Tensor::quantize(w)?),
+            fp8 @ Weight::Fp8(_) => fp8.clone(),
+        };
+        Ok(Linear {
+            weight,
+            bias: self.bias.clone(),
+        })
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        let y = linear(x, &self.weight, self.bias.as_ref())?;
+        let b = self.bias.as_ref();
+        let y = match &self.weight {
+            Weight::Dense(w) => linear(x, w, b)?,
+            Weight::Fp8(w) => linear_fp8(x, w, b)?,
+        };
         mark("linears");
         Ok(y)
     }
@@ -120,28 +144,32 @@ impl Linear {
     /// GELU(tanh) of [`forward`](Self::forward), fused into the GEMM where there is a bias (the
     /// activation then sees the f32 sum, rounded once).
     fn forward_gelu(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        let y = match &self.bias {
-            Some(bias) => linear_gelu_tanh(x, &self.weight, bias)?,
-            None => gelu_tanh(&linear(x, &self.weight, None)?)?,
+        let y = match (&self.weight, &self.bias) {
+            (Weight::Dense(w), Some(bias)) => linear_gelu_tanh(x, w, bias)?,
+            (Weight::Fp8(w), Some(bias)) => linear_fp8_gelu_tanh(x, w, bias)?,
+            (_, None) => gelu_tanh(&self.forward(x)?)?,
         };
         mark("linears");
         Ok(y)
     }
 
     /// `residual + forward(x) ⊙ gate` (no gate: `residual + forward(x)`) with the residual added in
-    /// the GEMM (`linear_residual`: a per-sample gate folds into the weights); a per-token gate
-    /// ([B, L, D], L > 1) takes the projection then `gated_residual`.
+    /// the GEMM (`linear_residual`: a per-sample gate folds into the weights, or into an FP8
+    /// weight's scales); a per-token gate ([B, L, D], L > 1) takes the projection then
+    /// `gated_residual`.
     fn forward_residual(
         &self,
         x: &Tensor,
         residual: &Tensor,
         gate: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
-        let y = match gate {
-            Some(g) if g.rank() == 3 && g.shape()[1] > 1 => {
+        let b = self.bias.as_ref();
+        let y = match (gate, &self.weight) {
+            (Some(g), _) if g.rank() == 3 && g.shape()[1] > 1 => {
                 gated_residual(residual, &self.forward(x)?, g)?
             }
-            _ => linear_residual(x, &self.weight, self.bias.as_ref(), residual, gate)?,
+            (_, Weight::Dense(w)) => linear_residual(x, w, b, residual, gate)?,
+            (_, Weight::Fp8(w)) => linear_fp8_residual(x, w, b, residual, gate)?,
         };
         mark("linears");
         Ok(y)
@@ -278,13 +306,14 @@ impl WanTransformer {
         let [pt, ph, pw] = cfg.patch_size;
         let patch_in = cfg.in_channels * pt * ph * pw;
         let patch_embedding = Linear {
-            weight: ws
-                .tensor(
+            weight: Weight::Dense(
+                ws.tensor(
                     "patch_embedding.weight",
                     &[d, cfg.in_channels, pt, ph, pw],
                     dtype,
                 )?
                 .reshape(&[d, patch_in])?,
+            ),
             bias: Some(ws.tensor("patch_embedding.bias", &[d], dtype)?),
         };
         let ce = "condition_embedder";
@@ -359,6 +388,27 @@ impl WanTransformer {
             dtype,
             device,
         })
+    }
+
+    /// The model with its blocks' linear layers in FP8 (`model.dtype: fp8`): the q/k/v/out
+    /// projections of both attentions and the FFN's two, each weight quantised to e4m3 per output
+    /// channel on the model's device (see `ditstream_kernels::Fp8Tensor`), their activations per
+    /// token at every call. The patch embedding, the condition embedders, the norms, the modulation
+    /// and the head stay in the model's dtype. Block by block, so the bf16 weights of one block
+    /// are freed as its FP8 ones are made (the clones that share them aside).
+    pub fn with_fp8_linears(mut self) -> Result<WanTransformer, ModelError> {
+        for blk in &mut self.blocks {
+            for a in [&mut blk.attn1, &mut blk.attn2] {
+                for l in [&mut a.to_q, &mut a.to_k, &mut a.to_v, &mut a.to_out] {
+                    *l = l.to_fp8()?;
+                }
+            }
+            blk.ffn_in = blk.ffn_in.to_fp8()?;
+            blk.ffn_out = blk.ffn_out.to_fp8()?;
+        }
+        // Text states computed with the dense weights are not this model's.
+        self.text_cache = Arc::default();
+        Ok(self)
     }
 
     /// The model's dimensions.
@@ -783,5 +833,43 @@ mod tests {
             assert_eq!(run(&model, ctx), run(&tiny(), ctx));
         }
         assert_ne!(run(&model, &b), run(&model, &c), "the contexts matter");
+    }
+
+    /// `with_fp8_linears` quantises the blocks' linears: the forward moves by about what e4m3
+    /// rounding of both operands of each GEMM makes of it, and no more. Each operand of an FP8
+    /// product is off by a relative ≤ 2⁻⁴ (uniform within the half-ulp, RMS ≤ 2⁻⁴/√3 ≈ 0.036), so
+    /// one linear's output by a relative RMS of about √2·0.036 ≈ 0.05; the residual stream sums
+    /// the branches' errors over the blocks, so the bound allows five linears' worth (0.25) and
+    /// asks for at least a tenth of one (0.005: quantisation did happen). Text states computed by
+    /// the dense model before are not reused by the FP8 one.
+    #[test]
+    fn fp8_linears_move_the_forward_by_the_quantisation_error() {
+        let dense = tiny();
+        let cfg = dense.config().clone();
+        let x = Tensor::randn(&[1, cfg.in_channels, 1, 4, 4], DType::F32, 1, Device::Cpu).unwrap();
+        let t = Tensor::from_vec(vec![500.0], &[1]).unwrap();
+        let ctx = Tensor::randn(&[1, 3, cfg.text_dim], DType::F32, 2, Device::Cpu).unwrap();
+        let y = dense.forward(&x, &t, &ctx).unwrap().to_vec_f32().unwrap();
+        let fp8 = dense.clone().with_fp8_linears().unwrap();
+        let y8 = fp8.forward(&x, &t, &ctx).unwrap().to_vec_f32().unwrap();
+        let fresh = tiny().with_fp8_linears().unwrap();
+        assert_eq!(
+            y8,
+            fresh.forward(&x, &t, &ctx).unwrap().to_vec_f32().unwrap(),
+            "the dense model's cached text states leaked into the FP8 one"
+        );
+        let num: f64 = y
+            .iter()
+            .zip(&y8)
+            .map(|(a, b)| f64::from(a - b).powi(2))
+            .sum();
+        let den: f64 = y.iter().map(|a| f64::from(*a).powi(2)).sum();
+        let rel = (num / den).sqrt();
+        assert!((0.005..0.25).contains(&rel), "relative RMS change {rel}");
+        assert_eq!(
+            y,
+            dense.forward(&x, &t, &ctx).unwrap().to_vec_f32().unwrap(),
+            "the dense model is unchanged"
+        );
     }
 }

@@ -17,7 +17,10 @@
 #      one timed forward (~10 s each; the model takes ~95 s to build), with the split (≈ 4–5 min
 #      for the pair);
 #   7. a short table last: the parity summary, then ours vs diffusers and the ratio.
-# KERNELS=0 skips step 5 (the kernel profile, ~2 minutes).
+# KERNELS=0 skips step 5 (the kernel profile, ~2 minutes). FP8=1 adds ours with FP8 linears
+# (`dit_step --fp8`: its forward, its error against bf16, the block's linears in FP8) to every pair,
+# and at 480p 81 frames a 20-step denoise with both (`--steps 20`); the summary then gives the FP8
+# forward against diffusers' bf16 one.
 # Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu.
 # Exits non-zero if any step failed (the table is printed anyway).
 set -uo pipefail
@@ -85,10 +88,13 @@ run_pair() { # $1: label, then the shared shape arguments; ours' iteration args 
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "dit_step_torch $label FAILED"; status=1; }
 }
 
-OURS_ITERS="--warmup 2 --iters 5"
+FP8_ARGS=""
+[ "${FP8:-0}" = 1 ] && FP8_ARGS="--fp8"
+OURS_ITERS="--warmup 2 --iters 5 $FP8_ARGS"
 run_pair 480p5f --height 480 --width 832 --frames 5
 if [ "$full" -eq 1 ]; then
-  OURS_ITERS="--warmup 1 --iters 2"
+  OURS_ITERS="--warmup 1 --iters 2 $FP8_ARGS"
+  [ -n "$FP8_ARGS" ] && OURS_ITERS="$OURS_ITERS --steps 20"
   run_pair 480p81f --height 480 --width 832 --frames 81
   NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -n 1)
   if [ "${KERNELS:-1}" = 0 ]; then
@@ -125,7 +131,7 @@ for r in sorted(body, key=lambda r: -float(r[ti]))[:25]:
   fi
 fi
 if [ "$big" -eq 1 ]; then
-  OURS_ITERS="--warmup 1 --iters 1"
+  OURS_ITERS="--warmup 1 --iters 1 $FP8_ARGS"
   run_pair 14b720p81f --preset wan2.1-t2v-14b --height 720 --width 1280 --frames 81
 fi
 
@@ -154,7 +160,10 @@ for label in 480p5f 480p81f 14b720p81f; do
       for (i = 0; i < n; i++) { k = order[i]; o = v["ours " k]; d = v["diffusers " k]
         r = (o != "" && d != "" && d + 0 > 0) ? sprintf("%.2fx", o / d) : "-"
         printf "  %-16s %12s %12s %8s   %s | %s\n", k, o, d, r, x["ours " k], x["diffusers " k] }
+      if (v["ours forward fp8"] != "" && v["diffusers forward"] + 0 > 0)
+        printf "  %-16s %12s %12s %7.2fx   (FP8 linears, bf16 attention) | bf16\n", "forward fp8", v["ours forward fp8"], v["diffusers forward"], v["ours forward fp8"] / v["diffusers forward"]
     }'
+  grep -h '^RESULT' "$LOGS/dit_step_$label.log" | grep -E 'fp8|quantize' | cut -f3- | sed 's/^/  /'
 done
 echo
 [ "$status" -eq 0 ] && echo "gpu-dit: all steps passed" || echo "gpu-dit: SOME STEPS FAILED"

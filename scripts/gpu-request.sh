@@ -9,7 +9,8 @@
 #   2. diffusers: bench/wan_pipeline_torch.py at the same dims, steps, guidance and flow shift (text
 #      encoding excluded, decoded frames to numpy, no video encoding);
 #   3. a short table last: wall per request, ours / diffusers.
-# ≈ 3 minutes. Logs go to $OUT when set, else /tmp/ditstream-gpu. Knobs: STEPS (20).
+# ≈ 3 minutes. Logs go to $OUT when set, else /tmp/ditstream-gpu. Knobs: STEPS (20), DTYPES (the
+# `model.dtype` of each run of ours, in turn: "bf16"; "bf16 fp8" adds the FP8 linears, issue 24).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOGS=${OUT:-/tmp/ditstream-gpu}
@@ -21,10 +22,13 @@ export PYTHONUNBUFFERED=1
 status=0
 [ -x target/gpu/pools_gpu ] || { echo "missing target/gpu/pools_gpu: run scripts/build-gpu-serve.sh" >&2; exit 2; }
 
-echo "=== ours: serve, 1 request of $STEPS steps after a warm-up ==="
-timeout 300 target/gpu/pools_gpu --requests 1 --steps "$STEPS" --skip-pools --decoder-gpu 0 \
-  --latency-links quic --chunks 3 2>&1 | tee "$LOGS/request_ours.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "pools_gpu FAILED"; status=1; }
+DTYPES=${DTYPES:-bf16}
+for dtype in $DTYPES; do
+  echo "=== ours ($dtype): serve, 1 request of $STEPS steps after a warm-up ==="
+  timeout 300 target/gpu/pools_gpu --requests 1 --steps "$STEPS" --skip-pools --decoder-gpu 0 \
+    --latency-links quic --chunks 3 --dtype "$dtype" 2>&1 | tee "$LOGS/request_ours_$dtype.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "pools_gpu ($dtype) FAILED"; status=1; }
+done
 
 echo "=== diffusers: WanPipeline, 1 request of $STEPS steps after a warm-up ==="
 site=/tmp/ditstream-site
@@ -40,15 +44,18 @@ else
 fi
 
 echo
-echo "=== summary: one request, Wan2.1-1.3B dims bf16, 480p 81 frames, $STEPS steps, CFG ==="
+echo "=== summary: one request, Wan2.1-1.3B dims, 480p 81 frames, $STEPS steps, CFG (diffusers: bf16) ==="
 # pools_gpu's RESULT: name, k, wall s, req/s, ×T, steady, ×T, T_denoise s, after-loop ms, decode, encode.
-ours=$(awk -F'\t' '$1 == "RESULT" && $2 == "serve-1gpu" { print $4 }' "$LOGS/request_ours.log")
-ours_loop=$(awk -F'\t' '$1 == "RESULT" && $2 == "serve-1gpu" { print $9 }' "$LOGS/request_ours.log")
 ref=$(awk -F'\t' '$1 == "RESULT" && $3 == "request" { print $4 }' "$LOGS/request_diffusers.log" 2>/dev/null)
 ref_loop=$(awk -F'\t' '$1 == "RESULT" && $3 == "loop" { print $4 }' "$LOGS/request_diffusers.log" 2>/dev/null)
 ratio() { [ -n "$1" ] && [ -n "$2" ] && awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3fx", a / b }' || echo "-"; }
-printf "  %-34s %10s %10s %8s\n" "what" "ours s" "diffusers" "ratio"
-printf "  %-34s %10s %10s %8s\n" "request (submit to last segment)" "${ours:--}" "${ref:--}" "$(ratio "$ours" "$ref")"
-printf "  %-34s %10s %10s %8s\n" "text + loop (ours) | loop (theirs)" "${ours_loop:--}" "${ref_loop:--}" "$(ratio "$ours_loop" "$ref_loop")"
+printf "  %-40s %10s %10s %8s\n" "what" "ours s" "diffusers" "ratio"
+for dtype in $DTYPES; do
+  log="$LOGS/request_ours_$dtype.log"
+  ours=$(awk -F'\t' '$1 == "RESULT" && $2 == "serve-1gpu" { print $4 }' "$log")
+  ours_loop=$(awk -F'\t' '$1 == "RESULT" && $2 == "serve-1gpu" { print $9 }' "$log")
+  printf "  %-40s %10s %10s %8s\n" "$dtype: request (submit to last segment)" "${ours:--}" "${ref:--}" "$(ratio "$ours" "$ref")"
+  printf "  %-40s %10s %10s %8s\n" "$dtype: text + loop (ours) | loop (theirs)" "${ours_loop:--}" "${ref_loop:--}" "$(ratio "$ours_loop" "$ref_loop")"
+done
 [ "$status" -eq 0 ] && echo "gpu-request: all steps passed" || echo "gpu-request: SOME STEPS FAILED"
 exit "$status"

@@ -27,8 +27,9 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use ditstream_bench::{median, median_per_call, random_input, time_on};
 use ditstream_common::config::Preset;
+use ditstream_decoder::vae::{VaeConfig, WanVaeDecoder};
 use ditstream_denoiser::model::{WanConfig, WanTransformer};
-use ditstream_kernels::weights::DrawnWeights;
+use ditstream_kernels::weights::{DrawnWeights, RandomWeights};
 use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, linear};
 
 #[derive(Parser, Debug)]
@@ -61,6 +62,61 @@ struct Args {
     /// `cuda` (cuda:0) or `cpu` (a smoke test of the driver).
     #[arg(long, default_value = "cuda")]
     device: String,
+    /// Also the same model with FP8 (e4m3) linears in its blocks (`model.dtype: fp8`): its
+    /// forward's time, its error against the bf16 forward on the same inputs, and the block's
+    /// linears alone in FP8.
+    #[arg(long)]
+    fp8: bool,
+    /// With `--fp8`: this many Euler steps of a flow-matching denoise from the same noise with
+    /// both models, the final latents' error, and the two latents decoded by the Wan 2.1 VAE
+    /// (random weights, bf16) with the videos' PSNR (0: none).
+    #[arg(long, default_value_t = 0)]
+    steps: usize,
+}
+
+/// ‖a − b‖ / ‖b‖ over every element (any devices, one shape), in f64.
+fn rel_rms(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let (a, b) = (a.to_vec_f32()?, b.to_vec_f32()?);
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(&b) {
+        num += f64::from(x - y).powi(2);
+        den += f64::from(*y).powi(2);
+    }
+    Ok((num / den.max(f64::MIN_POSITIVE)).sqrt())
+}
+
+/// PSNR of video `a` against `b` ([.., frames, H, W] in [−1, 1], clamped there as the pipeline's
+/// output is), on the 8-bit scale the encoder sees: 10·log10(255² / MSE).
+fn psnr(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let (a, b) = (a.to_vec_f32()?, b.to_vec_f32()?);
+    let to8 = |v: f32| f64::from((v.clamp(-1.0, 1.0) + 1.0) * 127.5);
+    let mse = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (to8(*x) - to8(*y)).powi(2))
+        .sum::<f64>()
+        / a.len().max(1) as f64;
+    Ok(10.0 * (255f64.powi(2) / mse.max(f64::MIN_POSITIVE)).log10())
+}
+
+/// `steps` Euler steps of Wan's flow-matching sampler (σ from 1 to 0, shifted by 5 as Wan's 480p
+/// default; t = 1000·σ) from `noise`, no guidance: the latent each model denoises to, in f32.
+fn denoise(model: &WanTransformer, noise: &Tensor, ctx: &Tensor, steps: usize) -> Result<Tensor> {
+    use ditstream_kernels as k;
+    let shift = 5.0f64;
+    let sigma = |i: usize| {
+        let s = 1.0 - i as f64 / steps as f64;
+        shift * s / (1.0 + (shift - 1.0) * s)
+    };
+    let mut x = noise.to_dtype(DType::F32)?;
+    for i in 0..steps {
+        let t = Tensor::from_vec(vec![(1000.0 * sigma(i)) as f32], &[1])?;
+        let v = model.forward(&x, &t, ctx)?.to_dtype(DType::F32)?;
+        let dt = Tensor::from_vec(vec![(sigma(i + 1) - sigma(i)) as f32], &[1])?
+            .to_device(noise.device())?;
+        x = k::add(&x, &k::mul(&v, &dt)?)?;
+    }
+    Ok(x)
 }
 
 /// The model of `cfg` with `RandomWeights::new(seed)` in bf16 on `device`, the weights drawn on all
@@ -160,6 +216,133 @@ fn block_rest_ops(
             secs * 1e3 * calls * n,
             passes * act / secs / 1e9,
             secs * 1e3
+        );
+    }
+    Ok(())
+}
+
+/// The `--fp8` part: the model with FP8 linears beside the bf16 one, on the same inputs.
+fn fp8_forward(
+    args: &Args,
+    model: &WanTransformer,
+    (x, t, ctx): (&Tensor, &Tensor, &Tensor),
+    flops: f64,
+    bf16_forward: f64,
+    device: Device,
+) -> Result<()> {
+    use ditstream_kernels as k;
+    let t0 = Instant::now();
+    let fp8 = model.clone().with_fp8_linears()?;
+    if let Device::Cuda(ordinal) = device {
+        ditstream_kernels::cuda::synchronize(ordinal)?;
+    }
+    println!(
+        "fp8: blocks' linears quantised in {:.2} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let forward = median_per_call(device, args.warmup, args.iters, 1, || {
+        Ok(fp8.forward(x, t, ctx)?)
+    })?;
+    println!(
+        "RESULT\tours\tforward fp8\t{:.3}\tms\t{:.1}\tTFLOP/s\t({:.3}x our bf16)",
+        forward * 1e3,
+        flops / forward / 1e12,
+        forward / bf16_forward
+    );
+    let err = rel_rms(&fp8.forward(x, t, ctx)?, &model.forward(x, t, ctx)?)?;
+    println!("RESULT\tours\tfp8 forward vs bf16, rel rms\t{err:.3e}\t-");
+    // One block's linears alone (as the split's bf16 set), FP8 against bf16 on the same operands.
+    let cfg = model.config();
+    let l = x.shape()[2] * (x.shape()[3] / 2) * (x.shape()[4] / 2);
+    let (d, ffn) = (cfg.dim(), cfg.ffn_dim);
+    let h = random_input(&[1, l, d], DType::BF16, 5, device)?;
+    let h_ffn = random_input(&[1, l, ffn], DType::BF16, 6, device)?;
+    let w_dd = random_input(&[d, d], DType::BF16, 8, device)?;
+    let w_up = random_input(&[ffn, d], DType::BF16, 9, device)?;
+    let w_down = random_input(&[d, ffn], DType::BF16, 10, device)?;
+    let bias_d = random_input(&[d], DType::BF16, 11, device)?;
+    let bias_f = random_input(&[ffn], DType::BF16, 12, device)?;
+    let gate = random_input(&[1, 1, d], DType::F32, 13, device)?;
+    let (q_dd, q_up, q_down) = (
+        k::Fp8Tensor::quantize(&w_dd)?,
+        k::Fp8Tensor::quantize(&w_up)?,
+        k::Fp8Tensor::quantize(&w_down)?,
+    );
+    let reps = args.iters.max(3);
+    let video_flops = 2.0 * l as f64 * (d * d * 6 + 2 * d * ffn) as f64;
+    let bf16 = median_per_call(device, 1, reps, 1, || {
+        for _ in 0..4 {
+            linear(&h, &w_dd, Some(&bias_d))?;
+        }
+        k::linear_residual(&h, &w_dd, Some(&bias_d), &h, Some(&gate))?;
+        k::linear_residual(&h, &w_dd, Some(&bias_d), &h, None)?;
+        k::linear_gelu_tanh(&h, &w_up, &bias_f)?;
+        Ok(k::linear_residual(
+            &h_ffn,
+            &w_down,
+            Some(&bias_d),
+            &h,
+            Some(&gate),
+        )?)
+    })?;
+    let e4m3 = median_per_call(device, 1, reps, 1, || {
+        for _ in 0..4 {
+            k::linear_fp8(&h, &q_dd, Some(&bias_d))?;
+        }
+        k::linear_fp8_residual(&h, &q_dd, Some(&bias_d), &h, Some(&gate))?;
+        k::linear_fp8_residual(&h, &q_dd, Some(&bias_d), &h, None)?;
+        k::linear_fp8_gelu_tanh(&h, &q_up, &bias_f)?;
+        Ok(k::linear_fp8_residual(
+            &h_ffn,
+            &q_down,
+            Some(&bias_d),
+            &h,
+            Some(&gate),
+        )?)
+    })?;
+    println!(
+        "RESULT\tours\tone block's video-token linears, bf16 → fp8 (quantisation included)\t{:.3} → {:.3}\tms\t{:.0} → {:.0}\tTFLOP/s",
+        bf16 * 1e3,
+        e4m3 * 1e3,
+        video_flops / bf16 / 1e12,
+        video_flops / e4m3 / 1e12
+    );
+    let quant = median_per_call(device, 1, reps, 1, || {
+        Ok(k::Fp8Tensor::quantize(&h)?.scales().clone())
+    })?;
+    println!(
+        "RESULT\tours\tquantize [L, D] per token\t{:.3}\tms\t{:.0}\tGB/s",
+        quant * 1e3,
+        (l * d * 3) as f64 / quant / 1e9
+    );
+    if args.steps > 0 {
+        let noise = random_input(x.shape(), DType::F32, 30, device)?;
+        let t0 = Instant::now();
+        let (a, b) = (
+            denoise(&fp8, &noise, ctx, args.steps)?,
+            denoise(model, &noise, ctx, args.steps)?,
+        );
+        println!(
+            "RESULT\tours\t{}-step latent, fp8 vs bf16, rel rms\t{:.3e}\t-\t({:.1} s for both)",
+            args.steps,
+            rel_rms(&a, &b)?,
+            t0.elapsed().as_secs_f64()
+        );
+        let vae = WanVaeDecoder::from_weights_on(
+            VaeConfig::wan21(),
+            &RandomWeights::new(0),
+            device,
+            DType::BF16,
+        )?;
+        let (va, vb) = (
+            vae.decode(&a.to_dtype(DType::BF16)?)?,
+            vae.decode(&b.to_dtype(DType::BF16)?)?,
+        );
+        println!(
+            "RESULT\tours\t{}-step video, fp8 vs bf16 (random-weight VAE), PSNR\t{:.2}\tdB\t{:.3e}\trel rms",
+            args.steps,
+            psnr(&va, &vb)?,
+            rel_rms(&va, &vb)?
         );
     }
     Ok(())
@@ -318,6 +501,10 @@ fn main() -> Result<()> {
         forward * 1e3,
         flops / forward / 1e12
     );
+
+    if args.fp8 {
+        fp8_forward(&args, &model, (&x, &t, &ctx), flops, forward, device)?;
+    }
 
     if !args.no_split {
         // The dominant ops alone, at one block's shapes, times the block count.

@@ -86,6 +86,9 @@ struct Args {
     /// Skip the pools run.
     #[arg(long)]
     skip_pools: bool,
+    /// `model.dtype` (bf16 or fp8 on the GPU; unset: bf16 there, f32 for the CPU smoke run).
+    #[arg(long)]
+    dtype: Option<String>,
 }
 
 impl Args {
@@ -112,7 +115,11 @@ impl Args {
              tls_cert: {c}/pool.pem\n  tls_key: {c}/pool-key.pem\n",
             preset = self.preset,
             // bf16 on the GPU; the CPU smoke run keeps the CPU's reference f32.
-            dtype = if self.device == "cuda" { "bf16" } else { "f32" },
+            dtype = match (&self.dtype, self.device.as_str()) {
+                (Some(d), _) => d.as_str(),
+                (None, "cuda") => "bf16",
+                (None, _) => "f32",
+            },
             steps = self.steps,
             device = self.device,
             w = self.width,

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 24's FP8 checks and numbers in one GPU call, from the repo root, with the executables of
+# scripts/build-gpu-conv.sh and scripts/build-gpu-dit.sh in target/gpu/ (carry target/gpu, or its
+# packed form, and .whl):
+#   1. the kernels' GPU parity suite with DITSTREAM_REQUIRE_GPUS=1: the FP8 quantisation (bit for
+#      bit) and the FP8 linears against their CPU reference, and every bf16/f32 op as before (the
+#      GEMM code they share changed);
+#   2. scripts/gpu-dit.sh with FP8=1 (KERNELS=0): the Wan GPU tests (mini128 in FP8 against the
+#      CPU's FP8 model and diffusers), then ours in bf16 and with FP8 linears beside diffusers'
+#      bf16 forward at 480p 5 and 81 frames (the latter with a 20-step denoise by both models);
+#      `--14b` adds Wan2.1-14B dims at 720p 81 frames.
+# Logs go to $OUT when set, else /tmp/ditstream-gpu. Exits non-zero if a step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOGS=${OUT:-/tmp/ditstream-gpu}
+mkdir -p "$LOGS"
+source scripts/lib/gpu-env.sh
+export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
+status=0
+
+echo "=== GPU parity suite (DITSTREAM_REQUIRE_GPUS=1) ==="
+start=$(date +%s%N)
+DITSTREAM_REQUIRE_GPUS=1 timeout 400 target/gpu/kernels_cuda_parity --test-threads=1 --nocapture \
+  > "$LOGS/cuda_parity.log" 2>&1
+rc=$?
+echo "exit $rc after $(( ($(date +%s%N) - start) / 1000000 )) ms"
+grep -E "^test |panicked|test result" "$LOGS/cuda_parity.log" | head -n 40
+grep -E "^PARITY.*(e4m3|fp8)" "$LOGS/cuda_parity.log"
+[ "$rc" -eq 0 ] || { echo "parity suite FAILED (exit $rc)"; status=1; }
+
+FP8=1 KERNELS=0 scripts/gpu-dit.sh --full "$@" || status=1
+grep -h "FP8PARITY" "$LOGS/wan_cuda.log" 2>/dev/null
+[ "$status" -eq 0 ] && echo "gpu-fp8: all steps passed" || echo "gpu-fp8: SOME STEPS FAILED"
+exit "$status"

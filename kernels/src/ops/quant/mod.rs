@@ -19,6 +19,7 @@
 //! (see `tests_cuda.rs` for the bound), and needs bf16 activations, `in` and `out` multiples of 16,
 //! and compute capability 8.9 or later ([`crate::cuda::supports_fp8`]).
 
+mod attention;
 mod cpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -26,6 +27,8 @@ pub(crate) mod cuda;
 mod tests;
 
 use std::sync::Arc;
+
+pub use attention::{BLOCK as FP8_ATTENTION_BLOCK, attention_fp8};
 
 use super::same_device;
 #[cfg(not(feature = "cuda"))]

@@ -238,3 +238,235 @@ fn the_gated_residual_is_the_gated_linear_plus_the_residual() -> crate::Result<(
     }
     Ok(())
 }
+
+/// FP8 attention against exact attention on the same inputs, term by term.
+///
+/// LSE: log-sum-exp is 1-Lipschitz in the max norm, so |Δlse_i| ≤ maxⱼ |ΔS_ij|, where S moves only
+/// by Q's and K's quantisation: |ΔS_ij| ≤ scale·Σ_d ((2u + u²)|q||k| + 2⁻¹⁰(1 + u)(|q|·s_k +
+/// |k|·s_q) + 2⁻²⁰·s_q·s_k), u = 2⁻⁴ (the linear's per-product bound), plus f32 rounding.
+///
+/// Output: against the exact attention with the *quantised* S (Q, K dequantised, in f64), what
+/// is left is P's and V's rounding: each p·448 is off by ≤ u relative (≥ 2⁻⁶) or 2⁻¹⁰ absolute,
+/// each v by ≤ u relative or 2⁻¹⁰·s_v[d], so |Δout_id| ≤ Σⱼ (p_j(2u + u²)|v_jd| + p_j(1 + u)
+/// 2⁻¹⁰ s_v[d] + 2⁻¹⁰/448·(|v_jd| + 2⁻¹⁰ s_v[d]))/l + f32 terms.
+#[test]
+fn fp8_attention_is_exact_attention_within_the_quantisation_bounds() -> crate::Result<()> {
+    let (b, sq, sk, h, d) = (1, 150, 300, 2, 32);
+    // Scores of spread ~4 (q ×4): most probabilities are far below the largest, where P's
+    // scaling into e4m3's range matters.
+    let q = crate::mul(
+        &Tensor::randn(&[b, sq, h, d], DType::F32, 21, Device::Cpu)?,
+        &Tensor::from_vec(vec![4.0], &[1])?,
+    )?;
+    let k = Tensor::randn(&[b, sk, h, d], DType::F32, 22, Device::Cpu)?;
+    let v = Tensor::randn(&[b, sk, h, d], DType::F32, 23, Device::Cpu)?;
+    let kv_len = 290; // the last key block partial, and padding masked
+    let options = crate::AttentionOptions {
+        scale: None,
+        kv_len: Some(kv_len),
+    };
+    let (out, lse) = attention_fp8(&q, &k, &v, options)?;
+    assert_eq!((out.shape(), lse.shape()), (q.shape(), &[b, h, sq][..]));
+    let (qv, kv, vv, ov, lv) = (
+        q.to_vec_f32()?,
+        k.to_vec_f32()?,
+        v.to_vec_f32()?,
+        out.to_vec_f32()?,
+        lse.to_vec_f32()?,
+    );
+    let scale = 1.0 / (d as f64).sqrt();
+    let u = 2f64.powi(-4);
+    // One sample: token t, head hi starts at (t·H + hi)·D.
+    let at = |t: usize, hi: usize| (t * h + hi) * d;
+    // Block scales as the recipe sets them.
+    let block_scales = |x: &[f32], n: usize, hi: usize| -> Vec<f64> {
+        (0..n.div_ceil(FP8_ATTENTION_BLOCK))
+            .map(|blk| {
+                let amax = (blk * FP8_ATTENTION_BLOCK..((blk + 1) * FP8_ATTENTION_BLOCK).min(n))
+                    .flat_map(|t| x[at(t, hi)..][..d].iter())
+                    .fold(0f32, |m, v| m.max(v.abs()));
+                f64::from(amax / E4M3_MAX)
+            })
+            .collect()
+    };
+    let mut worst_out = 0f64;
+    for hi in 0..h {
+        let (sq_s, sk_s) = (block_scales(&qv, sq, hi), block_scales(&kv, kv_len, hi));
+        let sv: Vec<f64> = (0..d)
+            .map(|c| {
+                let amax = (0..kv_len).fold(0f32, |m, t| m.max(vv[at(t, hi) + c].abs()));
+                f64::from(amax / E4M3_MAX)
+            })
+            .collect();
+        let deq = |x: &[f32], s: f64| -> Vec<f64> {
+            x.iter()
+                .map(|v| f64::from(e4m3((f64::from(*v) / s) as f32)) * s)
+                .collect()
+        };
+        for i in 0..sq {
+            let qi = &qv[at(i, hi)..][..d];
+            let (sqi, qd) = (
+                sq_s[i / FP8_ATTENTION_BLOCK],
+                deq(qi, sq_s[i / FP8_ATTENTION_BLOCK]),
+            );
+            let mut exact = Vec::new();
+            let mut quant = Vec::new();
+            let mut ds_max = 0f64;
+            for j in 0..kv_len {
+                let kj = &kv[at(j, hi)..][..d];
+                let skj = sk_s[j / FP8_ATTENTION_BLOCK];
+                let kd = deq(kj, skj);
+                let e: f64 = qi
+                    .iter()
+                    .zip(kj)
+                    .map(|(a, c)| f64::from(*a) * f64::from(*c))
+                    .sum();
+                let qs: f64 = qd.iter().zip(&kd).map(|(a, c)| a * c).sum();
+                let bound: f64 = qi
+                    .iter()
+                    .zip(kj)
+                    .map(|(a, c)| {
+                        let (a, c) = (f64::from(a.abs()), f64::from(c.abs()));
+                        (2.0 * u + u * u) * a * c
+                            + 2f64.powi(-10) * (1.0 + u) * (a * skj + c * sqi)
+                            + 2f64.powi(-20) * sqi * skj
+                    })
+                    .sum();
+                ds_max = ds_max.max(scale * bound);
+                exact.push(scale * e);
+                quant.push(scale * qs);
+            }
+            let lse_of = |s: &[f64]| {
+                let m = s.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+                m + s.iter().map(|x| (x - m).exp()).sum::<f64>().ln()
+            };
+            let got_lse = f64::from(lv[hi * sq + i]);
+            assert!(
+                (got_lse - lse_of(&exact)).abs() <= ds_max + 1e-5 * got_lse.abs().max(1.0),
+                "lse ({i}, {hi}): {got_lse} vs {}",
+                lse_of(&exact)
+            );
+            // Output against attention with the quantised scores and exact values.
+            let m = quant.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+            let p: Vec<f64> = quant.iter().map(|s| (s - m).exp()).collect();
+            let l: f64 = p.iter().sum();
+            for c in 0..d {
+                let want: f64 = (0..kv_len)
+                    .map(|j| p[j] * f64::from(vv[at(j, hi) + c]))
+                    .sum::<f64>()
+                    / l;
+                let bound: f64 = (0..kv_len)
+                    .map(|j| {
+                        let vj = f64::from(vv[at(j, hi) + c].abs());
+                        p[j] * ((2.0 * u + u * u) * vj + (1.0 + u) * 2f64.powi(-10) * sv[c])
+                            + 2f64.powi(-10) / 448.0 * (vj + 2f64.powi(-10) * sv[c])
+                    })
+                    .sum::<f64>()
+                    / l
+                    + 1e-5 * (1.0 + want.abs());
+                let got = f64::from(ov[at(i, hi) + c]);
+                assert!(
+                    (got - want).abs() <= bound,
+                    "out ({i}, {hi}, {c}): {got} vs {want} (bound {bound})"
+                );
+                worst_out = worst_out.max((got - want).abs());
+            }
+        }
+    }
+    // Quantisation did happen.
+    assert!(worst_out > 1e-4, "worst output error {worst_out}");
+    Ok(())
+}
+
+/// Bad shapes and kv_len are refused, and no valid key gives a zero output and lse −∞, as the
+/// bf16 attention.
+#[test]
+fn fp8_attention_checks_its_inputs() -> crate::Result<()> {
+    let q = Tensor::randn(&[1, 4, 2, 8], DType::F32, 1, Device::Cpu)?;
+    let k = Tensor::randn(&[1, 6, 2, 8], DType::F32, 2, Device::Cpu)?;
+    let bad = Tensor::randn(&[1, 6, 3, 8], DType::F32, 3, Device::Cpu)?;
+    assert!(attention_fp8(&q, &k, &bad, crate::AttentionOptions::default()).is_err());
+    let too_long = crate::AttentionOptions {
+        scale: None,
+        kv_len: Some(7),
+    };
+    let e = attention_fp8(&q, &k, &k, too_long).unwrap_err().to_string();
+    assert!(e.contains("kv_len") && e.contains('7'), "{e}");
+    let none = crate::AttentionOptions {
+        scale: None,
+        kv_len: Some(0),
+    };
+    let (out, lse) = attention_fp8(&q, &k, &k, none)?;
+    assert!(out.to_vec_f32()?.iter().all(|v| *v == 0.0));
+    assert!(lse.to_vec_f32()?.iter().all(|v| *v == f32::NEG_INFINITY));
+    Ok(())
+}
+
+/// The FP8 attention's online schedule in closed form: with M_b the running max after key block
+/// b and M the final one, the recipe computes out = Σⱼ e4m3(448·exp(S_j − M_b(j)))·exp(M_b(j) −
+/// M)·q_v[j]·s_v / (448·Σⱼ exp(S_j − M)). Evaluated here in f64 from the same f32 scores (so no
+/// e4m3 rounding can flip), it must equal the reference to f32 rounding: this pins P's scaling,
+/// the rescaling by the running max and V's scales, which the bounds above are too loose to.
+#[test]
+fn fp8_attention_follows_its_online_schedule() -> crate::Result<()> {
+    let (sq, sk, h, d) = (3, 300, 1, 16);
+    let q = crate::mul(
+        &Tensor::randn(&[1, sq, h, d], DType::F32, 31, Device::Cpu)?,
+        &Tensor::from_vec(vec![4.0], &[1])?,
+    )?;
+    let k = Tensor::randn(&[1, sk, h, d], DType::F32, 32, Device::Cpu)?;
+    let v = Tensor::randn(&[1, sk, h, d], DType::F32, 33, Device::Cpu)?;
+    let (out, _) = attention_fp8(&q, &k, &v, crate::AttentionOptions::default())?;
+    let (qv, kv, vv, ov) = (
+        q.to_vec_f32()?,
+        k.to_vec_f32()?,
+        v.to_vec_f32()?,
+        out.to_vec_f32()?,
+    );
+    let scale = 1.0 / (d as f32).sqrt();
+    let amax = |x: &[f32]| x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let sqs = amax(&qv) / E4M3_MAX; // one query block
+    let kblocks: Vec<f32> = kv
+        .chunks(FP8_ATTENTION_BLOCK * d)
+        .map(|c| amax(c) / E4M3_MAX)
+        .collect();
+    let sv: Vec<f32> = (0..d)
+        .map(|c| (0..sk).fold(0f32, |m, j| m.max(vv[j * d + c].abs())) / E4M3_MAX)
+        .collect();
+    for i in 0..sq {
+        let q8: Vec<f32> = qv[i * d..][..d].iter().map(|x| e4m3(x / sqs)).collect();
+        let s: Vec<f32> = (0..sk)
+            .map(|j| {
+                let kb = kblocks[j / FP8_ATTENTION_BLOCK];
+                let k8 = kv[j * d..][..d].iter().map(|x| e4m3(x / kb));
+                let dot: f32 = q8.iter().zip(k8).map(|(a, c)| a * c).sum();
+                dot * (sqs * kb) * scale
+            })
+            .collect();
+        let mut running = Vec::new();
+        let mut m = f32::NEG_INFINITY;
+        for block in s.chunks(FP8_ATTENTION_BLOCK) {
+            m = block.iter().fold(m, |a, &b| a.max(b));
+            running.push(m);
+        }
+        let total = f64::from(m);
+        let l: f64 = s.iter().map(|&x| (f64::from(x) - total).exp()).sum();
+        for c in 0..d {
+            let acc: f64 = (0..sk)
+                .map(|j| {
+                    let mb = running[j / FP8_ATTENTION_BLOCK];
+                    let p8 = e4m3((f64::from(s[j] - mb).exp() as f32) * E4M3_MAX);
+                    let v8 = e4m3(vv[j * d + c] / sv[c]);
+                    f64::from(p8) * (f64::from(mb) - total).exp() * f64::from(v8)
+                })
+                .sum();
+            let want = acc * f64::from(sv[c]) / (448.0 * l);
+            let got = f64::from(ov[i * d + c]);
+            assert!(
+                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "({i}, {c}): {got} vs {want}"
+            );
+        }
+    }
+    Ok(())
+}

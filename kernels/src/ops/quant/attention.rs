@@ -1,0 +1,150 @@
+//! FP8 attention, as the CPU reference of the recipe issue 24's GPU kernel is to follow, so that
+//! the kernel can be held to it term for term (as the FP8 linear is). No CUDA twin exists yet: on
+//! a GPU the op is refused.
+//!
+//! The recipe (FlashAttention-3's FP8 forward, with block scales for Q and K as SageAttention
+//! keeps them):
+//! - Q and K in e4m3 with one scale per (sample, head, block of [`BLOCK`] tokens): s = max|block|
+//!   / 448, as the linears' rows (`super`), so each block spans the format's range;
+//! - V in e4m3 with one scale per (sample, head, channel) over the valid keys, which folds into
+//!   the output (out[:, d] = (Σⱼ P·q_v[j, d])·s_v[d]);
+//! - S = (q_Q·q_Kᵀ)·s_q·s_k·scale summed in f32; the softmax online over key blocks of [`BLOCK`],
+//!   in f32, as a flash kernel runs it: per block m ← max(m, rowmax S), the accumulator and the
+//!   row sum l rescaled by exp(m_old − m), p = exp(S − m), l += Σ p (unquantised);
+//! - P·V on e4m3 operands: p scaled by 448 (so p ∈ [0, 1] uses the format's whole range) and
+//!   rounded, the products summed in f32; out = acc·s_v / (448·l), rounded once to q's dtype;
+//! - lse = m + ln l over the valid keys (natural log, with the scale), as the bf16 kernel
+//!   returns it, so Ring and Attention2D merge FP8 partials the same way.
+
+use super::cpu::e4m3;
+use super::{E4M3_MAX, same_device};
+use crate::{AttentionOptions, DType, Device, KernelError, Result, Tensor};
+
+/// Tokens per Q and K scale block, and keys per online-softmax step: the Hopper kernel's tiles.
+pub const BLOCK: usize = 128;
+
+/// FP8 scaled-dot-product attention by the recipe of the module docs: q [B, S_q, H, D], k and v
+/// [B, S_k, H, D] (f32 or bf16, one dtype) → out [B, S_q, H, D] in q's dtype and lse [B, H, S_q]
+/// (f32), as [`crate::attention`] returns them. CPU only for now.
+pub fn attention_fp8(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    options: AttentionOptions,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "attention_fp8";
+    let (qs, ks) = (q.shape(), k.shape());
+    let ok = qs.len() == 4 && ks.len() == 4 && ks[0] == qs[0] && ks[2..] == qs[2..];
+    if !ok || v.shape() != ks {
+        return Err(KernelError::shape(
+            OP,
+            "q [B, S_q, H, D], k and v [B, S_k, H, D]",
+            &[qs, ks, v.shape()],
+        ));
+    }
+    let [b, sq, h, d] = [qs[0], qs[1], qs[2], qs[3]];
+    let sk = ks[1];
+    let kv_len = options.kv_len.unwrap_or(sk);
+    if kv_len > sk {
+        return Err(KernelError::arg(
+            OP,
+            "kv_len",
+            kv_len,
+            format!("it must be at most S_k = {sk}"),
+        ));
+    }
+    let scale = options.scale.unwrap_or(1.0 / (d as f32).sqrt());
+    match same_device(OP, &[q, k, v])? {
+        Device::Cpu => {}
+        device @ Device::Cuda(_) => {
+            return Err(KernelError::UnsupportedDevice { op: OP, device });
+        }
+    }
+    let (qv, kv, vv) = (q.cpu_f32(OP)?, k.cpu_f32(OP)?, v.cpu_f32(OP)?);
+    let at = |s: usize, bi: usize, t: usize, hi: usize| ((bi * s + t) * h + hi) * d;
+    let mut out = vec![0f32; b * sq * h * d];
+    let mut lse = vec![f32::NEG_INFINITY; b * h * sq];
+    for bi in 0..b {
+        for hi in 0..h {
+            // Quantised Q and K (values, unscaled) and their block scales; V per channel.
+            let rows = |x: &[f32], s: usize, n: usize| -> (Vec<Vec<f32>>, Vec<f32>) {
+                let mut codes = Vec::with_capacity(n);
+                let mut scales = Vec::new();
+                for start in (0..n).step_by(BLOCK) {
+                    let block = start..(start + BLOCK).min(n);
+                    let amax = block.clone().fold(0f32, |m, t| {
+                        x[at(s, bi, t, hi)..][..d]
+                            .iter()
+                            .fold(m, |m, v| m.max(v.abs()))
+                    });
+                    let sc = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+                    scales.push(sc);
+                    for t in block {
+                        codes.push(
+                            x[at(s, bi, t, hi)..][..d]
+                                .iter()
+                                .map(|v| e4m3(v / sc))
+                                .collect(),
+                        );
+                    }
+                }
+                (codes, scales)
+            };
+            let (q8, q_scales) = rows(&qv, sq, sq);
+            let (k8, k_scales) = rows(&kv, sk, kv_len);
+            let v_scales: Vec<f32> = (0..d)
+                .map(|c| {
+                    let amax =
+                        (0..kv_len).fold(0f32, |m, t| m.max(vv[at(sk, bi, t, hi) + c].abs()));
+                    if amax > 0.0 { amax / E4M3_MAX } else { 1.0 }
+                })
+                .collect();
+            let v8: Vec<Vec<f32>> = (0..kv_len)
+                .map(|t| {
+                    (0..d)
+                        .map(|c| e4m3(vv[at(sk, bi, t, hi) + c] / v_scales[c]))
+                        .collect()
+                })
+                .collect();
+            for i in 0..sq {
+                let sqk = q_scales[i / BLOCK];
+                let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+                let mut acc = vec![0f32; d];
+                for start in (0..kv_len).step_by(BLOCK) {
+                    let keys = start..(start + BLOCK).min(kv_len);
+                    let s_ij: Vec<f32> = keys
+                        .clone()
+                        .map(|j| {
+                            let dot: f32 = q8[i].iter().zip(&k8[j]).map(|(a, c)| a * c).sum();
+                            dot * (sqk * k_scales[j / BLOCK]) * scale
+                        })
+                        .collect();
+                    let m_new = s_ij.iter().fold(m, |a, &s| a.max(s));
+                    let alpha = (m - m_new).exp(); // 0 on the first block (m = −∞)
+                    l *= alpha;
+                    acc.iter_mut().for_each(|a| *a *= alpha);
+                    for (j, &s) in keys.zip(&s_ij) {
+                        let p = (s - m_new).exp();
+                        l += p;
+                        let p8 = e4m3(p * E4M3_MAX);
+                        for (a, vq) in acc.iter_mut().zip(&v8[j]) {
+                            *a += p8 * vq;
+                        }
+                    }
+                    m = m_new;
+                }
+                if kv_len > 0 {
+                    let o = &mut out[at(sq, bi, i, hi)..][..d];
+                    for ((o, a), sv) in o.iter_mut().zip(&acc).zip(&v_scales) {
+                        *o = a * sv / (E4M3_MAX * l);
+                    }
+                    lse[(bi * h + hi) * sq + i] = m + l.ln();
+                }
+            }
+        }
+    }
+    Ok((
+        Tensor::from_f32_cpu(out, qs, q.dtype())?,
+        Tensor::from_f32_cpu(lse, &[b, h, sq], DType::F32)?,
+    ))
+}

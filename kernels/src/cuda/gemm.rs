@@ -397,8 +397,9 @@ fn build_plan(
         let outer = lt_sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
         set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
         set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
-        // The heuristic validates the vector scales' pointers (null ones are refused as an
-        // invalid value): it sees the first call's, and every call sets its own.
+        // The heuristic checks the vector scales' pointers (cuBLASLt 13.1 on the H200 answered
+        // unset ones with CUBLAS_STATUS_INVALID_VALUE): it sees the first call's, and every call
+        // sets its own.
         if let Some((scale_a, scale_b)) = scales {
             set_desc(
                 desc,

@@ -1701,7 +1701,16 @@ fn fp8_linears_match_cpu() -> Result<()> {
         return Ok(());
     }
     // Quantisation, bit for bit.
-    for (dtype, kk) in [(DType::BF16, 256), (DType::F32, 256), (DType::BF16, 37)] {
+    // k: the vectorised kernel (multiples of 8: 256, the DiT's 1,536 and 8,960, a long 40,000;
+    // f32 rows too) and the scalar one (37).
+    for (dtype, kk) in [
+        (DType::BF16, 256),
+        (DType::F32, 256),
+        (DType::BF16, 1536),
+        (DType::BF16, 8960),
+        (DType::BF16, 37),
+        (DType::BF16, 40000),
+    ] {
         let mut x = randn(&[6, kk], DType::F32, 60).to_vec_f32()?;
         for (i, v) in x.iter_mut().enumerate() {
             *v *= [1e-3f32, 1.0, 300.0][i / kk % 3];

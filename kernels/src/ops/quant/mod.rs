@@ -16,8 +16,9 @@
 //!
 //! On the GPU the quantisation is the CPU's bit for bit (same divisions, same rounding); the GEMM
 //! differs from the reference only in its summation order and in how the tensor cores accumulate
-//! (see `tests_cuda.rs` for the bound), and needs bf16 activations, `in` and `out` multiples of 16,
-//! and compute capability 8.9 or later ([`crate::cuda::supports_fp8`]).
+//! (`fp8_linears_match_cpu` in `kernels/tests/cuda_parity.rs` derives the bound), and needs bf16
+//! activations, `in` and `out` multiples of 16, and compute capability 8.9 or later
+//! ([`crate::cuda::supports_fp8`]). [`attention_fp8`] is the FP8 attention's CPU reference.
 
 mod attention;
 mod cpu;

@@ -74,6 +74,38 @@ struct Args {
     steps: usize,
 }
 
+/// One block's linear operands at the forward's shapes (seeded, bf16; the gate f32), which the
+/// split and the `--fp8` comparison time the block's linears on.
+struct BlockOperands {
+    /// Video tokens [1, L, D] and the FFN's hidden [1, L, FFN]; text tokens [1, S, D].
+    h: Tensor,
+    h_ffn: Tensor,
+    txt: Tensor,
+    w_dd: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    bias_d: Tensor,
+    bias_f: Tensor,
+    gate: Tensor,
+}
+
+impl BlockOperands {
+    fn draw([l, s, d, ffn]: [usize; 4], device: Device) -> Result<BlockOperands> {
+        let bf16 = |shape: &[usize], seed| random_input(shape, DType::BF16, seed, device);
+        Ok(BlockOperands {
+            h: bf16(&[1, l, d], 5)?,
+            h_ffn: bf16(&[1, l, ffn], 6)?,
+            txt: bf16(&[1, s, d], 7)?,
+            w_dd: bf16(&[d, d], 8)?,
+            w_up: bf16(&[ffn, d], 9)?,
+            w_down: bf16(&[d, ffn], 10)?,
+            bias_d: bf16(&[d], 11)?,
+            bias_f: bf16(&[ffn], 12)?,
+            gate: random_input(&[1, 1, d], DType::F32, 13, device)?,
+        })
+    }
+}
+
 /// ‖a − b‖ / ‖b‖ over every element (any devices, one shape), in f64.
 fn rel_rms(a: &Tensor, b: &Tensor) -> Result<f64> {
     let (a, b) = (a.to_vec_f32()?, b.to_vec_f32()?);
@@ -255,14 +287,17 @@ fn fp8_forward(
     let cfg = model.config();
     let l = x.shape()[2] * (x.shape()[3] / 2) * (x.shape()[4] / 2);
     let (d, ffn) = (cfg.dim(), cfg.ffn_dim);
-    let h = random_input(&[1, l, d], DType::BF16, 5, device)?;
-    let h_ffn = random_input(&[1, l, ffn], DType::BF16, 6, device)?;
-    let w_dd = random_input(&[d, d], DType::BF16, 8, device)?;
-    let w_up = random_input(&[ffn, d], DType::BF16, 9, device)?;
-    let w_down = random_input(&[d, ffn], DType::BF16, 10, device)?;
-    let bias_d = random_input(&[d], DType::BF16, 11, device)?;
-    let bias_f = random_input(&[ffn], DType::BF16, 12, device)?;
-    let gate = random_input(&[1, 1, d], DType::F32, 13, device)?;
+    let BlockOperands {
+        h,
+        h_ffn,
+        w_dd,
+        w_up,
+        w_down,
+        bias_d,
+        bias_f,
+        gate,
+        ..
+    } = BlockOperands::draw([l, 1, d, ffn], device)?;
     let (q_dd, q_up, q_down) = (
         k::Fp8Tensor::quantize(&w_dd)?,
         k::Fp8Tensor::quantize(&w_up)?,
@@ -530,15 +565,17 @@ fn main() -> Result<()> {
             )?)
         })?;
         use ditstream_kernels as k;
-        let h = random_input(&[1, l, d], DType::BF16, 5, device)?;
-        let h_ffn = random_input(&[1, l, ffn], DType::BF16, 6, device)?;
-        let txt = random_input(&[1, s, d], DType::BF16, 7, device)?;
-        let w_dd = random_input(&[d, d], DType::BF16, 8, device)?;
-        let w_up = random_input(&[ffn, d], DType::BF16, 9, device)?;
-        let w_down = random_input(&[d, ffn], DType::BF16, 10, device)?;
-        let bias_d = random_input(&[d], DType::BF16, 11, device)?;
-        let bias_f = random_input(&[ffn], DType::BF16, 12, device)?;
-        let gate = random_input(&[1, 1, d], DType::F32, 13, device)?;
+        let BlockOperands {
+            h,
+            h_ffn,
+            txt,
+            w_dd,
+            w_up,
+            w_down,
+            bias_d,
+            bias_f,
+            gate,
+        } = BlockOperands::draw([l, s, d, ffn], device)?;
         let linears = median_per_call(device, 1, reps, 1, || {
             // As the block runs them: self q/k/v and cross q over the video tokens, cross k/v over
             // the text, the output projections and the FFN's down-projection with their residuals

@@ -26,8 +26,8 @@
 #![cfg(feature = "cuda")]
 
 use ditstream_kernels::cuda::{
-    AttentionKernel, ConvAlgo, FLASH_VARIANTS, HOPPER_VARIANTS, with_attention_kernel,
-    with_conv_algo,
+    AttentionKernel, ConvAlgo, FLASH_VARIANTS, HOPPER_FP8_VARIANTS, HOPPER_VARIANTS,
+    with_attention_kernel, with_conv_algo,
 };
 use ditstream_kernels::testing::{assert_close, max_abs_diff};
 use ditstream_kernels::{AttentionOptions, DType, Device, Tensor};
@@ -1851,6 +1851,77 @@ fn fp8_linears_match_cpu() -> Result<()> {
                 "PARITY\t{op}\tbf16\t[{rows}, {inf}]x[{outf}, {inf}]\t{:.3e}\tworst/bound {worst:.3}",
                 max_abs_diff(&got, cpu)?
             );
+        }
+    }
+    Ok(())
+}
+
+/// The FP8 attention (hopper.cu's `fp8` kernel on quant.cu's operands) against its CPU reference,
+/// `attention_fp8`, on the same bf16 inputs: partial query tiles and key blocks (kv_len < S_k),
+/// a batch of 2, keys ≠ queries (the cross-attention's 512), scores spread as in the CPU test.
+///
+/// Tolerance. Both follow one recipe on identical codes and scales (the quantisation is the CPU's
+/// arithmetic), so they differ only where f32 arithmetic does: the tensor cores' e4m3 sums (they keep
+/// ≥ 13 bits of the running sum, so a score moves by ≤ 2⁻¹³ relative to Σ|q·k|, ~1e-3 here), ex2.approx
+/// (2 ulp) and the order of the descale products: each p by ≲ 2⁻¹⁰ relative, which moves out by as
+/// much, except where it tips p·448's rounding to e4m3 to the other neighbour (a fraction ~2⁻¹⁰/2⁻⁴
+/// of the p's, each by ≤ 2⁻³ of itself, averaged over 128+ keys per row). Expected: relative RMS of
+/// out ~1e-3; bound 1e-2, which is still several times below what the quantisation itself costs (the
+/// reference against exact bf16 attention, printed; asserted ≥ 3× the GPU's distance). LSE: ln l moves by
+/// the same relative p error, m by the score error: |Δlse| ≤ 1e-2. A wrong key order of Vᵀ, a missed
+/// descale or P left unscaled fails by O(0.1–1).
+#[test]
+fn fp8_attention_matches_cpu() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    if !ditstream_kernels::cuda::supports_fp8(0)? {
+        eprintln!("skipped: this GPU has no FP8 tensor cores");
+        return Ok(());
+    }
+    for (b, sq, sk, h, kv_len, spread) in [
+        (1, 300, 257, 2, 250, 4.0),
+        (2, 1024, 1024, 3, 1024, 1.0),
+        (1, 640, 512, 2, 512, 2.0),
+        (1, 100, 60, 1, 60, 4.0),
+    ] {
+        let q = k::mul(
+            &randn(&[b, sq, h, 128], DType::F32, 41),
+            &Tensor::from_vec(vec![spread], &[1])?,
+        )?
+        .to_dtype(DType::BF16)?;
+        let kt = randn(&[b, sk, h, 128], DType::BF16, 42);
+        let v = randn(&[b, sk, h, 128], DType::BF16, 43);
+        let options = AttentionOptions {
+            scale: None,
+            kv_len: Some(kv_len),
+        };
+        let (ro, rl) = k::attention_fp8(&q, &kt, &v, options)?;
+        let (eo, _) = k::attention(&q, &kt, &v, options)?;
+        let (gq, gk, gv) = (q.to_device(dev)?, kt.to_device(dev)?, v.to_device(dev)?);
+        let quant = attention_rel_rms(&ro, &eo)?;
+        for (i, variant) in HOPPER_FP8_VARIANTS.iter().enumerate() {
+            let (go, gl) = with_attention_kernel(AttentionKernel::HopperFp8(i), || {
+                k::attention_fp8(&gq, &gk, &gv, options)
+            })?;
+            assert_eq!((go.shape(), gl.shape()), (ro.shape(), rl.shape()));
+            let (go, gl) = (go.to_device(Device::Cpu)?, gl.to_device(Device::Cpu)?);
+            let rms = attention_rel_rms(&go, &ro)?;
+            let lse = max_abs_diff(&gl, &rl)?;
+            println!(
+                "PARITY\tattention_fp8 {}\t({b},{sq},{sk},{h}) kv {kv_len}\trel rms {rms:.3e} (recipe vs exact {quant:.3e})\tlse max|diff| {lse:.3e}",
+                variant.name
+            );
+            assert!(
+                rms <= 1e-2,
+                "{}: rel rms {rms} against the reference",
+                variant.name
+            );
+            assert!(
+                3.0 * rms <= quant,
+                "{}: rel rms {rms}, not well below the quantisation's {quant}",
+                variant.name
+            );
+            assert!(lse <= 1e-2, "{}: lse max|diff| {lse}", variant.name);
         }
     }
     Ok(())

@@ -17,16 +17,19 @@
 //! A shape may name a key length of its own (`B,H,S,D,S_kv`, e.g. the DiT's cross-attention to 512
 //! text tokens: `1,12,32760,128,512`); FLOPs are then 4·B·H·S·S_kv·D.
 //!
+//! `--fp8` adds the FP8 attention's variants (quantisation of Q, K, V included in the time) and their
+//! relative RMS distance to the bf16 result.
+//!
 //! Output: `RESULT\tours\t<kernel>\t(B,H,S,D[,S_kv])\t<ms>\t<TFLOP/s>` lines.
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use ditstream_bench::median_per_call;
 use ditstream_kernels::cuda::{
-    AttentionKernel, FLASH_VARIANTS, HOPPER_VARIANTS, with_attention_kernel,
+    AttentionKernel, FLASH_VARIANTS, HOPPER_FP8_VARIANTS, HOPPER_VARIANTS, with_attention_kernel,
 };
 use ditstream_kernels::testing::max_abs_diff;
-use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention};
+use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, attention_fp8};
 
 #[derive(Parser, Debug)]
 #[command(about = "Time our attention forward (bf16, D = 128) at the DiT shapes")]
@@ -56,6 +59,10 @@ struct Args {
     /// Only the automatic choice and the Hopper kernel.
     #[arg(long)]
     hopper_only: bool,
+    /// Also time the FP8 attention (`attention_fp8`, every `HOPPER_FP8_VARIANTS` entry; D = 128),
+    /// its operands' quantisation included, and print its distance to the bf16 result.
+    #[arg(long)]
+    fp8: bool,
 }
 
 fn parse_shape(s: &str) -> Result<[usize; 5]> {
@@ -136,6 +143,44 @@ fn main() -> Result<()> {
                 flops / t / 1e12
             );
         }
+        if args.fp8 && d == 128 {
+            for (i, variant) in HOPPER_FP8_VARIANTS.iter().enumerate() {
+                let kernel = AttentionKernel::HopperFp8(i);
+                let run8 = || with_attention_kernel(kernel, || attention_fp8(&q, &k, &v, opts));
+                let (o, l) = match run8() {
+                    Ok(r) => r,
+                    Err(e) => {
+                        println!("SKIP\t{}\t{label}\t{e}", variant.name);
+                        continue;
+                    }
+                };
+                println!(
+                    "CHECK\t{} vs auto (bf16)\t{label}\tout rel rms {:.3e}\tlse max|diff| {:.3e}",
+                    variant.name,
+                    rel_rms(&o, &ref_out)?,
+                    max_abs_diff(&l, &ref_lse)?
+                );
+                let t = median_per_call(dev, args.warmup, args.iters, 1, || Ok(run8()?))?;
+                println!(
+                    "RESULT\tours\t{}\t{label}\t{:.3}\t{:.1}",
+                    variant.name,
+                    t * 1e3,
+                    flops / t / 1e12
+                );
+            }
+        }
     }
     Ok(())
+}
+
+/// ‖a − b‖ / ‖b‖ over every element.
+fn rel_rms(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let (a, b) = (a.to_vec_f32()?, b.to_vec_f32()?);
+    let err: f64 = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| f64::from(x - y).powi(2))
+        .sum();
+    let norm: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    Ok((err / norm.max(f64::MIN_POSITIVE)).sqrt())
 }

@@ -19,6 +19,10 @@ pub enum AttentionKernel {
     /// The Hopper kernel, variant `HOPPER_VARIANTS[i]` (wgmma, bf16, head dim 128, sm_90a only; an
     /// error if it does not apply to the call).
     Hopper(usize),
+    /// For [`attention_fp8`](crate::attention_fp8) calls: the FP8 Hopper kernel, variant
+    /// `HOPPER_FP8_VARIANTS[i]` (`attention` calls ignore it and run `Auto`'s choice; every other
+    /// choice leaves `attention_fp8` on its default variant).
+    HopperFp8(usize),
 }
 
 /// One compiled configuration of the Hopper kernel (`hopper_fwd_d128_br128_bc128_s{STAGES}` or
@@ -86,6 +90,46 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 192,
     },
+];
+
+/// One compiled configuration of the FP8 Hopper kernel
+/// (`hopper_fp8_fwd_d128_br128_bc128_s{STAGES}_e{EMULATED}`, namespace `fp8` of
+/// `ops/attention/hopper.cu`): the warp-specialised layout with e4m3 tiles of [128 × 128] bytes,
+/// `stages` deep K and Vᵀ rings, and `emulated` of every 16 score columns a thread holds
+/// exponentiated on the FMA pipes (`ex2_fma`) instead of the MUFU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HopperFp8Variant {
+    /// Kernel name in hopper.cu.
+    pub name: &'static str,
+    /// K and Vᵀ stages.
+    pub stages: usize,
+    /// Column groups (of 16) whose exponentials are computed in software.
+    pub emulated: usize,
+}
+
+impl HopperFp8Variant {
+    /// Dynamic shared memory: Q and `stages` × (K, Vᵀ), 16 KiB each, plus the 1 KiB of alignment
+    /// slack.
+    pub fn shared_bytes(&self) -> usize {
+        (1 + 2 * self.stages) * 128 * 128 + 1024
+    }
+}
+
+const fn fp8_variant(name: &'static str, stages: usize, emulated: usize) -> HopperFp8Variant {
+    HopperFp8Variant {
+        name,
+        stages,
+        emulated,
+    }
+}
+
+/// Every compiled FP8 Hopper variant (keep in step with `HOPPER_FP8_KERNEL(...)` in hopper.cu).
+pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0", 2, 0),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0", 3, 0),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e2", 3, 2),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e4", 3, 4),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e8", 3, 8),
 ];
 
 /// One compiled tile configuration of the tensor-core kernel
@@ -240,6 +284,11 @@ mod tests {
             assert_eq!(v, Some(d));
         }
         assert!(default_flash_variant(96).is_none());
+        for v in HOPPER_FP8_VARIANTS {
+            let tail = format!("_s{}_e{}", v.stages, v.emulated);
+            assert!(v.name.ends_with(&tail), "{}", v.name);
+            assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);
+        }
         for v in HOPPER_VARIANTS {
             assert!(v.name.ends_with(&format!("_s{}", v.stages)), "{}", v.name);
             assert!(v.name.contains(&format!("_bc{}_", v.block_k)), "{}", v.name);

@@ -32,8 +32,8 @@ use cudarc::driver::{
 };
 
 pub use attention_kernel::{
-    AttentionKernel, FLASH_VARIANTS, FlashVariant, HOPPER_VARIANTS, HopperVariant,
-    with_attention_kernel,
+    AttentionKernel, FLASH_VARIANTS, FlashVariant, HOPPER_FP8_VARIANTS, HOPPER_VARIANTS,
+    HopperFp8Variant, HopperVariant, with_attention_kernel,
 };
 pub use conv_algo::{
     AUTO_CONV_ALGO, AUTO_POINTWISE_CONV_ALGO, ConvAlgo, auto_conv_algo, conv_algo, with_conv_algo,
@@ -133,6 +133,14 @@ pub fn tensor_device_ptr(t: &Tensor) -> Result<u64> {
 /// Whether GPU `ordinal` has FP8 (e4m3) tensor cores: compute capability 8.9 (Ada) or later.
 pub fn supports_fp8(ordinal: usize) -> Result<bool> {
     Ok(CudaBackend::get(ordinal)?.capability >= (8, 9))
+}
+
+/// Whether the FP8 attention kernel ([`crate::attention_fp8`] on a GPU) runs on GPU `ordinal` at
+/// `head_dim`: Hopper (sm_90a, its e4m3 wgmma) and head dim 128.
+pub fn supports_fp8_attention(ordinal: usize, head_dim: usize) -> Result<bool> {
+    let backend = CudaBackend::get(ordinal)?;
+    let dims = [1, 1, 1, 1, head_dim];
+    Ok(crate::ops::attention::hopper::fp8_unsupported(&backend, dims, 1.0).is_none())
 }
 
 /// A contiguous tensor on GPU `ordinal` whose storage is allocated (stream-ordered, on [`cuda_stream`])

@@ -8,7 +8,7 @@
 //!
 //! This file holds the checks every op shares: same device, rank, broadcasting.
 
-mod attention;
+pub(crate) mod attention;
 mod conv;
 mod elementwise;
 mod embedding; // umT5 text encoder: token lookup, `Indices`

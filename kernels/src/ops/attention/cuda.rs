@@ -36,7 +36,7 @@ const MAX_HEAD_DIM: usize = 512;
 /// `MAX_PARTS` of attention.cu: partials one `lse_combine` launch merges.
 const MAX_PARTS: usize = 16;
 
-pub(super) fn int(op: &'static str, name: &'static str, v: usize) -> Result<i32> {
+pub(crate) fn int(op: &'static str, name: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v)
         .map_err(|_| KernelError::arg(op, name, v, "the CUDA kernels take it as an i32"))
 }
@@ -149,7 +149,7 @@ pub(super) fn attention(
             scale,
             i,
         )?),
-        AttentionKernel::Auto => {
+        AttentionKernel::Auto | AttentionKernel::HopperFp8(_) => {
             if let Some(variant) = super::hopper::auto(&backend, q.dtype(), dims, scale) {
                 return super::hopper::attention(
                     op,

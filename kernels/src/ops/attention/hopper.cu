@@ -135,6 +135,27 @@ __device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, u64 db, in
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
+// d (+)= A·B over one k32 step, m64n128, e4m3 × e4m3 → f32: A and B from shared memory, both K-major
+// (the only layout wgmma has for 8-bit operands: no transpose immediates).
+__device__ __forceinline__ void wgmma_ss_e4m3(float* d, u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d += A·B over one k32 step, m64n128, e4m3: A from registers (four words of four e4m3: a[0] row g,
+// k 4t…4t+3; a[1] row g + 8, same k; a[2], a[3] the same at k + 16, with g = lane/4, t = lane%4, as
+// mma.m16n8k32's 8-bit A), B from shared memory, K-major.
+__device__ __forceinline__ void wgmma_rs_e4m3(float* d, const unsigned* a, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
 // The helpers below take N, the keys per K/V block: S holds N/2 registers per thread.
 // Sets the scores of keys ≥ lim (columns of this K/V block) to −∞: register 4j + e holds column
 // 8j + 2·(lane % 4) + (e & 1).
@@ -675,6 +696,298 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 
 }  // namespace ws
 
+// ---- The FP8 forward (issue 24): the warp-specialised kernel above with e4m3 operands, following
+// the recipe of its CPU reference, kernels/src/ops/quant/attention.rs, step for step. Its operands
+// come quantised by quant.cu's attention kernels (launched by ops/quant/cuda.rs): Q and K e4m3
+// [B, S, H, 128] with one f32 scale per (batch, head, 128 tokens); V e4m3 transposed, Vᵀ [B, H,
+// 128, S_pad] (S_pad = kv_len rounded up to 128, zero past kv_len), with one scale per (batch, head,
+// channel), and its keys permuted within each run of 32 (below).
+// Tiles are [128 × 128] bytes, each one 128B-swizzle region (a row of 128 e4m3 is one 128-byte
+// line), by TMA, one box per tile. K/V blocks are 128 keys, the reference's scale block and softmax
+// step, taken first to last as the reference takes them, so the running max (which sets how each P
+// rounds to e4m3) follows the same sequence; the partial last block is masked where it comes. No
+// split of the last wave (the merge would change that sequence too).
+// GEMMs: wgmma m64n128k32 e4m3 (8-bit operands are K-major only): S = Q·Kᵀ as 4 SS k-steps of 32
+// bytes into each 128-byte row; O += P·V as 4 RS k-steps with P in registers and Vᵀ K-major (keys
+// contiguous), the same descriptors as Q and K.
+// Softmax in base 2 on descaled scores: block j's raw scores (integer-valued products of codes,
+// summed in f32) times c_j = (s_q·s_k,j)·scale·log2 e; m is the running max of those; p·448 =
+// 2^(s·c_j − m + log2 448) straight from ex2 (the ×448 of the reference folded into the exponent),
+// rounded to e4m3 for P·V and summed unrounded into l (which is then 448·Σp).
+// P's registers: the S accumulator gives a thread, in each 32 keys, rows g and g + 8 of keys
+// {2t, 2t+1, 8+2t, 9+2t} and the same + 16 (g = lane/4, t = lane%4), while an 8-bit A fragment
+// wants k = 4t…4t+3 and 16+4t…16+4t+3. Rather than shuffle registers (FlashAttention-3), the
+// quantisation of V stores key 16h + 8j + 2t + e of each 32 at column 16h + 4t + 2j + e of Vᵀ, so a
+// thread's accumulators are its A fragment as they stand (`pack_p`) and the sum over keys is
+// unchanged.
+// End: O·(s_v[col] / l), lse = m·ln 2 + ln l − ln 448 (the reference's m + ln Σp).
+namespace fp8 {
+
+constexpr int KB = 128;                            // keys per block
+constexpr int TILE8 = 128 * 128;                   // bytes of a [128 × 128] e4m3 tile
+constexpr float LOG2_448 = 8.8073549220576041f;    // log2 448
+constexpr float LN_448 = 6.1047932324149849f;      // ln 448
+
+// The [128 × 128] box at coordinates (c0, c1) of head h of batch b into `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_box(unsigned dst, const TmaMap& map, unsigned bar, int c0, int c1, int h, int b) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+        ::"r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(h), "r"(b)
+        : "memory");
+}
+
+// S = Q·Kᵀ over D = 128 bytes: 4 k-steps of 32.
+__device__ __forceinline__ void qk(float* s, unsigned q_wg, unsigned kt) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+        wgmma_ss_e4m3(s, desc(q_wg + kk * 32, 16, 1024), desc(kt + kk * 32, 16, 1024), kk > 0);
+}
+
+// O += P·V over 128 keys: 4 k-steps of 32 (Vᵀ K-major, 32 bytes into each channel's row per step).
+__device__ __forceinline__ void pv(float* o, unsigned (*p)[4], unsigned vt) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs_e4m3(o, p[kk], desc(vt + kk * 32, 16, 1024));
+}
+
+// Four e4m3 codes in one word, `a` in the low byte.
+__device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+    return (unsigned)lo | ((unsigned)hi << 16);
+}
+
+// P (s = p·448) as the A fragments of the 4 k-steps (see the namespace comment).
+__device__ __forceinline__ void pack_p(const float* s, unsigned (*p)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const float* g = s + 16 * kk;
+        p[kk][0] = e4m3x4(g[0], g[1], g[4], g[5]);
+        p[kk][1] = e4m3x4(g[2], g[3], g[6], g[7]);
+        p[kk][2] = e4m3x4(g[8], g[9], g[12], g[13]);
+        p[kk][3] = e4m3x4(g[10], g[11], g[14], g[15]);
+    }
+}
+
+// 2^x on the FMA and integer pipes rather than the MUFU, for x ≤ 9 (p·448's exponent): x clamped
+// to ≥ −125 (2^−125·448 rounds to e4m3 0, as the 0 of a masked key does), x = n + f with n the
+// nearest integer (the 1.5·2²³ shifter leaves n in the low mantissa bits), 2^f for |f| ≤ ½ by its
+// degree-4 Taylor polynomial (relative error ≤ (½ ln 2)⁵/5! ≈ 4·10⁻⁵, far below e4m3's 2⁻⁴), n
+// added to the exponent field. With FP8 GEMMs as fast as they are, the MUFU (16 results per clock
+// per SM) is the softmax's bottleneck: this moves part of its work to the 128-lane pipes.
+__device__ __forceinline__ float ex2_fma(float x) {
+    x = fmaxf(x, -125.0f);
+    const float t = x + 12582912.0f;
+    const float f = x - (t - 12582912.0f);
+    float p = fmaf(9.6181291e-3f, f, 5.5504109e-2f);
+    p = fmaf(p, f, 2.4022651e-1f);
+    p = fmaf(p, f, 6.9314718e-1f);
+    p = fmaf(p, f, 1.0f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
+// One block's online softmax for this thread's rows r0 and r0 + 8, with this block's descale c:
+// m ← max(m, rowmax(s)·c) (c > 0, so the max of the rounded products is the rounded max), α =
+// 2^(m_old − m) (0 on the first block), s ← 2^(s·c − m + log2 448), l ← l·α + Σ s. Needs a finite
+// score per row. Returns whether some row of the warp has a new max. Column groups nt with
+// (nt·EMU) mod 16 < EMU (EMU of each thread's 16, spread evenly) exponentiate by `ex2_fma`, the
+// rest on the MUFU.
+template <int EMU>
+__device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, float* alpha, float c) {
+    bool rescale = false;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+        for (int nt = 0; nt < KB / 8; ++nt)
+            part[nt % 4] = fmaxf(part[nt % 4], fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+        float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(m[hf], mx * c);
+        alpha[hf] = ex2(m[hf] - mx);
+        rescale |= mx != m[hf];
+        m[hf] = mx;
+        const float off = mx - LOG2_448;
+        float rs = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < KB / 8; ++nt) {
+            const bool emu = EMU > 0 && (nt * EMU) % 16 < EMU;
+            const float x0 = fmaf(s[4 * nt + 2 * hf], c, -off), x1 = fmaf(s[4 * nt + 2 * hf + 1], c, -off);
+            s[4 * nt + 2 * hf] = emu ? ex2_fma(x0) : ex2(x0);
+            s[4 * nt + 2 * hf + 1] = emu ? ex2_fma(x1) : ex2(x1);
+            rs += s[4 * nt + 2 * hf] + s[4 * nt + 2 * hf + 1];
+        }
+        l[hf] = l[hf] * alpha[hf] + rs;
+    }
+    return __any_sync(0xffffffffu, rescale);
+}
+
+template <int STAGES, int EMU>
+__device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const float* __restrict__ q_scales,
+                                    const float* __restrict__ k_scales, const float* __restrict__ v_scales,
+                                    bf16* __restrict__ out, float* __restrict__ lse, int seq_q, int heads, int kv_len,
+                                    float scale, int tiles_x) {
+    static_assert((1 + 2 * STAGES) * TILE8 + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024, "shared memory");
+    using namespace ws;
+    extern __shared__ __align__(1024) unsigned char smem[];
+    __shared__ __align__(8) u64 bars[1 + 4 * STAGES];  // full Q, full K[], full V[], empty K[], empty V[]
+    __shared__ float pin[256];
+    const unsigned base = (smem_addr(smem) + 1023u) & ~1023u;
+    const unsigned sq = base, sk = base + TILE8, sv = base + TILE8 + STAGES * TILE8;
+    const unsigned full_q = smem_addr(&bars[0]);
+    const unsigned full_k = full_q + 8, full_v = full_k + 8 * STAGES;
+    const unsigned empty_k = full_v + 8 * STAGES, empty_v = empty_k + 8 * STAGES;
+
+    const int tile = blockIdx.x;
+    const int q0 = (tile % tiles_x) * BR, h = (tile / tiles_x) % heads, b = tile / (tiles_x * heads);
+    const int nblk = (kv_len + KB - 1) / KB;
+    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
+    const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    if (nblk <= 0) {  // no valid key: out = 0, lse = −∞
+        if (wg < 2) {
+            const float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+            float zero[64];
+#pragma unroll
+            for (int i = 0; i < 64; ++i) zero[i] = 0.0f;
+            store_rows(out, lse, zero, m, l, b, h, q0 + wg * 64 + warp * 16, lane, seq_q, heads, scale);
+        }
+        return;
+    }
+    if (threadIdx.x == 0) {
+        mbar_init(full_q, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_k + 8 * s, 1);
+            mbar_init(full_v + 8 * s, 1);
+            mbar_init(empty_k + 8 * s, 2);
+            mbar_init(empty_v + 8 * s, 2);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 2) {  // producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (warp != 0 || lane != 0) return;
+        mbar_expect_tx(full_q, TILE8);
+        tma_box(sq, tq, full_q, 0, q0, h, b);
+        for (int i = 0; i < nblk; ++i) {
+            const int s = i % STAGES;
+            const unsigned phase = (i / STAGES) & 1;
+            mbar_wait(empty_k + 8 * s, phase ^ 1);
+            mbar_expect_tx(full_k + 8 * s, TILE8);
+            tma_box(sk + s * TILE8, tk, full_k + 8 * s, 0, i * KB, h, b);
+            mbar_wait(empty_v + 8 * s, phase ^ 1);
+            mbar_expect_tx(full_v + 8 * s, TILE8);
+            tma_box(sv + s * TILE8, tv, full_v + 8 * s, i * KB, 0, h, b);
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    const int w = wg;
+    const i64 head = (i64)b * heads + h;
+    const float* ks = k_scales + head * nblk;
+    // scale·log2 e·s_q; block j's descale is this times s_k,j (the reference's (s_q·s_k)·scale,
+    // associated differently: a rounding apart).
+    const float cq = q_scales[head * tiles_x + q0 / BR];
+    const float cs = scale * 1.4426950408889634f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    const bool leader = threadIdx.x % 128 == 0;
+    const unsigned q_wg = sq + w * 64 * 128;
+    const unsigned scratch = smem_addr(&pin[threadIdx.x]);
+    float s[KB / 2];
+    unsigned p[KB / 32][4];
+    if (w == 1) bar_arrive(TURN + 0);
+
+    // Prologue: block 0.
+    float c = (cq * __ldg(ks)) * cs;
+    mbar_wait(full_q, 0);
+    mbar_wait(full_k, 0);
+    bar_sync(TURN + w);
+    fence_regs<KB / 2>(s);
+    wgmma_fence();
+    qk(s, q_wg, sk);
+    wgmma_commit();
+    bar_arrive(TURN + (1 - w));
+    wgmma_wait0();
+    fence_regs<KB / 2>(s);
+    if (leader) mbar_arrive(empty_k);
+    if (KB > kv_len) mask_keys<KB>(s, kv_len, lane);
+    {
+        float alpha[2];
+        online_softmax<EMU>(s, m, l, alpha, c);  // O = 0: nothing to rescale
+    }
+    pack_p(s, p);
+
+    for (int i = 1; i < nblk; ++i) {
+        const int st = i % STAGES, prev = (i - 1) % STAGES;
+        const unsigned phase = (i / STAGES) & 1, prev_phase = ((i - 1) / STAGES) & 1;
+        c = (cq * __ldg(ks + i)) * cs;
+        mbar_wait(full_k + 8 * st, phase);
+        mbar_wait(full_v + 8 * prev, prev_phase);
+        bar_sync(TURN + w);
+        fence_regs<KB / 2>(s);
+        fence_regs(o);
+        fence_regs(&p[0][0], KB / 8);
+        wgmma_fence();
+        qk(s, q_wg, sk + st * TILE8);
+        wgmma_commit();
+        pv(o, p, sv + prev * TILE8);
+        wgmma_commit();
+        bar_arrive(TURN + (1 - w));
+        wgmma_wait1();  // S is in; P·V of block i − 1 may still run
+        fence_regs<KB / 2>(s);
+        if (leader) mbar_arrive(empty_k + 8 * st);
+        if ((i + 1) * KB > kv_len) mask_keys<KB>(s, kv_len - i * KB, lane);
+        float alpha[2];
+        const bool rescale = online_softmax<EMU>(s, m, l, alpha, c);
+        // Keeps the P·V wait below the exponentials (see ws::fwd).
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(l[0] + l[1]) : "memory");
+        wgmma_wait0();
+        fence_regs(o);
+        fence_regs(&p[0][0], KB / 8);
+        if (leader) mbar_arrive(empty_v + 8 * prev);
+        rescale_o(o, alpha, rescale);
+        pack_p(s, p);
+    }
+
+    const int last_stage = (nblk - 1) % STAGES;
+    mbar_wait(full_v + 8 * last_stage, ((nblk - 1) / STAGES) & 1);
+    fence_regs(o);
+    fence_regs(&p[0][0], KB / 8);
+    wgmma_fence();
+    pv(o, p, sv + last_stage * TILE8);
+    wgmma_commit();
+    wgmma_wait0();
+    fence_regs(o);
+    if (w == 0) bar_sync(TURN + 0);
+
+    // out = O·s_v / l, lse = m·ln 2 + ln l − ln 448; register 4·dt + 2·hf + e holds channel
+    // 8·dt + 2·(lane % 4) + e.
+    const float* vs = v_scales + head * D + 2 * (lane & 3);
+    float row_lse[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        float sum = l[hf];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            o[4 * dt + 2 * hf] *= inv * __ldg(vs + 8 * dt);
+            o[4 * dt + 2 * hf + 1] *= inv * __ldg(vs + 8 * dt + 1);
+        }
+        row_lse[hf] = sum > 0.0f ? m[hf] * 0.69314718055994531f + logf(sum) - LN_448 : -INFINITY;
+    }
+    write_rows(out, lse, o, row_lse, b, h, q0 + w * 64 + warp * 16, lane, seq_q, heads);
+}
+
+}  // namespace fp8
+
 }  // namespace hopper
 
 #endif  // HOPPER_WGMMA
@@ -719,3 +1032,28 @@ HOPPER_WS_KERNEL(2, 128)
 HOPPER_WS_KERNEL(3, 128)
 HOPPER_WS_KERNEL(2, 176)
 HOPPER_WS_KERNEL(2, 192)
+
+// hopper_fp8_fwd_d128_br128_bc128_s<STAGES>_e<EMU> (the FP8 forward, namespace fp8; launched by
+// ops/attention/hopper.rs's `attention_fp8`): 384 threads, one CTA per tile of 128 query rows of one
+// (batch, head) (tile = q-tile + tiles_x·(h + heads·b)), dynamic shared memory (1 + 2·STAGES) tiles of
+// 16 KiB + 1 KiB alignment slack; the tensor maps of the codes of q and k ([B, S, H, 128] u8, box 128 ×
+// 128; k's S = kv_len) and of vᵀ ([B, H, 128, S_pad] u8, box 128 × 128), their scales (q, k [B, H,
+// blocks], v [B, H, 128]).
+#ifdef HOPPER_WGMMA
+#define HOPPER_FP8_BODY(STAGES, EMU) \
+    hopper::fp8::fwd<STAGES, EMU>(tq, tk, tv, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
+#else
+#define HOPPER_FP8_BODY(STAGES, EMU)
+#endif
+#define HOPPER_FP8_KERNEL(STAGES, EMU)                                                                     \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc128_s##STAGES##_e##EMU( \
+        const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
+        const float* q_scales, const float* k_scales, const float* v_scales, bf16* out, float* lse, int seq_q, \
+        int heads, int kv_len, float scale, int tiles_x) {                                                 \
+        HOPPER_FP8_BODY(STAGES, EMU)                                                                       \
+    }
+HOPPER_FP8_KERNEL(2, 0)
+HOPPER_FP8_KERNEL(3, 0)
+HOPPER_FP8_KERNEL(3, 2)
+HOPPER_FP8_KERNEL(3, 4)
+HOPPER_FP8_KERNEL(3, 8)

@@ -10,7 +10,7 @@
 //! source is even compiled).
 
 use cudarc::driver::sys;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, PushKernelArg};
 
 use super::cuda::{int, launch};
 use crate::cuda::{CudaBackend, HOPPER_VARIANTS, HopperVariant, KernelSource};
@@ -185,20 +185,57 @@ fn tensor_map(
         (HEAD_DIM * 2) as u64,
         seq.max(1) as u64 * row_bytes,
     ];
-    let boxes = [64u32, box_rows as u32, 1, 1];
+    let map = MapSpec {
+        bf16: true,
+        dims,
+        strides,
+        boxes: [64, box_rows as u32],
+    };
+    // SAFETY: `t` is a live allocation of B·S·H·128 bf16 (256-byte aligned), which the dims and
+    // strides above stay within.
+    unsafe { encode(op, backend, t.cuda_storage(op)?.ptr(), map) }
+}
+
+/// A 4-D tensor map over a contiguous buffer: element type (bf16 or u8), dims (innermost first),
+/// the byte strides of the outer three, and the box of the inner two (the outer two boxed by 1),
+/// with the 128-byte swizzle the wgmma operands use.
+struct MapSpec {
+    bf16: bool,
+    dims: [u64; 4],
+    strides: [u64; 3],
+    boxes: [u32; 2],
+}
+
+/// Encodes `map` over the buffer at `ptr`.
+///
+/// # Safety
+/// `ptr` is the start of a live allocation (256-byte aligned) that every element the dims and
+/// strides address lies in; strides are multiples of 16 below 2⁴⁰, no dim is 0, and the box's
+/// inner extent is at most 128 bytes (the swizzle span) and both are at most 256.
+unsafe fn encode(
+    op: &'static str,
+    backend: &CudaBackend,
+    ptr: u64,
+    map: MapSpec,
+) -> Result<TensorMap> {
+    let boxes = [map.boxes[0], map.boxes[1], 1, 1];
     let elem_strides = [1u32; 4];
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
-    // SAFETY: the arrays outlive the call and have the rank's lengths (rank − 1 strides); the address
-    // is the start of a live allocation of B·S·H·128 bf16, 256-byte aligned; strides are multiples of
-    // 16 below 2⁴⁰ and the box is within the 128-byte swizzle span (64 bf16) and 256 rows.
+    let dtype = if map.bf16 {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    } else {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8
+    };
+    let mut out = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: the arrays outlive the call and have the rank's lengths (rank − 1 strides); the
+    // caller vouches for the address, dims, strides and box.
     unsafe {
         sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            out.as_mut_ptr(),
+            dtype,
             4,
-            t.cuda_storage(op)?.ptr() as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
+            ptr as *mut std::ffi::c_void,
+            map.dims.as_ptr(),
+            map.strides.as_ptr(),
             boxes.as_ptr(),
             elem_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -208,7 +245,7 @@ fn tensor_map(
         )
         .result()
         .map_err(|e| backend.err(op, "cuTensorMapEncodeTiled", e))?;
-        Ok(TensorMap(map.assume_init()))
+        Ok(TensorMap(out.assume_init()))
     }
 }
 
@@ -320,6 +357,125 @@ fn ws_args(
         ],
     };
     Ok((ws, int(op, "tiles", n_full + split * ways)? as u32))
+}
+
+/// Why the FP8 Hopper kernel cannot run on this GPU and head dim, if it cannot (the dtype and
+/// scale rules are the bf16 kernel's).
+pub(crate) fn fp8_unsupported(
+    backend: &CudaBackend,
+    dims: [usize; 5],
+    scale: f32,
+) -> Option<String> {
+    unsupported(&backend.arch, DType::BF16, dims, scale)
+}
+
+/// The quantised operands of one FP8 attention call (ops/quant/cuda.rs makes them): device
+/// addresses of the e4m3 codes of q and k ([B, S, H, 128]; k's valid to kv_len) and of vᵀ ([B, H,
+/// 128, s_pad]), and of their f32 scales (q [B, H, ⌈S_q/128⌉], k [B, H, ⌈kv_len/128⌉], v [B, H,
+/// 128]).
+pub(crate) struct Fp8Operands {
+    pub q: u64,
+    pub k: u64,
+    pub vt: u64,
+    pub s_pad: usize,
+    pub scales: [u64; 3],
+}
+
+/// The FP8 forward (hopper.cu, namespace `fp8`) over `ops` → (out bf16 [B, S_q, H, 128], lse [B,
+/// H, S_q] f32), with variant `variant`; `fp8_unsupported` returned None for this call.
+///
+/// # Safety
+/// `ops` holds live buffers of the shapes its docs give for these dims and kv_len (≥ 1, ≤ S_k),
+/// with vᵀ zero from kv_len to s_pad, a multiple of 128 ≥ kv_len, and every code and scale written.
+pub(crate) unsafe fn attention_fp8(
+    op: &'static str,
+    backend: &CudaBackend,
+    ops: &Fp8Operands,
+    [batch, seq_q, seq_k, heads]: [usize; 4],
+    (scale, kv_len): (f32, usize),
+    variant: &crate::cuda::HopperFp8Variant,
+) -> Result<(Tensor, Tensor)> {
+    let out = backend.alloc(DType::BF16, batch * seq_q * heads * HEAD_DIM)?;
+    let lse = backend.alloc(DType::F32, batch * heads * seq_q)?;
+    let tensors = |out, lse| {
+        (
+            Tensor::from_cuda(out, &[batch, seq_q, heads, HEAD_DIM]),
+            Tensor::from_cuda(lse, &[batch, heads, seq_q]),
+        )
+    };
+    let tiles_x = seq_q.div_ceil(BLOCK_Q);
+    let tiles = tiles_x * heads * batch;
+    if tiles == 0 {
+        return Ok(tensors(out, lse));
+    }
+    let row = (heads * HEAD_DIM) as u64;
+    let qk_map = |ptr: u64, seq: usize, rows: usize| {
+        let map = MapSpec {
+            bf16: false,
+            dims: [
+                HEAD_DIM as u64,
+                rows.max(1) as u64,
+                heads as u64,
+                batch as u64,
+            ],
+            strides: [row, HEAD_DIM as u64, seq.max(1) as u64 * row],
+            boxes: [128, BLOCK_Q as u32],
+        };
+        // SAFETY: the caller's contract: [B, seq, H, 128] bytes at ptr, rows ≤ seq.
+        unsafe { encode(op, backend, ptr, map) }
+    };
+    let s_pad = ops.s_pad as u64;
+    let vt_map = MapSpec {
+        bf16: false,
+        dims: [s_pad, HEAD_DIM as u64, heads as u64, batch as u64],
+        strides: [
+            s_pad,
+            HEAD_DIM as u64 * s_pad,
+            (heads * HEAD_DIM) as u64 * s_pad,
+        ],
+        boxes: [128, HEAD_DIM as u32],
+    };
+    let maps = [
+        qk_map(ops.q, seq_q, seq_q)?,
+        qk_map(ops.k, seq_k, kv_len)?,
+        // SAFETY: the caller's contract: [B, H, 128, s_pad] bytes at vt.
+        unsafe { encode(op, backend, ops.vt, vt_map) }?,
+    ];
+    let f = backend.function(&SOURCE, variant.name)?;
+    let smem = variant.shared_bytes();
+    f.set_attribute(
+        sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .map_err(|e| backend.err(op, "cuFuncSetAttribute", e))?;
+    let ints = [
+        int(op, "seq_q", seq_q)?,
+        int(op, "heads", heads)?,
+        int(op, "kv_len", kv_len)?,
+    ];
+    let tiles_x = int(op, "seq_q / 128", tiles_x)?;
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (int(op, "tiles", tiles)? as u32, 1, 1),
+        block_dim: (WS_THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let (op_ptr, lp) = (out.ptr(), lse.ptr());
+    let mut launch = backend.stream.launch_builder(&f);
+    launch.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]);
+    for s in &ops.scales {
+        launch.arg(s);
+    }
+    launch.arg(&op_ptr).arg(&lp);
+    for i in &ints {
+        launch.arg(i);
+    }
+    launch.arg(&scale).arg(&tiles_x);
+    // SAFETY: hopper_fp8_fwd_* takes (tq, tk, tv, q_scales, k_scales, v_scales, out, lse, seq_q,
+    // heads, kv_len, scale, tiles_x), one CTA of 384 threads per tile, the variant's dynamic shared
+    // memory (opted into above, ≤ 227 KiB: a unit test); the maps and scales cover the buffers the
+    // caller vouched for; out and lse were allocated here with the sizes the kernel writes.
+    unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    Ok(tensors(out, lse))
 }
 
 #[cfg(test)]

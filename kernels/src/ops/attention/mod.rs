@@ -7,7 +7,7 @@ pub(super) mod cuda;
 #[cfg(feature = "cuda")]
 mod flash;
 #[cfg(feature = "cuda")]
-pub(super) mod hopper;
+pub(crate) mod hopper;
 #[cfg(test)]
 mod tests;
 

@@ -1,6 +1,8 @@
-//! FP8 attention, as the CPU reference of the recipe issue 24's GPU kernel is to follow, so that
-//! the kernel can be held to it term for term (as the FP8 linear is). No CUDA twin exists yet: on
-//! a GPU the op is refused.
+//! FP8 attention: the CPU reference of the recipe, and the op that runs it where its tensors
+//! live. On a GPU (bf16, head dim 128, sm_90a) the operands are quantised by `quant.cu`'s
+//! attention kernels and attended by the FP8 Hopper kernel (`ops/attention/hopper.cu`, namespace
+//! `fp8`), which takes the same steps in the same order: `fp8_attention_matches_cpu` in
+//! `kernels/tests/cuda_parity.rs` holds it to this reference.
 //!
 //! The recipe (FlashAttention-3's FP8 forward, with block scales for Q and K as SageAttention
 //! keeps them):
@@ -25,7 +27,8 @@ pub const BLOCK: usize = 128;
 
 /// FP8 scaled-dot-product attention by the recipe of the module docs: q [B, S_q, H, D], k and v
 /// [B, S_k, H, D] (f32 or bf16, one dtype) → out [B, S_q, H, D] in q's dtype and lse [B, H, S_q]
-/// (f32), as [`crate::attention`] returns them. CPU only for now.
+/// (f32), as [`crate::attention`] returns them. On a GPU it takes bf16 at head dim 128 with a
+/// scale > 0 on sm_90a, and refuses anything else with an error naming the rule.
 pub fn attention_fp8(
     q: &Tensor,
     k: &Tensor,
@@ -56,6 +59,11 @@ pub fn attention_fp8(
     let scale = options.scale.unwrap_or(1.0 / (d as f32).sqrt());
     match same_device(OP, &[q, k, v])? {
         Device::Cpu => {}
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            return super::cuda::attention(OP, (q, k, v), [b, sq, sk, h, d], scale, kv_len);
+        }
+        #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => {
             return Err(KernelError::UnsupportedDevice { op: OP, device });
         }

@@ -6,6 +6,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::Fp8Tensor;
+use super::attention::BLOCK;
 use crate::cuda::gemm::{Epilogue, GemmKey, gemm_e4m3};
 use crate::cuda::{CudaBackend, CudaStorage, KernelSource, suffix};
 use crate::{DType, KernelError, Result, Tensor};
@@ -215,3 +216,171 @@ pub(super) fn linear(
     }
     Ok(Tensor::from_cuda(out, out_shape))
 }
+
+/// FP8 attention on the GPU (`super::attention_fp8`'s recipe): q, k, v bf16 [B, S, H, 128] are
+/// quantised by quant.cu's attention kernels (Q and K per 128-token block, V per channel into Vᵀ
+/// with its keys in the P fragments' order), then hopper.cu's FP8 forward runs on the codes.
+pub(super) fn attention(
+    op: &'static str,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    [batch, seq_q, seq_k, heads, head_dim]: [usize; 5],
+    scale: f32,
+    kv_len: usize,
+) -> Result<(Tensor, Tensor)> {
+    use crate::cuda::attention_kernel::attention_kernel;
+    use crate::cuda::{AttentionKernel, HOPPER_FP8_VARIANTS};
+    use crate::ops::attention::hopper;
+
+    let backend = fp8_backend(op, q)?;
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.dtype() != DType::BF16 {
+            return Err(KernelError::arg(
+                op,
+                name,
+                format!("{:?}", t.dtype()),
+                "the GPU's FP8 attention quantises bf16 operands",
+            ));
+        }
+    }
+    let dims = [batch, seq_q, seq_k, heads, head_dim];
+    if let Some(why) = hopper::fp8_unsupported(&backend, dims, scale) {
+        return Err(KernelError::arg(
+            op,
+            "q",
+            format!("{:?}", q.shape()),
+            format!("the FP8 Hopper attention does not apply: {why}"),
+        ));
+    }
+    let variant = match attention_kernel() {
+        AttentionKernel::HopperFp8(i) => HOPPER_FP8_VARIANTS.get(i).ok_or_else(|| {
+            KernelError::arg(
+                op,
+                "AttentionKernel::HopperFp8",
+                i,
+                format!("there are {} variants", HOPPER_FP8_VARIANTS.len()),
+            )
+        })?,
+        _ => &HOPPER_FP8_VARIANTS[DEFAULT_FP8_ATTENTION],
+    };
+    if batch * heads * seq_q == 0 || kv_len == 0 {
+        // Nothing to read: out = 0, lse = −∞ (as the reference), without a launch.
+        let out = Tensor::zeros(q.shape(), DType::BF16, q.device())?;
+        let lse = Tensor::full(
+            &[batch, heads, seq_q],
+            f32::NEG_INFINITY,
+            DType::F32,
+            q.device(),
+        )?;
+        return Ok((out, lse));
+    }
+    let int = |name, v| crate::ops::attention::cuda::int(op, name, v);
+    let (h, b) = (int("heads", heads)? as u32, int("batch", batch)? as u32);
+    let (seq_qi, seq_ki, heads_i) = (int("seq_q", seq_q)?, int("seq_k", seq_k)?, heads as i32);
+    let kv_i = int("kv_len", kv_len)?;
+    let (q_blocks, k_blocks) = (seq_q.div_ceil(BLOCK), kv_len.div_ceil(BLOCK));
+    let s_pad = k_blocks * BLOCK;
+    let s_pad_i = int("kv_len rounded up to 128", s_pad)?;
+    let alloc_err = |e| backend.err(op, "cuMemAllocAsync", e);
+    // The kernels below write every code that the attention reads (k's codes past kv_len are
+    // never read: its map ends there; vᵀ is written up to s_pad).
+    // SAFETY: see above.
+    let q8 = unsafe { backend.stream.alloc::<u8>(q.numel()) }.map_err(alloc_err)?;
+    // SAFETY: see above.
+    let k8 = unsafe { backend.stream.alloc::<u8>(k.numel()) }.map_err(alloc_err)?;
+    // SAFETY: see above.
+    let vt8 = unsafe { backend.stream.alloc::<u8>(batch * heads * head_dim * s_pad) }
+        .map_err(alloc_err)?;
+    let amax = backend
+        .stream
+        .alloc_zeros::<u32>(batch * heads * head_dim)
+        .map_err(alloc_err)?;
+    let q_scales = backend.alloc(DType::F32, batch * heads * q_blocks)?;
+    let k_scales = backend.alloc(DType::F32, batch * heads * k_blocks)?;
+    let v_scales = backend.alloc(DType::F32, batch * heads * head_dim)?;
+    let stream = &backend.stream;
+    let ptr8 = |c: &CudaSlice<u8>| c.device_ptr(stream).0;
+    let (q8p, k8p, vt8p) = (ptr8(&q8), ptr8(&k8), ptr8(&vt8));
+    let amax_p = amax.device_ptr(stream).0;
+    let (qp, kp, vp) = (
+        q.cuda_storage(op)?.ptr(),
+        k.cuda_storage(op)?.ptr(),
+        v.cuda_storage(op)?.ptr(),
+    );
+    let (qsp, ksp, vsp) = (q_scales.ptr(), k_scales.ptr(), v_scales.ptr());
+    let cfg = |blocks: usize, threads: u32| LaunchConfig {
+        grid_dim: (blocks as u32, h, b),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let blocks = backend.function(&SOURCE, "quantize_attention_blocks_e4m3_bf16")?;
+    for (x, codes, scales, seq, valid, n) in [
+        (qp, q8p, qsp, seq_qi, seq_qi, q_blocks),
+        (kp, k8p, ksp, seq_ki, kv_i, k_blocks),
+    ] {
+        let mut launch = stream.launch_builder(&blocks);
+        launch
+            .arg(&x)
+            .arg(&codes)
+            .arg(&scales)
+            .arg(&seq)
+            .arg(&heads_i)
+            .arg(&valid);
+        // SAFETY: x is bf16 [B, seq, H, 128] (16-byte aligned rows), codes as many bytes,
+        // scales B·H·n f32 with n = ⌈valid/128⌉ the grid's x, valid ≤ seq.
+        unsafe { launch.launch(cfg(n, THREADS)) }
+            .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    }
+    let f = backend.function(&SOURCE, "attention_v_amax_bf16")?;
+    let mut launch = stream.launch_builder(&f);
+    launch
+        .arg(&vp)
+        .arg(&amax_p)
+        .arg(&seq_ki)
+        .arg(&heads_i)
+        .arg(&kv_i);
+    // SAFETY: v is bf16 [B, S_k, H, 128], amax B·H·128 zeroed u32, one thread per channel.
+    unsafe { launch.launch(cfg(k_blocks, 128)) }
+        .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    let f = backend.function(&SOURCE, "quantize_attention_v_e4m3_bf16")?;
+    let mut launch = stream.launch_builder(&f);
+    launch
+        .arg(&vp)
+        .arg(&amax_p)
+        .arg(&vt8p)
+        .arg(&vsp)
+        .arg(&seq_ki)
+        .arg(&heads_i)
+        .arg(&kv_i)
+        .arg(&s_pad_i);
+    // SAFETY: v as above, vt B·H·128·s_pad bytes (s_pad = the grid's x · 128), v_scales B·H·128
+    // f32; the kernel's 34 KiB of static shared memory is under the default limit.
+    unsafe { launch.launch(cfg(k_blocks, THREADS)) }
+        .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    let operands = hopper::Fp8Operands {
+        q: q8p,
+        k: k8p,
+        vt: vt8p,
+        s_pad,
+        scales: [qsp, ksp, vsp],
+    };
+    // SAFETY: the operands were written above with the shapes `Fp8Operands` documents (vᵀ zero
+    // past kv_len), 1 ≤ kv_len ≤ S_k (checked by the caller); the buffers are freed in stream
+    // order, after the attention that reads them.
+    unsafe {
+        hopper::attention_fp8(
+            op,
+            &backend,
+            &operands,
+            [batch, seq_q, seq_k, heads],
+            (scale, kv_len),
+            variant,
+        )
+    }
+}
+
+/// `HOPPER_FP8_VARIANTS[DEFAULT_FP8_ATTENTION]` runs unless a test or benchmark forces another:
+/// 3 stages, 2 of 16 column groups exponentiated in software (`hopper_fp8_fwd_d128_br128_bc128_s3_e2`),
+/// the fastest at both DiT shapes in one call on the H200 (bench/RESULTS.md, 2026-12-03, FP8
+/// attention): 7.73 ms at (1,12,32760,128) against 7.97 for s3_e0 and 8.03 for s2_e0; 137.7 ms at
+/// (1,40,75600,128) against 138.4 and 139.3. More software exponentials lost (e4: 8.24 / 145.7).
+const DEFAULT_FP8_ATTENTION: usize = 2;

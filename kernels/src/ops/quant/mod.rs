@@ -18,7 +18,8 @@
 //! differs from the reference only in its summation order and in how the tensor cores accumulate
 //! (`fp8_linears_match_cpu` in `kernels/tests/cuda_parity.rs` derives the bound), and needs bf16
 //! activations, `in` and `out` multiples of 16, and compute capability 8.9 or later
-//! ([`crate::cuda::supports_fp8`]). [`attention_fp8`] is the FP8 attention's CPU reference.
+//! ([`crate::cuda::supports_fp8`]). [`attention_fp8`] is the FP8 attention (its CPU reference and
+//! the GPU kernel held to it).
 
 mod attention;
 mod cpu;

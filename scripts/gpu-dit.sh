@@ -17,8 +17,9 @@
 #      one timed forward (~10 s each; the model takes ~95 s to build), with the split (≈ 4–5 min
 #      for the pair);
 #   7. a short table last: the parity summary, then ours vs diffusers and the ratio.
-# KERNELS=0 skips step 5 (the kernel profile, ~2 minutes). FP8=1 adds ours with FP8 linears
-# (`dit_step --fp8`: its forward, its error against bf16, the block's linears in FP8) to every pair,
+# KERNELS=0 skips step 5 (the kernel profile, ~2 minutes). FP8=1 adds ours in FP8 (`dit_step
+# --fp8`: the forward with FP8 linears and self-attention as `model.dtype: fp8` runs it, and with
+# FP8 linears only; the FP8 forward's error against bf16; the block's linears in FP8) to every pair,
 # and at 480p 81 frames a 20-step denoise with both (`--steps 20`); the summary then gives the FP8
 # forward against diffusers' bf16 one.
 # Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu.
@@ -161,7 +162,7 @@ for label in 480p5f 480p81f 14b720p81f; do
         r = (o != "" && d != "" && d + 0 > 0) ? sprintf("%.2fx", o / d) : "-"
         printf "  %-16s %12s %12s %8s   %s | %s\n", k, o, d, r, x["ours " k], x["diffusers " k] }
       if (v["ours forward fp8"] != "" && v["diffusers forward"] + 0 > 0)
-        printf "  %-16s %12s %12s %7.2fx   (FP8 linears, bf16 attention) | bf16\n", "forward fp8", v["ours forward fp8"], v["diffusers forward"], v["ours forward fp8"] / v["diffusers forward"]
+        printf "  %-16s %12s %12s %7.2fx   (FP8 linears + self-attention) | bf16\n", "forward fp8", v["ours forward fp8"], v["diffusers forward"], v["ours forward fp8"] / v["diffusers forward"]
     }'
   grep -h '^RESULT' "$LOGS/dit_step_$label.log" | grep -E 'fp8|quantize' | cut -f3- | sed 's/^/  /'
 done

@@ -5,11 +5,15 @@
 #   1. the kernels' GPU parity suite with DITSTREAM_REQUIRE_GPUS=1: the FP8 quantisation (bit for
 #      bit) and the FP8 linears against their CPU reference, and every bf16/f32 op as before (the
 #      GEMM code they share changed);
-#   2. scripts/gpu-dit.sh with FP8=1 (KERNELS=0): the Wan GPU tests (mini128 in FP8 against the
+#   2. the FP8 attention beside our bf16 kernel (bench/src/bin/attention.rs --fp8, quantisation of
+#      Q, K, V included) at the DiT's self-attention shapes (1,12,32760,128) and (1,40,75600,128),
+#      when target/gpu/attention is there (scripts/build-gpu-attention.sh);
+#   3. scripts/gpu-dit.sh with FP8=1 (KERNELS=0): the Wan GPU tests (mini128 in FP8 against the
 #      CPU's FP8 model and diffusers), then ours in bf16 and with FP8 linears beside diffusers'
 #      bf16 forward at 480p 5 and 81 frames (the latter with a 20-step denoise by both models);
 #      `--14b` adds Wan2.1-14B dims at 720p 81 frames.
-# Logs go to $OUT when set, else /tmp/ditstream-gpu. Exits non-zero if a step failed.
+# SKIP_DIT=1 leaves step 3 out. Logs go to $OUT when set, else /tmp/ditstream-gpu. Exits non-zero
+# if a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOGS=${OUT:-/tmp/ditstream-gpu}
@@ -28,7 +32,17 @@ grep -E "^test |panicked|test result" "$LOGS/cuda_parity.log" | head -n 40
 grep -E "^PARITY.*(e4m3|fp8)" "$LOGS/cuda_parity.log"
 [ "$rc" -eq 0 ] || { echo "parity suite FAILED (exit $rc)"; status=1; }
 
-FP8=1 KERNELS=0 scripts/gpu-dit.sh --full "$@" || status=1
+if [ -x target/gpu/attention ]; then
+  echo "=== attention: FP8 beside bf16 ==="
+  timeout 300 target/gpu/attention --auto-only --no-portable-check --fp8 --shapes 1,12,32760 1,40,75600 \
+    > "$LOGS/attention_fp8.log" 2>&1 || { echo "attention bench FAILED"; status=1; }
+  grep -E "^(RESULT|CHECK|SKIP)" "$LOGS/attention_fp8.log"
+  awk -F'\t' '/^RESULT/ { if ($3 == "auto") bf[$4] = $5; else if (bf[$4] > 0)
+    printf "  %-38s %-16s %9.3f ms  %6.1f TFLOP/s  %.2fx our bf16\n", $3, $4, $5, $6, bf[$4] / $5 }' \
+    "$LOGS/attention_fp8.log"
+fi
+
+[ "${SKIP_DIT:-0}" = 1 ] || FP8=1 KERNELS=0 scripts/gpu-dit.sh --full "$@" || status=1
 grep -h "FP8PARITY" "$LOGS/wan_cuda.log" 2>/dev/null
 [ "$status" -eq 0 ] && echo "gpu-fp8: all steps passed" || echo "gpu-fp8: SOME STEPS FAILED"
 exit "$status"

@@ -46,9 +46,19 @@ pub fn denoiser_models(
 ) -> Result<Vec<Arc<DenoiserModels>>, StageError> {
     let dtype = dtype(cfg);
     let m = &cfg.model;
-    // `model.dtype: fp8` quantises the blocks' linears of each copy on its device, once built.
+    // `model.dtype: fp8` quantises the blocks' linears of each copy on its device, once built,
+    // and runs their self-attention in FP8 where the kernel exists (Hopper, head dim 128; on Ada
+    // the attention stays bf16).
     let precision = |t: WanTransformer| match m.dtype {
-        Dtype::Fp8 => t.with_fp8_linears(),
+        Dtype::Fp8 => {
+            let t = t.with_fp8_linears()?;
+            Ok::<_, ModelError>(
+                match fp8_attention_on(t.device(), t.config().attention_head_dim) {
+                    true => t.with_fp8_attention(),
+                    false => t,
+                },
+            )
+        }
         Dtype::F32 | Dtype::Bf16 => Ok(t),
     };
     let distinct = distinct(devices);
@@ -104,6 +114,25 @@ pub fn denoiser_models(
         _ => return Err(StageError::unvalidated(m)),
     };
     Ok(per_rank(devices, &distinct, copies))
+}
+
+/// Whether `model.dtype: fp8` runs the self-attention in FP8 on `device` at `head_dim` (the
+/// kernel's GPUs and head dim; the CPU has no FP8 model), saying once where it does not.
+fn fp8_attention_on(device: Device, head_dim: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(ordinal) = device {
+        let on =
+            ditstream_kernels::cuda::supports_fp8_attention(ordinal, head_dim).unwrap_or(false);
+        if !on {
+            tracing::warn!(
+                "model.dtype = fp8: no FP8 attention kernel for head dim {head_dim} on {device} \
+                 (it needs sm_90a and head dim 128); the self-attention stays bf16"
+            );
+        }
+        return on;
+    }
+    let _ = (device, head_dim);
+    false
 }
 
 /// The text encoder, on `device` (the denoiser mesh's rank 0; each rank moves the states to its

@@ -348,7 +348,10 @@ fn a_mask_bug_would_be_caught() {
     let outs = run(mesh, |comms| {
         parallel::forward_with(&model, comms, &inp.x, &inp.t, &inp.ctx, |tokens| {
             let uly = comms.ulysses.as_ref().expect("a Ulysses group of 2");
-            let unmasked = parallel::LocalChunk { tokens: tokens + 1 };
+            let unmasked = parallel::LocalChunk {
+                tokens: tokens + 1,
+                fp8: false,
+            };
             Box::new(parallel::UlyssesAttention::new(uly, unmasked))
         })
     });

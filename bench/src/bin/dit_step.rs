@@ -62,9 +62,9 @@ struct Args {
     /// `cuda` (cuda:0) or `cpu` (a smoke test of the driver).
     #[arg(long, default_value = "cuda")]
     device: String,
-    /// Also the same model with FP8 (e4m3) linears in its blocks (`model.dtype: fp8`): its
-    /// forward's time, its error against the bf16 forward on the same inputs, and the block's
-    /// linears alone in FP8.
+    /// Also the same model in FP8 (e4m3) as `model.dtype: fp8` runs it (its blocks' linears and
+    /// self-attention), and with FP8 linears only: their forwards' times, the FP8 forward's error
+    /// against the bf16 one on the same inputs, and the block's linears alone in FP8.
     #[arg(long)]
     fp8: bool,
     /// With `--fp8`: this many Euler steps of a flow-matching denoise from the same noise with
@@ -253,7 +253,8 @@ fn block_rest_ops(
     Ok(())
 }
 
-/// The `--fp8` part: the model with FP8 linears beside the bf16 one, on the same inputs.
+/// The `--fp8` part: the model as `model.dtype: fp8` runs it (FP8 linears and self-attention), and
+/// with FP8 linears only, beside the bf16 one, on the same inputs.
 fn fp8_forward(
     args: &Args,
     model: &WanTransformer,
@@ -264,7 +265,7 @@ fn fp8_forward(
 ) -> Result<()> {
     use ditstream_kernels as k;
     let t0 = Instant::now();
-    let fp8 = model.clone().with_fp8_linears()?;
+    let linears = model.clone().with_fp8_linears()?;
     if let Device::Cuda(ordinal) = device {
         ditstream_kernels::cuda::synchronize(ordinal)?;
     }
@@ -272,15 +273,19 @@ fn fp8_forward(
         "fp8: blocks' linears quantised in {:.2} s",
         t0.elapsed().as_secs_f64()
     );
-    let forward = median_per_call(device, args.warmup, args.iters, 1, || {
-        Ok(fp8.forward(x, t, ctx)?)
-    })?;
-    println!(
-        "RESULT\tours\tforward fp8\t{:.3}\tms\t{:.1}\tTFLOP/s\t({:.3}x our bf16)",
-        forward * 1e3,
-        flops / forward / 1e12,
-        forward / bf16_forward
-    );
+    // `model.dtype: fp8`: the linears and the self-attention; the linears alone beside it.
+    let fp8 = linears.clone().with_fp8_attention();
+    for (label, m) in [("forward fp8-linears", &linears), ("forward fp8", &fp8)] {
+        let forward = median_per_call(device, args.warmup, args.iters, 1, || {
+            Ok(m.forward(x, t, ctx)?)
+        })?;
+        println!(
+            "RESULT\tours\t{label}\t{:.3}\tms\t{:.1}\tTFLOP/s\t({:.3}x our bf16)",
+            forward * 1e3,
+            flops / forward / 1e12,
+            forward / bf16_forward
+        );
+    }
     let err = rel_rms(&fp8.forward(x, t, ctx)?, &model.forward(x, t, ctx)?)?;
     println!("RESULT\tours\tfp8 forward vs bf16, rel rms\t{err:.3e}\t-");
     // One block's linears alone (as the split's bf16 set), FP8 against bf16 on the same operands.

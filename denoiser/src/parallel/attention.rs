@@ -4,7 +4,7 @@
 
 use std::cell::RefCell;
 
-use ditstream_kernels::{AttentionOptions, Tensor, attention};
+use ditstream_kernels::{AttentionOptions, Tensor, attention, attention_fp8};
 
 use super::{ParallelError, Result, valid_in_chunk};
 use crate::model::{ModelError, SelfAttention};
@@ -24,12 +24,31 @@ impl<A: ChunkAttention + ?Sized> ChunkAttention for Box<A> {
     }
 }
 
+/// The attention every wrapper runs on the queries, keys and values it holds: `attention` in the
+/// tensors' dtype, or, for a model whose self-attention is FP8 (`model.dtype: fp8`),
+/// `attention_fp8` (same arguments, same out and LSE, so the wrappers' merges are unchanged).
+pub(crate) fn local_attention(
+    fp8: bool,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    options: AttentionOptions,
+) -> ditstream_kernels::Result<(Tensor, Tensor)> {
+    if fp8 {
+        attention_fp8(q, k, v, options)
+    } else {
+        attention(q, k, v, options)
+    }
+}
+
 /// The whole (padded) sequence is local: attention over the first `tokens` keys. The inner
 /// attention of Ulysses without context parallelism, and the single-rank case.
 #[derive(Debug, Clone, Copy)]
 pub struct LocalChunk {
     /// Real tokens of the sequence.
     pub tokens: usize,
+    /// FP8 attention (`ditstream_kernels::attention_fp8`) rather than the tensors' dtype.
+    pub fp8: bool,
 }
 
 impl ChunkAttention for LocalChunk {
@@ -39,7 +58,7 @@ impl ChunkAttention for LocalChunk {
             scale: None,
             kv_len: Some(kv_len),
         };
-        Ok(attention(q, k, v, options)?.0)
+        Ok(local_attention(self.fp8, q, k, v, options)?.0)
     }
 }
 

@@ -18,9 +18,9 @@
 //! contributes a partial with LSE −∞, which the combine ignores.
 
 use ditstream_common::collectives::wire::{self, TensorWire};
-use ditstream_kernels::{AttentionOptions, DType, Tensor, attention, lse_combine};
+use ditstream_kernels::{AttentionOptions, DType, Tensor, lse_combine};
 
-use super::attention::ChunkAttention;
+use super::attention::{ChunkAttention, local_attention};
 use super::{ParallelError, Result, valid_in_chunk};
 
 /// Attention2D over `row` (fixed row; group rank = col) and `col` (fixed col; group rank = row).
@@ -29,12 +29,23 @@ pub struct Attention2d<'c, C> {
     row: Option<&'c C>,
     col: Option<&'c C>,
     tokens: usize,
+    fp8: bool,
 }
 
 impl<'c, C: TensorWire> Attention2d<'c, C> {
     /// Attention2D for a sequence of `tokens` real tokens.
     pub fn new(row: Option<&'c C>, col: Option<&'c C>, tokens: usize) -> Self {
-        Self { row, col, tokens }
+        Self {
+            row,
+            col,
+            tokens,
+            fp8: false,
+        }
+    }
+
+    /// The same layout with FP8 attention on each gathered block (`model.dtype: fp8`).
+    pub fn with_fp8(self, fp8: bool) -> Self {
+        Self { fp8, ..self }
     }
 
     /// (R, C, row, col) of this rank.
@@ -105,7 +116,13 @@ impl<C: TensorWire> ChunkAttention for Attention2d<'_, C> {
         } else {
             let keys = Tensor::concat(&keys.iter().collect::<Vec<_>>(), 1)?;
             let values = Tensor::concat(&values.iter().collect::<Vec<_>>(), 1)?;
-            attention(&q_row, &keys, &values, AttentionOptions::default())?
+            local_attention(
+                self.fp8,
+                &q_row,
+                &keys,
+                &values,
+                AttentionOptions::default(),
+            )?
         };
         let Some(row) = self.row else {
             return Ok(out); // C = 1: the column's keys are the whole sequence

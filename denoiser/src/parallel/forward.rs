@@ -16,20 +16,20 @@ use super::{
 use crate::model::WanTransformer;
 
 /// The attention wrapper for `comms`' mesh, for a sequence of `tokens` real tokens: Ring or
-/// Attention2D over the cp axis (or the local attention), inside Ulysses when ulysses_size > 1.
+/// Attention2D over the cp axis (or the local attention), inside Ulysses when ulysses_size > 1;
+/// with FP8 attention wherever it attends when `fp8`.
 pub fn seq_attention<'c, C: TensorWire>(
     comms: &'c MeshComms<C>,
     tokens: usize,
+    fp8: bool,
 ) -> Box<dyn ChunkAttention + 'c> {
     let cp: Box<dyn ChunkAttention + 'c> = match (comms.mesh().cp(), &comms.ring) {
-        (CpLayout::Ring(_), Some(ring)) => Box::new(RingAttention::new(ring, tokens)),
-        (CpLayout::Attn2d { .. }, _) => Box::new(Attention2d::new(
-            comms.row.as_ref(),
-            comms.col.as_ref(),
-            tokens,
-        )),
+        (CpLayout::Ring(_), Some(ring)) => Box::new(RingAttention::new(ring, tokens).with_fp8(fp8)),
+        (CpLayout::Attn2d { .. }, _) => {
+            Box::new(Attention2d::new(comms.row.as_ref(), comms.col.as_ref(), tokens).with_fp8(fp8))
+        }
         // No cp axis (or a ring of one rank).
-        _ => Box::new(LocalChunk { tokens }),
+        _ => Box::new(LocalChunk { tokens, fp8 }),
     };
     match &comms.ulysses {
         Some(uly) => Box::new(UlyssesAttention::new(uly, cp)),
@@ -49,7 +49,7 @@ pub fn forward<C: TensorWire>(
     context: &Tensor,
 ) -> Result<Tensor> {
     forward_with(model, comms, x, timestep, context, |tokens| {
-        seq_attention(comms, tokens)
+        seq_attention(comms, tokens, model.fp8_attention())
     })
 }
 

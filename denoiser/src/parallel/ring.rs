@@ -14,21 +14,31 @@ use ditstream_common::by_dtype;
 use ditstream_common::collectives::Pending;
 use ditstream_common::collectives::wire::{TensorWire, WireElement};
 use ditstream_kernels::timeline::mark;
-use ditstream_kernels::{AttentionOptions, DType, Tensor, attention, lse_merge_pair};
+use ditstream_kernels::{AttentionOptions, DType, Tensor, lse_merge_pair};
 
-use super::attention::ChunkAttention;
+use super::attention::{ChunkAttention, local_attention};
 use super::{Result, valid_in_chunk};
 
 /// Ring attention over `comm` (the cp group, group rank = chunk index).
 pub struct RingAttention<'c, C> {
     comm: &'c C,
     tokens: usize,
+    fp8: bool,
 }
 
 impl<'c, C: TensorWire> RingAttention<'c, C> {
     /// Ring over `comm` for a sequence of `tokens` real tokens.
     pub fn new(comm: &'c C, tokens: usize) -> Self {
-        Self { comm, tokens }
+        Self {
+            comm,
+            tokens,
+            fp8: false,
+        }
+    }
+
+    /// The same ring with FP8 attention on each block of keys (`model.dtype: fp8`).
+    pub fn with_fp8(self, fp8: bool) -> Self {
+        Self { fp8, ..self }
     }
 }
 
@@ -39,7 +49,10 @@ impl<C: TensorWire> ChunkAttention for RingAttention<'_, C> {
             &[&k.reshape(&one(k.shape()))?, &v.reshape(&one(v.shape()))?],
             0,
         )?;
-        by_dtype!(kv.dtype(), ring_as::<C>(self.comm, self.tokens, q, &kv))
+        by_dtype!(
+            kv.dtype(),
+            ring_as::<C>(self.comm, self.tokens, self.fp8, q, &kv)
+        )
     }
 }
 
@@ -51,6 +64,7 @@ fn one(shape: &[usize]) -> Vec<usize> {
 fn ring_as<C: TensorWire, T: WireElement>(
     comm: &C,
     tokens: usize,
+    fp8: bool,
     q: &Tensor,
     kv: &Tensor,
 ) -> Result<Tensor> {
@@ -91,7 +105,7 @@ fn ring_as<C: TensorWire, T: WireElement>(
                     scale: None,
                     kv_len: Some(kv_len),
                 };
-                let (out, lse) = attention(q, &k, &v, options)?;
+                let (out, lse) = local_attention(fp8, q, &k, &v, options)?;
                 // The accumulator stays f32 whatever the model's dtype.
                 let out = out.to_dtype(DType::F32)?;
                 acc = Some(match acc {

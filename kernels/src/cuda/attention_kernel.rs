@@ -128,8 +128,6 @@ pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
     fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0", 2, 0),
     fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0", 3, 0),
     fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e2", 3, 2),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e4", 3, 4),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e8", 3, 8),
 ];
 
 /// One compiled tile configuration of the tensor-core kernel

@@ -773,8 +773,9 @@ __device__ __forceinline__ void pack_p(const float* s, unsigned (*p)[4]) {
 // to ≥ −125 (2^−125·448 rounds to e4m3 0, as the 0 of a masked key does), x = n + f with n the
 // nearest integer (the 1.5·2²³ shifter leaves n in the low mantissa bits), 2^f for |f| ≤ ½ by its
 // degree-4 Taylor polynomial (relative error ≤ (½ ln 2)⁵/5! ≈ 4·10⁻⁵, far below e4m3's 2⁻⁴), n
-// added to the exponent field. With FP8 GEMMs as fast as they are, the MUFU (16 results per clock
-// per SM) is the softmax's bottleneck: this moves part of its work to the 128-lane pipes.
+// added to the exponent field. It moves part of the MUFU's work (16 results per clock per SM) to the
+// 128-lane pipes: 3 % faster with 2 of 16 groups while the row sum was one chain, 4 % slower once
+// it was four (bench/RESULTS.md, 2026-12-03); kept as a variant to measure against.
 __device__ __forceinline__ float ex2_fma(float x) {
     x = fmaxf(x, -125.0f);
     const float t = x + 12582912.0f;
@@ -809,16 +810,19 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, flo
         rescale |= mx != m[hf];
         m[hf] = mx;
         const float off = mx - LOG2_448;
-        float rs = 0.0f;
+        // The row sum as four chains, as the max: one chain of 32 dependent adds waits on every
+        // exponential in turn (Nsight Compute: the kernel stalled mostly on fixed-latency waits
+        // with the tensor pipe idle half the time).
+        float rs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int nt = 0; nt < KB / 8; ++nt) {
             const bool emu = EMU > 0 && (nt * EMU) % 16 < EMU;
             const float x0 = fmaf(s[4 * nt + 2 * hf], c, -off), x1 = fmaf(s[4 * nt + 2 * hf + 1], c, -off);
             s[4 * nt + 2 * hf] = emu ? ex2_fma(x0) : ex2(x0);
             s[4 * nt + 2 * hf + 1] = emu ? ex2_fma(x1) : ex2(x1);
-            rs += s[4 * nt + 2 * hf] + s[4 * nt + 2 * hf + 1];
+            rs[nt % 4] += s[4 * nt + 2 * hf] + s[4 * nt + 2 * hf + 1];
         }
-        l[hf] = l[hf] * alpha[hf] + rs;
+        l[hf] = l[hf] * alpha[hf] + ((rs[0] + rs[1]) + (rs[2] + rs[3]));
     }
     return __any_sync(0xffffffffu, rescale);
 }
@@ -1055,5 +1059,3 @@ HOPPER_WS_KERNEL(2, 192)
 HOPPER_FP8_KERNEL(2, 0)
 HOPPER_FP8_KERNEL(3, 0)
 HOPPER_FP8_KERNEL(3, 2)
-HOPPER_FP8_KERNEL(3, 4)
-HOPPER_FP8_KERNEL(3, 8)

@@ -5,6 +5,8 @@
 //! warp-specialised kernel (a TMA producer warpgroup and two consumer warpgroups that take turns on the
 //! tensor cores and overlap softmax with P·V; stages c–d), which takes Q/K/V as tensor maps encoded here
 //! and a work schedule that splits a sparse last wave of tiles along the keys (`schedule`).
+//! The FP8 kernel (`attention_fp8` here, namespace `fp8` of hopper.cu) shares the tensor-map
+//! encoding and the warp-specialised layout; `ops/quant/cuda.rs` quantises its operands and calls it.
 //! Anything a kernel cannot run is a `KernelError` naming the rule, never a panic and never a silent
 //! empty launch (the bodies are compiled only for sm_90a, so the architecture is checked before the
 //! source is even compiled).

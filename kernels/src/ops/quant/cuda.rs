@@ -379,8 +379,9 @@ pub(super) fn attention(
 }
 
 /// `HOPPER_FP8_VARIANTS[DEFAULT_FP8_ATTENTION]` runs unless a test or benchmark forces another:
-/// 3 stages, 2 of 16 column groups exponentiated in software (`hopper_fp8_fwd_d128_br128_bc128_s3_e2`),
-/// the fastest at both DiT shapes in one call on the H200 (bench/RESULTS.md, 2026-12-03, FP8
-/// attention): 7.73 ms at (1,12,32760,128) against 7.97 for s3_e0 and 8.03 for s2_e0; 137.7 ms at
-/// (1,40,75600,128) against 138.4 and 139.3. More software exponentials lost (e4: 8.24 / 145.7).
-const DEFAULT_FP8_ATTENTION: usize = 2;
+/// 3 stages, every exponential on the MUFU (`hopper_fp8_fwd_d128_br128_bc128_s3_e0`), the fastest
+/// at both DiT shapes in one call on the H200 once the row sums ran as four chains
+/// (bench/RESULTS.md, 2026-12-03, FP8 attention, call 7): 7.30 ms at (1,12,32760,128) against
+/// 7.53 for 2 stages and 7.63 with 2 of 16 column groups in software (which had been 3 % ahead
+/// before the row sums were split); 131.9 ms at (1,40,75600,128) against 135.9 and 137.2.
+const DEFAULT_FP8_ATTENTION: usize = 1;

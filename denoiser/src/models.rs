@@ -117,7 +117,7 @@ pub fn denoiser_models(
 }
 
 /// Whether `model.dtype: fp8` runs the self-attention in FP8 on `device` at `head_dim` (the
-/// kernel's GPUs and head dim; the CPU has no FP8 model), saying once where it does not.
+/// kernel's GPUs and head dim; the CPU has no FP8 model), with a warning where it does not.
 fn fp8_attention_on(device: Device, head_dim: usize) -> bool {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(ordinal) = device {

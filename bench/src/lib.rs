@@ -136,6 +136,18 @@ pub fn algbw_gbs(bytes: usize, seconds: f64) -> f64 {
     bytes as f64 / seconds / 1e9
 }
 
+/// Relative RMS difference ‖a − b‖ / ‖b‖ over every element (any devices, one shape), in f64:
+/// the size of a disagreement against the values'.
+pub fn rel_rms(a: &Tensor, b: &Tensor) -> ditstream_kernels::Result<f64> {
+    let (a, b) = (a.to_vec_f32()?, b.to_vec_f32()?);
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(&b) {
+        num += f64::from(x - y).powi(2);
+        den += f64::from(*y).powi(2);
+    }
+    Ok((num / den.max(f64::MIN_POSITIVE)).sqrt())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

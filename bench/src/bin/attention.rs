@@ -24,7 +24,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ditstream_bench::median_per_call;
+use ditstream_bench::{median_per_call, rel_rms};
 use ditstream_kernels::cuda::{
     AttentionKernel, FLASH_VARIANTS, HOPPER_FP8_VARIANTS, HOPPER_VARIANTS, with_attention_kernel,
 };
@@ -171,16 +171,4 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// ‖a − b‖ / ‖b‖ over every element.
-fn rel_rms(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let (a, b) = (a.to_vec_f32()?, b.to_vec_f32()?);
-    let err: f64 = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| f64::from(x - y).powi(2))
-        .sum();
-    let norm: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    Ok((err / norm.max(f64::MIN_POSITIVE)).sqrt())
 }

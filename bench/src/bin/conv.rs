@@ -37,7 +37,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ditstream_bench::{median_per_call, random_input};
+use ditstream_bench::{median_per_call, random_input, rel_rms};
 use ditstream_kernels::cuda::{
     ConvAlgo, auto_conv_algo, cudnn_conv_plans, cudnn_version, with_conv_algo,
 };
@@ -162,18 +162,6 @@ fn parse_hw(s: &str) -> Result<(usize, usize)> {
         .split_once('x')
         .with_context(|| format!("--latent {s:?}: expected HxW"))?;
     Ok((h.trim().parse()?, w.trim().parse()?))
-}
-
-/// Relative RMS difference ‖a − b‖ / ‖b‖ (the size of a disagreement against the values').
-fn rel_rms(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let (a, b) = (a.to_vec_f32()?, b.to_vec_f32()?);
-    let err: f64 = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| f64::from(x - y).powi(2))
-        .sum();
-    let norm: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    Ok((err / norm.max(f64::MIN_POSITIVE)).sqrt())
 }
 
 fn main() -> Result<()> {

@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ditstream_bench::{median, median_per_call, random_input, time_on};
+use ditstream_bench::{median, median_per_call, random_input, rel_rms, time_on};
 use ditstream_common::config::Preset;
 use ditstream_decoder::vae::{VaeConfig, WanVaeDecoder};
 use ditstream_denoiser::model::{WanConfig, WanTransformer};
@@ -104,17 +104,6 @@ impl BlockOperands {
             gate: random_input(&[1, 1, d], DType::F32, 13, device)?,
         })
     }
-}
-
-/// ‖a − b‖ / ‖b‖ over every element (any devices, one shape), in f64.
-fn rel_rms(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let (a, b) = (a.to_vec_f32()?, b.to_vec_f32()?);
-    let (mut num, mut den) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(&b) {
-        num += f64::from(x - y).powi(2);
-        den += f64::from(*y).powi(2);
-    }
-    Ok((num / den.max(f64::MIN_POSITIVE)).sqrt())
 }
 
 /// PSNR of video `a` against `b` ([.., frames, H, W] in [−1, 1], clamped there as the pipeline's

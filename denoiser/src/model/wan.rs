@@ -864,6 +864,13 @@ mod tests {
         assert_ne!(run(&model, &b), run(&model, &c), "the contexts matter");
     }
 
+    /// ‖b − a‖ / ‖a‖.
+    fn rel_rms_change(a: &[f32], b: &[f32]) -> f64 {
+        let num: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+        let den: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum();
+        (num / den).sqrt()
+    }
+
     /// `with_fp8_linears` quantises the blocks' linears: the forward moves by about what e4m3
     /// rounding of both operands of each GEMM makes of it, and no more. Each operand of an FP8
     /// product is off by a relative ≤ 2⁻⁴ (uniform within the half-ulp, RMS ≤ 2⁻⁴/√3 ≈ 0.036), so
@@ -887,13 +894,7 @@ mod tests {
             fresh.forward(&x, &t, &ctx).unwrap().to_vec_f32().unwrap(),
             "the dense model's cached text states leaked into the FP8 one"
         );
-        let num: f64 = y
-            .iter()
-            .zip(&y8)
-            .map(|(a, b)| f64::from(a - b).powi(2))
-            .sum();
-        let den: f64 = y.iter().map(|a| f64::from(*a).powi(2)).sum();
-        let rel = (num / den).sqrt();
+        let rel = rel_rms_change(&y, &y8);
         assert!((0.005..0.25).contains(&rel), "relative RMS change {rel}");
         assert_eq!(
             y,
@@ -918,13 +919,7 @@ mod tests {
         let fp8 = dense.clone().with_fp8_attention();
         assert!(fp8.fp8_attention() && !dense.fp8_attention());
         let y8 = fp8.forward(&x, &t, &ctx).unwrap().to_vec_f32().unwrap();
-        let num: f64 = y
-            .iter()
-            .zip(&y8)
-            .map(|(a, b)| f64::from(a - b).powi(2))
-            .sum();
-        let den: f64 = y.iter().map(|a| f64::from(*a).powi(2)).sum();
-        let rel = (num / den).sqrt();
+        let rel = rel_rms_change(&y, &y8);
         assert!((0.001..0.25).contains(&rel), "relative RMS change {rel}");
     }
 }

@@ -564,6 +564,56 @@ fn bf16_model_on_every_two_rank_mesh() {
     }
 }
 
+/// FP8 self-attention (`model.dtype: fp8` runs it inside every wrapper) on every two-rank mesh,
+/// on the CPU's reference of the recipe. Parallel FP8 is not the single rank's bit for bit: a Ring
+/// or Attention2D rank quantises each key chunk it attends to with that chunk's own scales (V per
+/// channel over the chunk, K per 128 keys from the chunk's start), and a padded shard's rows enter
+/// a Q block's scale. Each such choice is another rounding of the same values, of the same size as
+/// the single rank's, so the parallel forward's distance to the dense (f32-attention) forward is
+/// held to twice the single rank's FP8 distance, and to at least a third of it: a wrapper that
+/// dropped the FP8 flag (bf16/f32 attention) would land at ~0 and fail, one that merged FP8
+/// partials wrongly would land far above. CFG only splits the batch, whose quantisation is per
+/// sample: it must equal the single rank exactly. (Ulysses, which gathers each head's whole
+/// sequence, measured exactly equal too here; padding could move a Q block's scale, so only the
+/// bound is asserted for it.)
+#[test]
+fn fp8_attention_on_every_two_rank_mesh() {
+    let dense = mini128();
+    let fp8 = dense.clone().with_fp8_attention();
+    let inp = inputs(&dense, 1, GRID_105, false);
+    let want = dense.forward(&inp.x, &inp.t, &inp.ctx).unwrap();
+    let single = fp8.forward(&inp.x, &inp.t, &inp.ctx).unwrap();
+    let quant = rel_err(&single, &want);
+    assert!(
+        quant > 1e-4,
+        "FP8 attention moved the forward by only {quant:e}"
+    );
+    for mesh in [
+        Mesh::new(2, 1, CpLayout::None, 1),
+        Mesh::new(1, 1, CpLayout::None, 2),
+        Mesh::new(1, 1, CpLayout::Ring(2), 1),
+        Mesh::new(1, 1, CpLayout::Attn2d { rows: 1, cols: 2 }, 1),
+        Mesh::new(1, 1, CpLayout::Attn2d { rows: 2, cols: 1 }, 1),
+    ] {
+        let outs = run(mesh, |comms| {
+            parallel::forward(&fp8, comms, &inp.x, &inp.t, &inp.ctx)
+        });
+        for (r, got) in outs.iter().enumerate() {
+            let (vs_dense, vs_single) = (rel_err(got, &want), rel_err(got, &single));
+            eprintln!(
+                "fp8 {mesh}: rank {r}: {vs_dense:.2e} from dense (single rank {quant:.2e}), {vs_single:.2e} from the single rank's FP8"
+            );
+            if mesh.world_size() == 2 && mesh.cfg_size() == 2 {
+                assert!(vs_single <= FORWARD_TOL, "{mesh}: rank {r}: {vs_single:e}");
+            }
+            assert!(
+                (quant / 3.0..=2.0 * quant).contains(&vs_dense),
+                "{mesh}: rank {r}: {vs_dense:e} from dense, single rank {quant:e}"
+            );
+        }
+    }
+}
+
 /// Each rank's thread records its own timeline of a parallel forward (`kernels::timeline`): the
 /// model's ops and the collectives of its schedule (Ulysses: all-to-all; Ring: send/recv; the
 /// final sequence gather: all-gather), intervals that add up to the recorded time, and the same

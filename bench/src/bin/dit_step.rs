@@ -104,6 +104,27 @@ impl BlockOperands {
             gate: random_input(&[1, 1, d], DType::F32, 13, device)?,
         })
     }
+
+    /// The block's linears over the video tokens in bf16, as the block runs them: self q/k/v and
+    /// cross q, the output projections and the FFN's down-projection with their residuals in the
+    /// GEMM (gated: the gate folded into the weights), the FFN's up-projection + GELU.
+    fn video_linears(&self) -> Result<Tensor> {
+        use ditstream_kernels as k;
+        let (h, w_dd, bias_d, gate) = (&self.h, &self.w_dd, Some(&self.bias_d), Some(&self.gate));
+        for _ in 0..4 {
+            linear(h, w_dd, bias_d)?;
+        }
+        k::linear_residual(h, w_dd, bias_d, h, gate)?;
+        k::linear_residual(h, w_dd, bias_d, h, None)?;
+        k::linear_gelu_tanh(h, &self.w_up, &self.bias_f)?;
+        Ok(k::linear_residual(
+            &self.h_ffn,
+            &self.w_down,
+            bias_d,
+            h,
+            gate,
+        )?)
+    }
 }
 
 /// PSNR of video `a` against `b` ([.., frames, H, W] in [−1, 1], clamped there as the pipeline's
@@ -281,6 +302,7 @@ fn fp8_forward(
     let cfg = model.config();
     let l = x.shape()[2] * (x.shape()[3] / 2) * (x.shape()[4] / 2);
     let (d, ffn) = (cfg.dim(), cfg.ffn_dim);
+    let ops = BlockOperands::draw([l, 1, d, ffn], device)?;
     let BlockOperands {
         h,
         h_ffn,
@@ -291,42 +313,28 @@ fn fp8_forward(
         bias_f,
         gate,
         ..
-    } = BlockOperands::draw([l, 1, d, ffn], device)?;
+    } = &ops;
     let (q_dd, q_up, q_down) = (
-        k::Fp8Tensor::quantize(&w_dd)?,
-        k::Fp8Tensor::quantize(&w_up)?,
-        k::Fp8Tensor::quantize(&w_down)?,
+        k::Fp8Tensor::quantize(w_dd)?,
+        k::Fp8Tensor::quantize(w_up)?,
+        k::Fp8Tensor::quantize(w_down)?,
     );
     let reps = args.iters.max(3);
     let video_flops = 2.0 * l as f64 * (d * d * 6 + 2 * d * ffn) as f64;
-    let bf16 = median_per_call(device, 1, reps, 1, || {
-        for _ in 0..4 {
-            linear(&h, &w_dd, Some(&bias_d))?;
-        }
-        k::linear_residual(&h, &w_dd, Some(&bias_d), &h, Some(&gate))?;
-        k::linear_residual(&h, &w_dd, Some(&bias_d), &h, None)?;
-        k::linear_gelu_tanh(&h, &w_up, &bias_f)?;
-        Ok(k::linear_residual(
-            &h_ffn,
-            &w_down,
-            Some(&bias_d),
-            &h,
-            Some(&gate),
-        )?)
-    })?;
+    let bf16 = median_per_call(device, 1, reps, 1, || ops.video_linears())?;
     let e4m3 = median_per_call(device, 1, reps, 1, || {
         for _ in 0..4 {
-            k::linear_fp8(&h, &q_dd, Some(&bias_d))?;
+            k::linear_fp8(h, &q_dd, Some(bias_d))?;
         }
-        k::linear_fp8_residual(&h, &q_dd, Some(&bias_d), &h, Some(&gate))?;
-        k::linear_fp8_residual(&h, &q_dd, Some(&bias_d), &h, None)?;
-        k::linear_fp8_gelu_tanh(&h, &q_up, &bias_f)?;
+        k::linear_fp8_residual(h, &q_dd, Some(bias_d), h, Some(gate))?;
+        k::linear_fp8_residual(h, &q_dd, Some(bias_d), h, None)?;
+        k::linear_fp8_gelu_tanh(h, &q_up, bias_f)?;
         Ok(k::linear_fp8_residual(
-            &h_ffn,
+            h_ffn,
             &q_down,
-            Some(&bias_d),
-            &h,
-            Some(&gate),
+            Some(bias_d),
+            h,
+            Some(gate),
         )?)
     })?;
     println!(
@@ -337,7 +345,7 @@ fn fp8_forward(
         video_flops / e4m3 / 1e12
     );
     let quant = median_per_call(device, 1, reps, 1, || {
-        Ok(k::Fp8Tensor::quantize(&h)?.scales().clone())
+        Ok(k::Fp8Tensor::quantize(h)?.scales().clone())
     })?;
     println!(
         "RESULT\tours\tquantize [L, D] per token\t{:.3}\tms\t{:.0}\tGB/s",
@@ -559,6 +567,7 @@ fn main() -> Result<()> {
             )?)
         })?;
         use ditstream_kernels as k;
+        let ops = BlockOperands::draw([l, s, d, ffn], device)?;
         let BlockOperands {
             h,
             h_ffn,
@@ -569,48 +578,34 @@ fn main() -> Result<()> {
             bias_d,
             bias_f,
             gate,
-        } = BlockOperands::draw([l, s, d, ffn], device)?;
+        } = &ops;
         let linears = median_per_call(device, 1, reps, 1, || {
-            // As the block runs them: self q/k/v and cross q over the video tokens, cross k/v over
-            // the text, the output projections and the FFN's down-projection with their residuals
-            // in the GEMM (gated: the gate folded into the weights), the FFN's up-projection + GELU.
-            for _ in 0..4 {
-                linear(&h, &w_dd, Some(&bias_d))?;
-            }
+            // The block's video-token linears and cross-attention's k/v over the text.
             for _ in 0..2 {
-                linear(&txt, &w_dd, Some(&bias_d))?;
+                linear(txt, w_dd, Some(bias_d))?;
             }
-            k::linear_residual(&h, &w_dd, Some(&bias_d), &h, Some(&gate))?;
-            k::linear_residual(&h, &w_dd, Some(&bias_d), &h, None)?;
-            k::linear_gelu_tanh(&h, &w_up, &bias_f)?;
-            Ok(k::linear_residual(
-                &h_ffn,
-                &w_down,
-                Some(&bias_d),
-                &h,
-                Some(&gate),
-            )?)
+            ops.video_linears()
         })?;
         // The residual branches: projection then gated_residual / add (before) against the
         // residual in the GEMM (now), self-attention's and the FFN's gated ones and cross-attention's.
         let residual_unfused = median_per_call(device, 1, reps, 1, || {
-            k::gated_residual(&h, &linear(&h, &w_dd, Some(&bias_d))?, &gate)?;
-            k::add(&h, &linear(&h, &w_dd, Some(&bias_d))?)?;
+            k::gated_residual(h, &linear(h, w_dd, Some(bias_d))?, gate)?;
+            k::add(h, &linear(h, w_dd, Some(bias_d))?)?;
             Ok(k::gated_residual(
-                &h,
-                &linear(&h_ffn, &w_down, Some(&bias_d))?,
-                &gate,
+                h,
+                &linear(h_ffn, w_down, Some(bias_d))?,
+                gate,
             )?)
         })?;
         let residual_fused = median_per_call(device, 1, reps, 1, || {
-            k::linear_residual(&h, &w_dd, Some(&bias_d), &h, Some(&gate))?;
-            k::linear_residual(&h, &w_dd, Some(&bias_d), &h, None)?;
+            k::linear_residual(h, w_dd, Some(bias_d), h, Some(gate))?;
+            k::linear_residual(h, w_dd, Some(bias_d), h, None)?;
             Ok(k::linear_residual(
-                &h_ffn,
-                &w_down,
-                Some(&bias_d),
-                &h,
-                Some(&gate),
+                h_ffn,
+                w_down,
+                Some(bias_d),
+                h,
+                Some(gate),
             )?)
         })?;
         println!(
@@ -623,11 +618,11 @@ fn main() -> Result<()> {
         let grid = [latent[2], latent[3] / 2, latent[4] / 2];
         let (cos, sin) = k::rope_tables_3d(grid, hd, 10_000.0, device)?;
         let qk_unfused = median_per_call(device, 1, reps, 1, || {
-            let n = k::rms_norm(&h, &w_norm, 1e-6)?.reshape(&[1, l, heads, hd])?;
+            let n = k::rms_norm(h, &w_norm, 1e-6)?.reshape(&[1, l, heads, hd])?;
             Ok(k::apply_rope(&n, &cos, &sin)?)
         })?;
         let qk_fused = median_per_call(device, 1, reps, 1, || {
-            Ok(k::rms_norm_rope(&h, &w_norm, 1e-6, &cos, &sin, heads)?)
+            Ok(k::rms_norm_rope(h, &w_norm, 1e-6, &cos, &sin, heads)?)
         })?;
         println!(
             "RESULT\tours\tq/k rms_norm + rope, unfused → fused (×2×{layers})\t{:.3} → {:.3}\tms",
@@ -636,10 +631,10 @@ fn main() -> Result<()> {
         );
         // The FFN's up-projection and GELU: as two ops (before) and fused into the GEMM (now).
         let up_unfused = median_per_call(device, 1, reps, 1, || {
-            Ok(k::gelu_tanh(&linear(&h, &w_up, Some(&bias_f))?)?)
+            Ok(k::gelu_tanh(&linear(h, w_up, Some(bias_f))?)?)
         })?;
         let up_fused = median_per_call(device, 1, reps, 1, || {
-            Ok(k::linear_gelu_tanh(&h, &w_up, &bias_f)?)
+            Ok(k::linear_gelu_tanh(h, w_up, bias_f)?)
         })?;
         println!(
             "RESULT\tours\tffn up + gelu, unfused → fused (×{layers})\t{:.3} → {:.3}\tms",

@@ -2,7 +2,9 @@
 //! transformer (both CFG branches batched into one forward), Wan2.2-A14B expert switching, a
 //! progress callback after every step that can cancel the request.
 //!
-//! Latents stay f32 between steps, as in diffusers; the model sees them in its own dtype.
+//! Latents stay f32 between steps, as in diffusers, and on the model's device: the CFG combine and
+//! the sampler update run there too (`sampler`'s element-wise ops), so nothing of the latent
+//! crosses to the host inside the loop. The model sees the latent in its own dtype.
 
 use ditstream_common::config::SamplerKind;
 use ditstream_kernels::{DType, Device, Tensor};
@@ -98,7 +100,8 @@ pub fn make_sampler(params: &DenoiseParams) -> Result<Box<dyn Sampler>, SamplerE
 
 /// Runs the loop from `latents` [1, C, T, H, W] (f32) with the prompt's text states `cond`
 /// [1, S, text_dim] and the negative prompt's `uncond` (same shape; required when CFG is on),
-/// calling `on_step` after every step. Returns the final latent [1, C, T, H, W] in f32.
+/// calling `on_step` after every step. Returns the final latent [1, C, T, H, W] in f32, on the
+/// device `latents` came on.
 pub fn denoise(
     experts: Experts<'_>,
     params: &DenoiseParams,
@@ -150,8 +153,10 @@ pub fn denoise_interruptible(
         }
     };
     let batch = context.shape()[0];
-    let mut x = latents.to_vec_f32().map_err(ModelError::from)?;
-    let shape = latents.shape().to_vec();
+    let mut x = latents
+        .to_dtype(DType::F32)
+        .and_then(|x| x.to_device(experts.high.device()))
+        .map_err(ModelError::from)?;
     let steps = sampler.steps();
     for k in 0..steps {
         let t = sampler.timestep(k);
@@ -162,16 +167,15 @@ pub fn denoise_interruptible(
             ),
             _ => (experts.high, params.guidance_scale),
         };
-        let input = Tensor::from_vec(x.clone(), &shape).map_err(ModelError::from)?;
         let input = if batch == 2 {
-            Tensor::concat(&[&input, &input], 0).map_err(ModelError::from)?
+            Tensor::concat(&[&x, &x], 0).map_err(ModelError::from)?
         } else {
-            input
+            x.clone()
         };
         let timestep =
             Tensor::from_vec(vec![t as f32; batch], &[batch]).map_err(ModelError::from)?;
         let v = match model.forward_interruptible(&input, &timestep, &context, interrupted) {
-            Ok(v) => v.to_vec_f32().map_err(ModelError::from)?,
+            Ok(v) => v.to_dtype(DType::F32).map_err(ModelError::from)?,
             Err(ModelError::Interrupted { .. }) => {
                 return Err(DenoiseError::Cancelled {
                     after_step: k,
@@ -180,11 +184,17 @@ pub fn denoise_interruptible(
             }
             Err(e) => return Err(e.into()),
         };
-        let mut v_cond = v[..x.len()].to_vec();
-        if cfg {
-            cfg_combine(&mut v_cond, &v[x.len()..], guidance);
-        }
-        sampler.step(&v_cond, &mut x)?;
+        let v = if cfg {
+            let (c, u) = (v.narrow(0, 0, 1), v.narrow(0, 1, 1));
+            cfg_combine(
+                &c.map_err(ModelError::from)?,
+                &u.map_err(ModelError::from)?,
+                guidance,
+            )?
+        } else {
+            v
+        };
+        x = sampler.step(&v, &x)?;
         if on_step(StepProgress {
             step: k + 1,
             steps,
@@ -197,5 +207,5 @@ pub fn denoise_interruptible(
             });
         }
     }
-    Ok(Tensor::from_vec(x, &shape).map_err(ModelError::from)?)
+    Ok(x.to_device(latents.device()).map_err(ModelError::from)?)
 }

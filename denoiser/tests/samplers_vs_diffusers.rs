@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
 
 use ditstream_denoiser::sampler::{FlowEuler, FlowUniPc, Sampler};
+use ditstream_kernels::Tensor;
 use safetensors::SafeTensors;
 
 const FIXTURE: &[u8] = include_bytes!("fixtures/schedulers.safetensors");
@@ -32,16 +33,17 @@ fn check(name: &str, mut sampler: Box<dyn Sampler>) {
         assert_eq!(sampler.timestep(k), t, "{name}: timestep {k}");
     }
     let len = xs.len() / (n + 1);
-    let mut x = xs[..len].to_vec();
+    let t = |v: &[f32]| Tensor::from_vec(v.to_vec(), &[len]).unwrap();
+    let mut x = t(&xs[..len]);
     for k in 0..n {
-        sampler.step(&vs[k * len..(k + 1) * len], &mut x).unwrap();
+        x = sampler.step(&t(&vs[k * len..(k + 1) * len]), &x).unwrap();
         let want = &xs[(k + 1) * len..(k + 2) * len];
         // Tolerance: diffusers forms the step coefficients in f32 (ours in f64) and sums the
         // terms in another order. Each coefficient is off by a few ulps (~1e-7 relative), and
         // values are O(1–10), so per-step differences are ~1e-6; UniPC's multistep feedback over
         // 50 steps amplifies them by at most ~10×. 1e-5·(1 + |x|) bounds that with margin and
         // still catches any wrong coefficient (those show up at 1e-2 or more).
-        for (i, (&got, &w)) in x.iter().zip(want).enumerate() {
+        for (i, (&got, &w)) in x.to_vec_f32().unwrap().iter().zip(want).enumerate() {
             assert!(
                 (got - w).abs() <= 1e-5 * (1.0 + w.abs()),
                 "{name}: step {k} element {i}: got {got}, diffusers {w}"
@@ -49,7 +51,7 @@ fn check(name: &str, mut sampler: Box<dyn Sampler>) {
         }
     }
     assert!(
-        sampler.step(&vs[..len], &mut x).is_err(),
+        sampler.step(&t(&vs[..len]), &x).is_err(),
         "{name}: step past the end must fail"
     );
 }
@@ -100,9 +102,10 @@ fn bad_schedules_are_refused() {
         "shift = -1: must be a positive number"
     );
     let mut s = FlowEuler::new(2, 3.0).unwrap();
-    let mut x = vec![0.0; 3];
-    assert!(
-        s.step(&[0.0; 2], &mut x).is_err(),
-        "mismatched lengths must fail"
+    let x = Tensor::from_vec(vec![0.0; 3], &[3]).unwrap();
+    let v = Tensor::from_vec(vec![0.0; 2], &[2]).unwrap();
+    assert_eq!(
+        s.step(&v, &x).unwrap_err().to_string(),
+        "latent has shape [3] but the model output has shape [2]"
     );
 }

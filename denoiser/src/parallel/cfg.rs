@@ -51,8 +51,10 @@ pub fn denoise<C: TensorWire>(
     }
     let mut sampler = make_sampler(params).map_err(DenoiseError::from)?;
     let branches = branches(comms, params, cond, uncond)?;
-    let mut x = latents.to_vec_f32()?;
-    let shape = latents.shape().to_vec();
+    // The latent stays on this rank's device between steps (see `crate::denoise`).
+    let mut x = latents
+        .to_dtype(DType::F32)?
+        .to_device(experts.high.device())?;
     let steps = sampler.steps();
     for k in 0..steps {
         let t = sampler.timestep(k);
@@ -63,34 +65,41 @@ pub fn denoise<C: TensorWire>(
             ),
             _ => (experts.high, params.guidance_scale),
         };
-        let input = Tensor::from_vec(x.clone(), &shape)?;
-        let v = match &branches {
+        // The conditional and unconditional predictions, f32, each of the latent's shape.
+        let (v_cond, v_uncond) = match &branches {
             Branches::Single(context) => {
                 let timestep = Tensor::from_vec(vec![t as f32], &[1])?;
-                forward(model, comms, &input, &timestep, context)?.to_vec_f32()?
+                (forward(model, comms, &x, &timestep, context)?, None)
             }
             Branches::Batched(context) => {
-                let input = Tensor::concat(&[&input, &input], 0)?;
+                let input = Tensor::concat(&[&x, &x], 0)?;
                 let timestep = Tensor::from_vec(vec![t as f32; 2], &[2])?;
-                let v = forward(model, comms, &input, &timestep, context)?.to_vec_f32()?;
-                let (v_cond, v_uncond) = v.split_at(x.len());
-                let mut v_cond = v_cond.to_vec();
-                cfg_combine(&mut v_cond, v_uncond, guidance);
-                v_cond
+                let v = forward(model, comms, &input, &timestep, context)?;
+                (v.narrow(0, 0, 1)?, Some(v.narrow(0, 1, 1)?))
             }
             Branches::Split(context) => {
                 let timestep = Tensor::from_vec(vec![t as f32], &[1])?;
-                let mine = forward(model, comms, &input, &timestep, context)?;
+                let mine = forward(model, comms, &x, &timestep, context)?;
                 let cfg_comm = comms.cfg.as_ref().ok_or_else(|| missing_cfg(comms))?;
                 // [2, 1, C, T, H, W]: index 0 is the conditional prediction (cfg rank 0).
-                let both = wire::all_gather(cfg_comm, &mine.to_dtype(DType::F32)?)?.to_vec_f32()?;
-                let (v_cond, v_uncond) = both.split_at(x.len());
-                let mut v_cond = v_cond.to_vec();
-                cfg_combine(&mut v_cond, v_uncond, guidance);
-                v_cond
+                let both = wire::all_gather(cfg_comm, &mine.to_dtype(DType::F32)?)?;
+                // (Where the wire gathers off the device, the halves come back to it.)
+                let (shape, device) = (x.shape(), x.device());
+                let part = |i| {
+                    both.narrow(0, i, 1)
+                        .and_then(|p| p.reshape(shape))
+                        .and_then(|p| p.to_device(device))
+                };
+                (part(0)?, Some(part(1)?))
             }
         };
-        sampler.step(&v, &mut x).map_err(DenoiseError::from)?;
+        let v_cond = v_cond.to_dtype(DType::F32)?;
+        let v = match v_uncond {
+            Some(u) => cfg_combine(&v_cond, &u.to_dtype(DType::F32)?, guidance)
+                .map_err(DenoiseError::from)?,
+            None => v_cond,
+        };
+        x = sampler.step(&v, &x).map_err(DenoiseError::from)?;
         let verdict = on_step(StepProgress {
             step: k + 1,
             steps,
@@ -104,7 +113,7 @@ pub fn denoise<C: TensorWire>(
             .into());
         }
     }
-    Ok(Tensor::from_vec(x, &shape)?)
+    Ok(x.to_device(latents.device())?)
 }
 
 /// Picks this rank's branch layout, checking the text states as the single-rank loop does.

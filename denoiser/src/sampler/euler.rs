@@ -1,7 +1,9 @@
 //! Flow-matching Euler (diffusers `FlowMatchEulerDiscreteScheduler` with a static shift):
 //! `x ← x + (σ_{k+1} − σ_k)·v`.
 
-use super::{NUM_TRAIN_TIMESTEPS, Sampler, SamplerError, shift_sigma};
+use ditstream_kernels::{Tensor, add, scale};
+
+use super::{NUM_TRAIN_TIMESTEPS, Sampler, SamplerError, shift_sigma, velocity};
 
 /// Flow-matching Euler sampler.
 #[derive(Debug, Clone)]
@@ -66,7 +68,7 @@ impl Sampler for FlowEuler {
         self.step
     }
 
-    fn step(&mut self, v: &[f32], latent: &mut [f32]) -> Result<(), SamplerError> {
+    fn step(&mut self, v: &Tensor, latent: &Tensor) -> Result<Tensor, SamplerError> {
         let k = self.step;
         if k >= self.steps() {
             return Err(SamplerError::Finished {
@@ -74,18 +76,11 @@ impl Sampler for FlowEuler {
                 steps: self.steps(),
             });
         }
-        if v.len() != latent.len() {
-            return Err(SamplerError::Length {
-                latent: latent.len(),
-                output: v.len(),
-            });
-        }
-        // Diffusers subtracts the f32 sigmas, then multiplies in f32.
+        let v = velocity(v, latent)?;
+        // Diffusers subtracts the f32 sigmas, then multiplies in f32: x + dt·v.
         let dt = self.sigmas[k + 1] - self.sigmas[k];
-        for (x, v) in latent.iter_mut().zip(v) {
-            *x += dt * v;
-        }
+        let next = add(latent, &scale(&v, dt)?)?;
         self.step += 1;
-        Ok(())
+        Ok(next)
     }
 }

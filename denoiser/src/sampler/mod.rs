@@ -1,12 +1,16 @@
 //! Flow-matching samplers, diffusers-exact: the schedule of sigmas and model timesteps, and the
 //! per-step update of the latent from the model's velocity prediction. Also the CFG combine.
 //!
-//! Every update is a linear combination of a few latent-sized buffers with scalar coefficients.
-//! The scalars are computed here once per step in f64; the element-wise work is [`lincomb`], which
-//! a device backend can replace with one fused kernel given the same coefficients.
+//! Every update is a linear combination of a few latent-sized tensors with scalar coefficients.
+//! The scalars are computed here once per step in f64; the element-wise work is [`lincomb`] on
+//! f32 tensors where the latent lives, so on a GPU the latent never leaves it between steps.
+//! Each product and each sum rounds once in f32 (no fused multiply-add), on every device: the
+//! GPU's steps are the CPU's bit for bit.
 
 mod euler;
 mod unipc;
+
+use ditstream_kernels::{DType, KernelError, Tensor, add, scale, sub};
 
 pub use euler::FlowEuler;
 pub use unipc::FlowUniPc;
@@ -28,14 +32,17 @@ pub enum SamplerError {
         /// Steps in the schedule.
         steps: usize,
     },
-    /// Buffers of different lengths.
-    #[error("latent has {latent} values but the model output has {output}")]
-    Length {
-        /// Latent length.
-        latent: usize,
-        /// Model output length.
-        output: usize,
+    /// The model output's shape is not the latent's.
+    #[error("latent has shape {latent:?} but the model output has shape {output:?}")]
+    Shape {
+        /// Latent shape.
+        latent: Vec<usize>,
+        /// Model output shape.
+        output: Vec<usize>,
     },
+    /// An element-wise op failed (e.g. the tensors are on different devices).
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
 }
 
 /// Diffusers' training horizon: model timesteps are σ·1000.
@@ -56,47 +63,72 @@ pub trait Sampler: Send {
     fn sigma(&self, k: usize) -> f64;
     /// Steps done so far.
     fn step_index(&self) -> usize;
-    /// Advances `latent` in place by one step, given the model's velocity `v` at the current step.
-    fn step(&mut self, v: &[f32], latent: &mut [f32]) -> Result<(), SamplerError>;
+    /// The latent one step on (f32, on the latent's device), given the model's velocity `v` at
+    /// the current step (the latent's shape and device; converted to f32 if it is not).
+    fn step(&mut self, v: &Tensor, latent: &Tensor) -> Result<Tensor, SamplerError>;
 }
 
-/// `out[i] = Σ_j coef_j · src_j[i]`, accumulated in f32 in the order given. All sources and `out`
-/// have the same length (checked by the callers).
-pub fn lincomb(out: &mut [f32], terms: &[(f64, &[f32])]) {
-    for (i, o) in out.iter_mut().enumerate() {
-        let mut acc = 0.0f32;
-        for (coef, src) in terms {
-            acc += *coef as f32 * src[i];
-        }
-        *o = acc;
+/// The sampler's checks on a step's operands: `v` in f32, of the latent's shape.
+fn velocity(v: &Tensor, latent: &Tensor) -> Result<Tensor, SamplerError> {
+    if v.shape() != latent.shape() {
+        return Err(SamplerError::Shape {
+            latent: latent.shape().to_vec(),
+            output: v.shape().to_vec(),
+        });
     }
+    Ok(v.to_dtype(DType::F32)?)
 }
 
-/// Classifier-free guidance, in place on the conditional prediction:
-/// `cond ← uncond + g·(cond − uncond)`. Diffusers skips the unconditional pass when g ≤ 1, so
-/// callers only combine when g > 1.
-pub fn cfg_combine(cond: &mut [f32], uncond: &[f32], guidance_scale: f64) {
-    let g = guidance_scale as f32;
-    for (c, u) in cond.iter_mut().zip(uncond) {
-        *c = u + g * (*c - u);
+/// `Σ_j coef_j · src_j` element-wise, accumulated in f32 in the order given (the coefficients
+/// rounded to f32 first), on the sources' device. All sources are f32 of one shape; `terms` is not
+/// empty.
+pub fn lincomb(terms: &[(f64, &Tensor)]) -> Result<Tensor, SamplerError> {
+    let ((c0, s0), rest) = terms
+        .split_first()
+        .expect("every update has at least one term");
+    let mut acc = scale(s0, *c0 as f32)?;
+    for (coef, src) in rest {
+        acc = add(&acc, &scale(src, *coef as f32)?)?;
     }
+    Ok(acc)
+}
+
+/// Classifier-free guidance: `uncond + g·(cond − uncond)` (diffusers' order of operations), f32
+/// tensors of one shape. Diffusers skips the unconditional pass when g ≤ 1, so callers only
+/// combine when g > 1.
+pub fn cfg_combine(
+    cond: &Tensor,
+    uncond: &Tensor,
+    guidance_scale: f64,
+) -> Result<Tensor, SamplerError> {
+    Ok(add(
+        uncond,
+        &scale(&sub(cond, uncond)?, guidance_scale as f32)?,
+    )?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn cfg_combine_matches_the_formula() {
-        let mut c = vec![1.0, -2.0, 0.5];
-        cfg_combine(&mut c, &[0.0, 1.0, 0.5], 5.0);
-        assert_eq!(c, vec![5.0, -14.0, 0.5]);
+    fn t(v: &[f32]) -> Tensor {
+        Tensor::from_vec(v.to_vec(), &[v.len()]).unwrap()
     }
 
     #[test]
-    fn lincomb_sums_terms() {
-        let mut out = vec![0.0; 2];
-        lincomb(&mut out, &[(2.0, &[1.0, 2.0]), (-1.0, &[0.5, 4.0])]);
-        assert_eq!(out, vec![1.5, 0.0]);
+    fn cfg_combine_matches_the_formula() {
+        let c = cfg_combine(&t(&[1.0, -2.0, 0.5]), &t(&[0.0, 1.0, 0.5]), 5.0).unwrap();
+        assert_eq!(c.to_vec_f32().unwrap(), vec![5.0, -14.0, 0.5]);
+    }
+
+    #[test]
+    fn lincomb_sums_terms_in_order_rounding_each_step() {
+        let out = lincomb(&[(2.0, &t(&[1.0, 2.0])), (-1.0, &t(&[0.5, 4.0]))]).unwrap();
+        assert_eq!(out.to_vec_f32().unwrap(), vec![1.5, 0.0]);
+        // 1 + 2⁻²⁴ rounds to 1 before −1 is added: the host loop's order and roundings, not a
+        // fused or reordered sum (which would give 2⁻²⁴).
+        let tiny = 2f32.powi(-24);
+        let out = lincomb(&[(1.0, &t(&[1.0])), (1.0, &t(&[tiny])), (-1.0, &t(&[1.0]))]).unwrap();
+        assert_eq!(out.to_vec_f32().unwrap(), vec![0.0]);
     }
 }

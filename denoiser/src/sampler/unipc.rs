@@ -11,7 +11,9 @@
 //! Coefficients are computed in f64 from the f32 sigmas; diffusers computes them in f32. The
 //! difference is a few f32 ulps of the coefficients, which the fixture test bounds.
 
-use super::{NUM_TRAIN_TIMESTEPS, Sampler, SamplerError, lincomb, shift_sigma};
+use ditstream_kernels::{Tensor, scale, sub};
+
+use super::{NUM_TRAIN_TIMESTEPS, Sampler, SamplerError, lincomb, shift_sigma, velocity};
 
 /// Flow-matching UniPC sampler (order 2, bh2).
 #[derive(Debug, Clone)]
@@ -21,9 +23,9 @@ pub struct FlowUniPc {
     /// Model timesteps: ⌊σ_k·1000⌋ computed in f64 before the f32 cast, as diffusers does.
     timesteps: Vec<i64>,
     /// m_{k−1}, m_k: the last two clean-sample estimates (diffusers' `model_outputs`).
-    history: [Option<Vec<f32>>; 2],
+    history: [Option<Tensor>; 2],
     /// The sample before the last predictor (diffusers' `last_sample`), for the corrector.
-    last_sample: Option<Vec<f32>>,
+    last_sample: Option<Tensor>,
     /// Order of the last predictor (diffusers' `this_order`).
     last_order: usize,
     /// Steps done, capped at the solver order (diffusers' `lower_order_nums`).
@@ -82,7 +84,7 @@ impl FlowUniPc {
     /// UniC: the corrected sample at step k from `last_sample` (the sample before the previous
     /// predictor), the history m_{k−2}, m_{k−1} and the new estimate `m_k`, at the previous
     /// predictor's `order`.
-    fn correct(&self, m_k: &[f32], out: &mut [f32]) {
+    fn correct(&self, m_k: &Tensor) -> Result<Tensor, SamplerError> {
         let k = self.step;
         let (Some(x), Some(m0)) = (&self.last_sample, &self.history[1]) else {
             unreachable!("the corrector runs from the second step on, after the history is filled")
@@ -108,28 +110,22 @@ impl FlowUniPc {
         };
         let c_corr = -alpha_t * b_h;
         match (&self.history[0], self.last_order) {
-            (Some(m_prev), 2) => lincomb(
-                out,
-                &[
-                    (a, x),
-                    (-alpha_t * phi - c_corr * rho_d / r + c_corr * -rho_t, m0),
-                    (c_corr * rho_d / r, m_prev),
-                    (c_corr * rho_t, m_k),
-                ],
-            ),
-            _ => lincomb(
-                out,
-                &[
-                    (a, x),
-                    (-alpha_t * phi - c_corr * rho_t, m0),
-                    (c_corr * rho_t, m_k),
-                ],
-            ),
+            (Some(m_prev), 2) => lincomb(&[
+                (a, x),
+                (-alpha_t * phi - c_corr * rho_d / r + c_corr * -rho_t, m0),
+                (c_corr * rho_d / r, m_prev),
+                (c_corr * rho_t, m_k),
+            ]),
+            _ => lincomb(&[
+                (a, x),
+                (-alpha_t * phi - c_corr * rho_t, m0),
+                (c_corr * rho_t, m_k),
+            ]),
         }
     }
 
     /// UniP: x_{k+1} from the (corrected) sample `x` and the history, at `order`.
-    fn predict(&self, x: &[f32], order: usize, out: &mut [f32]) {
+    fn predict(&self, x: &Tensor, order: usize) -> Result<Tensor, SamplerError> {
         let k = self.step;
         let Some(m0) = &self.history[1] else {
             unreachable!("the predictor runs after m_k is pushed")
@@ -147,9 +143,9 @@ impl FlowUniPc {
                 // ρ is 0.5.
                 let r = (lambda(self.sigma64(k - 1)) - lambda(sigma_s0)) / h;
                 let c = -alpha_t * b_h * 0.5 / r;
-                lincomb(out, &[(a, x), (-alpha_t * phi - c, m0), (c, m1)]);
+                lincomb(&[(a, x), (-alpha_t * phi - c, m0), (c, m1)])
             }
-            _ => lincomb(out, &[(a, x), (-alpha_t * phi, m0)]),
+            _ => lincomb(&[(a, x), (-alpha_t * phi, m0)]),
         }
     }
 }
@@ -171,32 +167,28 @@ impl Sampler for FlowUniPc {
         self.step
     }
 
-    fn step(&mut self, v: &[f32], latent: &mut [f32]) -> Result<(), SamplerError> {
+    fn step(&mut self, v: &Tensor, latent: &Tensor) -> Result<Tensor, SamplerError> {
         let (k, n) = (self.step, self.steps());
         if k >= n {
             return Err(SamplerError::Finished { step: k, steps: n });
         }
-        if v.len() != latent.len() {
-            return Err(SamplerError::Length {
-                latent: latent.len(),
-                output: v.len(),
-            });
-        }
-        let sigma = self.sigmas[k];
-        let m_k: Vec<f32> = latent.iter().zip(v).map(|(x, v)| x - sigma * v).collect();
-        if k > 0 {
-            self.correct(&m_k, latent);
-        }
+        let v = velocity(v, latent)?;
+        // m_k = x − σ_k·v.
+        let m_k = sub(latent, &scale(&v, self.sigmas[k])?)?;
+        let x = if k > 0 {
+            self.correct(&m_k)?
+        } else {
+            latent.clone()
+        };
         self.history.swap(0, 1);
         self.history[1] = Some(m_k);
         // Lower order at the end, and while the history is filling.
         let order = SOLVER_ORDER.min(n - k).min(self.lower_order_nums + 1);
-        let x = latent.to_vec();
-        self.predict(&x, order, latent);
+        let next = self.predict(&x, order)?;
         self.last_sample = Some(x);
         self.last_order = order;
         self.lower_order_nums = (self.lower_order_nums + 1).min(SOLVER_ORDER);
         self.step += 1;
-        Ok(())
+        Ok(next)
     }
 }

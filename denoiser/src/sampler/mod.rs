@@ -4,8 +4,9 @@
 //! Every update is a linear combination of a few latent-sized tensors with scalar coefficients.
 //! The scalars are computed here once per step in f64; the element-wise work is [`lincomb`] on
 //! f32 tensors where the latent lives, so on a GPU the latent never leaves it between steps.
-//! Each product and each sum rounds once in f32 (no fused multiply-add), on every device: the
-//! GPU's steps are the CPU's bit for bit.
+//! Each product and each sum rounds once in f32 (no fused multiply-add: separate `scale`, `add`
+//! and `sub` ops), on every device, so a GPU takes the CPU's steps with the CPU's roundings (up to
+//! the sign of a zero).
 
 mod euler;
 mod unipc;

@@ -80,14 +80,11 @@ fn velocity(v: &Tensor, latent: &Tensor) -> Result<Tensor, SamplerError> {
     Ok(v.to_dtype(DType::F32)?)
 }
 
-/// `Σ_j coef_j · src_j` element-wise, accumulated in f32 in the order given (the coefficients
-/// rounded to f32 first), on the sources' device. All sources are f32 of one shape; `terms` is not
-/// empty.
-pub fn lincomb(terms: &[(f64, &Tensor)]) -> Result<Tensor, SamplerError> {
-    let ((c0, s0), rest) = terms
-        .split_first()
-        .expect("every update has at least one term");
-    let mut acc = scale(s0, *c0 as f32)?;
+/// `Σ_j coef_j · src_j` element-wise over `first` then `rest`, accumulated in f32 in that order
+/// (the coefficients rounded to f32 first), on the sources' device. All sources are f32 of one
+/// shape.
+pub fn lincomb(first: (f64, &Tensor), rest: &[(f64, &Tensor)]) -> Result<Tensor, SamplerError> {
+    let mut acc = scale(first.1, first.0 as f32)?;
     for (coef, src) in rest {
         acc = add(&acc, &scale(src, *coef as f32)?)?;
     }
@@ -124,12 +121,12 @@ mod tests {
 
     #[test]
     fn lincomb_sums_terms_in_order_rounding_each_step() {
-        let out = lincomb(&[(2.0, &t(&[1.0, 2.0])), (-1.0, &t(&[0.5, 4.0]))]).unwrap();
+        let out = lincomb((2.0, &t(&[1.0, 2.0])), &[(-1.0, &t(&[0.5, 4.0]))]).unwrap();
         assert_eq!(out.to_vec_f32().unwrap(), vec![1.5, 0.0]);
         // 1 + 2⁻²⁴ rounds to 1 before −1 is added: the host loop's order and roundings, not a
         // fused or reordered sum (which would give 2⁻²⁴).
         let tiny = 2f32.powi(-24);
-        let out = lincomb(&[(1.0, &t(&[1.0])), (1.0, &t(&[tiny])), (-1.0, &t(&[1.0]))]).unwrap();
+        let out = lincomb((1.0, &t(&[1.0])), &[(1.0, &t(&[tiny])), (-1.0, &t(&[1.0]))]).unwrap();
         assert_eq!(out.to_vec_f32().unwrap(), vec![0.0]);
     }
 }

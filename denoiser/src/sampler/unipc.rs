@@ -110,17 +110,18 @@ impl FlowUniPc {
         };
         let c_corr = -alpha_t * b_h;
         match (&self.history[0], self.last_order) {
-            (Some(m_prev), 2) => lincomb(&[
+            (Some(m_prev), 2) => lincomb(
                 (a, x),
-                (-alpha_t * phi - c_corr * rho_d / r + c_corr * -rho_t, m0),
-                (c_corr * rho_d / r, m_prev),
-                (c_corr * rho_t, m_k),
-            ]),
-            _ => lincomb(&[
+                &[
+                    (-alpha_t * phi - c_corr * rho_d / r + c_corr * -rho_t, m0),
+                    (c_corr * rho_d / r, m_prev),
+                    (c_corr * rho_t, m_k),
+                ],
+            ),
+            _ => lincomb(
                 (a, x),
-                (-alpha_t * phi - c_corr * rho_t, m0),
-                (c_corr * rho_t, m_k),
-            ]),
+                &[(-alpha_t * phi - c_corr * rho_t, m0), (c_corr * rho_t, m_k)],
+            ),
         }
     }
 
@@ -143,9 +144,9 @@ impl FlowUniPc {
                 // ρ is 0.5.
                 let r = (lambda(self.sigma64(k - 1)) - lambda(sigma_s0)) / h;
                 let c = -alpha_t * b_h * 0.5 / r;
-                lincomb(&[(a, x), (-alpha_t * phi - c, m0), (c, m1)])
+                lincomb((a, x), &[(-alpha_t * phi - c, m0), (c, m1)])
             }
-            _ => lincomb(&[(a, x), (-alpha_t * phi, m0)]),
+            _ => lincomb((a, x), &[(-alpha_t * phi, m0)]),
         }
     }
 }

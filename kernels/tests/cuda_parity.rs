@@ -1736,7 +1736,7 @@ fn fp8_linears_match_cpu() -> Result<()> {
     // Every epilogue of the FP8 GEMM runs (each one reported, so one run says which cuBLASLt
     // refuses, if any).
     {
-        let x = randn(&[2, 24, 256], DType::BF16, 66).to_device(dev)?;
+        let x = k::Fp8Tensor::quantize(&randn(&[2, 24, 256], DType::BF16, 66).to_device(dev)?)?;
         let w = k::Fp8Tensor::quantize(&randn(&[256, 256], DType::BF16, 67).to_device(dev)?)?;
         let b = randn(&[256], DType::BF16, 68).to_device(dev)?;
         let res = randn(&[2, 24, 256], DType::BF16, 69).to_device(dev)?;
@@ -1777,7 +1777,8 @@ fn fp8_linears_match_cpu() -> Result<()> {
         let w = randn(&[outf, inf], DType::BF16, 62);
         let b = randn(&[outf], DType::BF16, 63);
         let res = randn(&[rows, outf], DType::BF16, 64);
-        let (gx, gb, gres) = (x.to_device(dev)?, b.to_device(dev)?, res.to_device(dev)?);
+        let gx = k::Fp8Tensor::quantize(&x.to_device(dev)?)?;
+        let (gb, gres) = (b.to_device(dev)?, res.to_device(dev)?);
         let (cw, gw) = (
             k::Fp8Tensor::quantize(&w)?,
             k::Fp8Tensor::quantize(&w.to_device(dev)?)?,
@@ -1811,10 +1812,11 @@ fn fp8_linears_match_cpu() -> Result<()> {
             })
         };
         let (xs, ress) = (pick(&x)?, pick(&res)?);
+        let qx = k::Fp8Tensor::quantize(&xs)?;
         let cpu_outs = [
-            k::linear_fp8(&xs, &cw, Some(&b))?,
-            k::linear_fp8_gelu_tanh(&xs, &cw, &b)?,
-            k::linear_fp8_residual(&xs, &cw, Some(&b), &ress, Some(&gate))?,
+            k::linear_fp8(&qx, &cw, Some(&b))?,
+            k::linear_fp8_gelu_tanh(&qx, &cw, &b)?,
+            k::linear_fp8_residual(&qx, &cw, Some(&b), &ress, Some(&gate))?,
         ];
         // A·s_x·s_w per element, from the codes: |qx|·|qw|ᵀ scaled.
         let abs_values = |t: &k::Fp8Tensor| -> Result<Tensor> {
@@ -1825,7 +1827,6 @@ fn fp8_linears_match_cpu() -> Result<()> {
                 .collect();
             Ok(Tensor::from_vec(v, t.shape())?)
         };
-        let qx = k::Fp8Tensor::quantize(&xs)?;
         let a = k::linear(&abs_values(&qx)?, &abs_values(&cw)?, None)?;
         let scaled = k::mul(
             &k::mul(&a, &qx.scales().reshape(&[xs.shape()[0], 1])?)?,
@@ -1851,6 +1852,82 @@ fn fp8_linears_match_cpu() -> Result<()> {
                 "PARITY\t{op}\tbf16\t[{rows}, {inf}]x[{outf}, {inf}]\t{:.3e}\tworst/bound {worst:.3}",
                 max_abs_diff(&got, cpu)?
             );
+        }
+    }
+    Ok(())
+}
+
+/// The norms that write e4m3 (`layer_norm_e4m3`, `layer_norm_modulate_e4m3`) are, on the GPU, the
+/// unfused norm then `Fp8Tensor::quantize` bit for bit: the fused kernels do the register-held norm's
+/// maths in its order (same threads per row), round to bf16 as it stores, and quantise as quant.cu
+/// does. Cases: the DiT's widths (1,536 and 5,120: the 14B's rows, 640 words over 160 threads), the
+/// modulation per sample and per token, LayerNorm without affine and with bf16 or f32 parameters,
+/// rows of very different magnitudes and an all-zero row; then shapes the fused kernels do not take
+/// (f32 x, an f32 output, a width that is not whole words), which must give the same as the
+/// composition too. The unfused ops are held to the CPU by `norms_match_cpu` and
+/// `fp8_linears_match_cpu`.
+#[test]
+fn fp8_norms_match_unfused() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    use ditstream_kernels as k;
+    if !ditstream_kernels::cuda::supports_fp8(0)? {
+        eprintln!("skipped: this GPU has no FP8 tensor cores");
+        return Ok(());
+    }
+    let same = |what: &str, fused: &k::Fp8Tensor, unfused: &k::Fp8Tensor| -> Result<()> {
+        let (fc, uc) = (fused.codes()?, unfused.codes()?);
+        let codes = fc.iter().zip(&uc).filter(|(a, b)| a != b).count();
+        let scales = differing_bits(fused.scales(), unfused.scales())?;
+        println!("PARITY\t{what} vs unfused gpu\t{codes} codes, {scales} scales differing\texact");
+        assert_eq!(
+            (codes, scales),
+            (0, 0),
+            "{what}: fused differs from norm then quantize"
+        );
+        assert_eq!(
+            (fused.shape(), fused.dtype()),
+            (unfused.shape(), unfused.dtype()),
+            "{what}"
+        );
+        Ok(())
+    };
+    // x [2, 7, d] with rows scaled by 1e-3, 1, 300 and row 1 all zero (LayerNorm then gives the
+    // bias or the shift alone).
+    let input = |d: usize, dtype: DType| -> Result<Tensor> {
+        let mut x = randn(&[2, 7, d], DType::F32, 71).to_vec_f32()?;
+        for (i, v) in x.iter_mut().enumerate() {
+            *v *= [1e-3f32, 1.0, 300.0][i / d % 3];
+        }
+        x[d..2 * d].fill(0.0);
+        Ok(Tensor::from_vec(x, &[2, 7, d])?
+            .to_dtype(dtype)?
+            .to_device(dev)?)
+    };
+    for (d, xdt, odt) in [
+        (1536, DType::BF16, DType::BF16),
+        (5120, DType::BF16, DType::BF16),
+        (1536, DType::F32, DType::BF16),
+        (1536, DType::BF16, DType::F32),
+        (36, DType::BF16, DType::BF16),
+    ] {
+        let x = input(d, xdt)?;
+        for (per, mod_shape) in [("per sample", [2, 1, d]), ("per token", [2, 7, d])] {
+            let shift = randn(&mod_shape, DType::F32, 72).to_device(dev)?;
+            let scale = randn(&mod_shape, DType::F32, 73).to_device(dev)?;
+            same(
+                &format!("layer_norm_modulate_e4m3 d {d} {xdt:?} → {odt:?}, {per}"),
+                &k::layer_norm_modulate_e4m3(&x, &shift, &scale, 1e-6, odt)?,
+                &k::Fp8Tensor::quantize(&k::layer_norm_modulate(&x, &shift, &scale, 1e-6, odt)?)?,
+            )?;
+        }
+        for pdt in [None, Some(DType::BF16), Some(DType::F32)] {
+            let w = pdt.map(|t| randn(&[d], t, 74).to_device(dev)).transpose()?;
+            let b = pdt.map(|t| randn(&[d], t, 75).to_device(dev)).transpose()?;
+            same(
+                &format!("layer_norm_e4m3 d {d} {xdt:?}, affine {pdt:?}"),
+                &k::layer_norm_e4m3(&x, w.as_ref(), b.as_ref(), 1e-6)?,
+                &k::Fp8Tensor::quantize(&k::layer_norm(&x, w.as_ref(), b.as_ref(), 1e-6)?)?,
+            )?;
         }
     }
     Ok(())

@@ -322,15 +322,18 @@ fn fp8_forward(
     let reps = args.iters.max(3);
     let video_flops = 2.0 * l as f64 * (d * d * 6 + 2 * d * ffn) as f64;
     let bf16 = median_per_call(device, 1, reps, 1, || ops.video_linears())?;
+    // Each linear quantises its own input here (as every FP8 linear did before the model's norms
+    // wrote e4m3 and q/k/v shared one quantisation), so the figure stays comparable across dates.
+    let q = k::Fp8Tensor::quantize;
     let e4m3 = median_per_call(device, 1, reps, 1, || {
         for _ in 0..4 {
-            k::linear_fp8(h, &q_dd, Some(bias_d))?;
+            k::linear_fp8(&q(h)?, &q_dd, Some(bias_d))?;
         }
-        k::linear_fp8_residual(h, &q_dd, Some(bias_d), h, Some(gate))?;
-        k::linear_fp8_residual(h, &q_dd, Some(bias_d), h, None)?;
-        k::linear_fp8_gelu_tanh(h, &q_up, bias_f)?;
+        k::linear_fp8_residual(&q(h)?, &q_dd, Some(bias_d), h, Some(gate))?;
+        k::linear_fp8_residual(&q(h)?, &q_dd, Some(bias_d), h, None)?;
+        k::linear_fp8_gelu_tanh(&q(h)?, &q_up, bias_f)?;
         Ok(k::linear_fp8_residual(
-            h_ffn,
+            &q(h_ffn)?,
             &q_down,
             Some(bias_d),
             h,

@@ -29,9 +29,10 @@ use std::sync::{Arc, Mutex};
 use ditstream_kernels::timeline::mark;
 use ditstream_kernels::weights::WeightSource;
 use ditstream_kernels::{
-    AttentionOptions, DType, Device, Fp8Tensor, Tensor, attention, gated_residual, gelu_tanh,
-    layer_norm, layer_norm_modulate, linear, linear_fp8, linear_fp8_gelu_tanh, linear_fp8_residual,
-    linear_gelu_tanh, linear_residual, rms_norm, rms_norm_rope, rope_tables_3d, silu,
+    AttentionOptions, DType, Device, Fp8Tensor, KernelError, Tensor, attention, gated_residual,
+    gelu_tanh, layer_norm, layer_norm_e4m3, layer_norm_modulate, layer_norm_modulate_e4m3, linear,
+    linear_fp8, linear_fp8_gelu_tanh, linear_fp8_residual, linear_gelu_tanh, linear_residual,
+    rms_norm, rms_norm_rope, rope_tables_3d, silu,
 };
 
 use super::{ModelError, WanConfig};
@@ -86,18 +87,6 @@ impl Loader<'_> {
     }
 }
 
-/// `LN(x)·(1 + scale) + shift` computed in f32 and stored once in `dtype`, as diffusers'
-/// `(norm(x.float()) * (1 + scale) + shift).type_as(x)`: x [.., D], shift/scale broadcasting to it.
-fn norm_modulate(
-    x: &Tensor,
-    shift: &Tensor,
-    scale: &Tensor,
-    eps: f32,
-    dtype: DType,
-) -> Result<Tensor, ModelError> {
-    Ok(layer_norm_modulate(x, shift, scale, eps, dtype)?)
-}
-
 /// A linear layer's weight [out, in]: in the model's dtype, or e4m3 with a scale per output
 /// channel (see [`WanTransformer::with_fp8_linears`]).
 #[derive(Debug, Clone)]
@@ -111,6 +100,14 @@ enum Weight {
 struct Linear {
     weight: Weight,
     bias: Option<Tensor>,
+}
+
+/// A linear layer's input as its weight reads it: dense, or quantised per token for an FP8 weight.
+/// Made by the layer ([`Linear::input`] and the norms beside it), so that layers of one kind share
+/// it (the q/k/v projections quantise their input once) and a norm can write it quantised.
+enum Input {
+    Dense(Tensor),
+    Fp8(Fp8Tensor),
 }
 
 impl Linear {
@@ -139,23 +136,68 @@ impl Linear {
         })
     }
 
+    /// x as this layer's input (quantised per token for an FP8 weight), to share with the layers
+    /// of its kind that read the same x.
+    fn input(&self, x: &Tensor) -> Result<Input, ModelError> {
+        Ok(match self.weight {
+            Weight::Dense(_) => Input::Dense(x.clone()),
+            Weight::Fp8(_) => Input::Fp8(Fp8Tensor::quantize(x)?),
+        })
+    }
+
+    /// `LN(x)·(1 + scale) + shift` computed in f32 and stored once in `dtype`, as diffusers'
+    /// `(norm(x.float()) * (1 + scale) + shift).type_as(x)` (x [.., D], shift/scale broadcasting to
+    /// it), as this layer's input: for an FP8 weight the norm writes it quantised (the same codes
+    /// as quantising the stored result, without it).
+    fn norm_modulate_input(
+        &self,
+        x: &Tensor,
+        (shift, scale): (&Tensor, &Tensor),
+        eps: f32,
+        dtype: DType,
+    ) -> Result<Input, ModelError> {
+        Ok(match self.weight {
+            Weight::Dense(_) => Input::Dense(layer_norm_modulate(x, shift, scale, eps, dtype)?),
+            Weight::Fp8(_) => Input::Fp8(layer_norm_modulate_e4m3(x, shift, scale, eps, dtype)?),
+        })
+    }
+
+    /// `layer_norm(x, weight, bias)` as this layer's input, as [`Self::norm_modulate_input`].
+    fn layer_norm_input(
+        &self,
+        x: &Tensor,
+        (weight, bias): (&Tensor, &Tensor),
+        eps: f32,
+    ) -> Result<Input, ModelError> {
+        Ok(match self.weight {
+            Weight::Dense(_) => Input::Dense(layer_norm(x, Some(weight), Some(bias), eps)?),
+            Weight::Fp8(_) => Input::Fp8(layer_norm_e4m3(x, Some(weight), Some(bias), eps)?),
+        })
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        self.forward_input(&self.input(x)?)
+    }
+
+    fn forward_input(&self, x: &Input) -> Result<Tensor, ModelError> {
         let b = self.bias.as_ref();
-        let y = match &self.weight {
-            Weight::Dense(w) => linear(x, w, b)?,
-            Weight::Fp8(w) => linear_fp8(x, w, b)?,
+        let y = match (&self.weight, x) {
+            (Weight::Dense(w), Input::Dense(x)) => linear(x, w, b)?,
+            (Weight::Fp8(w), Input::Fp8(x)) => linear_fp8(x, w, b)?,
+            (weight, x) => return Err(mismatched_input(weight, x)),
         };
         mark("linears");
         Ok(y)
     }
 
-    /// GELU(tanh) of [`forward`](Self::forward), fused into the GEMM where there is a bias (the
-    /// activation then sees the f32 sum, rounded once).
-    fn forward_gelu(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        let y = match (&self.weight, &self.bias) {
-            (Weight::Dense(w), Some(bias)) => linear_gelu_tanh(x, w, bias)?,
-            (Weight::Fp8(w), Some(bias)) => linear_fp8_gelu_tanh(x, w, bias)?,
-            (_, None) => gelu_tanh(&self.forward(x)?)?,
+    /// GELU(tanh) of [`forward_input`](Self::forward_input), fused into the GEMM where there is a
+    /// bias (the activation then sees the f32 sum, rounded once).
+    fn forward_gelu(&self, x: &Input) -> Result<Tensor, ModelError> {
+        let y = match (&self.weight, &self.bias, x) {
+            (Weight::Dense(w), Some(bias), Input::Dense(x)) => linear_gelu_tanh(x, w, bias)?,
+            (Weight::Fp8(w), Some(bias), Input::Fp8(x)) => linear_fp8_gelu_tanh(x, w, bias)?,
+            (_, None, _) => gelu_tanh(&self.forward_input(x)?)?,
+            (weight, _, x) => return Err(mismatched_input(weight, x)),
         };
         mark("linears");
         Ok(y)
@@ -177,11 +219,28 @@ impl Linear {
                 gated_residual(residual, &self.forward(x)?, g)?
             }
             (_, Weight::Dense(w)) => linear_residual(x, w, b, residual, gate)?,
-            (_, Weight::Fp8(w)) => linear_fp8_residual(x, w, b, residual, gate)?,
+            (_, Weight::Fp8(w)) => {
+                linear_fp8_residual(&Fp8Tensor::quantize(x)?, w, b, residual, gate)?
+            }
         };
         mark("linears");
         Ok(y)
     }
+}
+
+/// The error for an input made for another kind of weight (a bug: layers make their own inputs).
+fn mismatched_input(weight: &Weight, x: &Input) -> ModelError {
+    let kind = |fp8: bool| if fp8 { "e4m3" } else { "dense" };
+    KernelError::InvalidArgument {
+        op: "linear",
+        name: "x",
+        value: format!("{} activations", kind(matches!(x, Input::Fp8(_)))),
+        rule: format!(
+            "a layer with a {} weight reads its own kind of input",
+            kind(matches!(weight, Weight::Fp8(_)))
+        ),
+    }
+    .into()
 }
 
 /// One attention module (`attn1` self, `attn2` cross): q/k/v/out projections and the q/k
@@ -404,7 +463,9 @@ impl WanTransformer {
     /// The model with its blocks' linear layers in FP8 (`model.dtype: fp8`): the q/k/v/out
     /// projections of both attentions and the FFN's two, each weight quantised to e4m3 per output
     /// channel on the model's device (see `ditstream_kernels::Fp8Tensor`), their activations per
-    /// token at every call. The patch embedding, the condition embedders, the norms, the modulation
+    /// token at every call: written quantised by the norms before the self-attention's q/k/v (one
+    /// quantisation for the three), the cross-attention's q and the FFN, quantised on their own
+    /// before the output projections. The patch embedding, the condition embedders, the norms, the modulation
     /// and the head stay in the model's dtype. Block by block, so the bf16 weights of one block
     /// are freed as its FP8 ones are made (the clones that share them aside).
     pub fn with_fp8_linears(mut self) -> Result<WanTransformer, ModelError> {
@@ -618,19 +679,20 @@ impl WanTransformer {
         let (heads, hd) = (cfg.num_attention_heads, cfg.attention_head_dim);
         let (t1, t2) = &self.text_embedder;
         let text = context.to_device(self.device)?.to_dtype(self.dtype)?;
-        let projected = t2.forward(&t1.forward_gelu(&text)?)?;
+        let projected = t2.forward(&t1.forward_gelu(&t1.input(&text)?)?)?;
         let [b, s_txt] = [projected.shape()[0], projected.shape()[1]];
         let kv = self
             .blocks
             .iter()
             .map(|blk| {
                 let a = &blk.attn2;
-                let k = rms_norm(&a.to_k.forward(&projected)?, &a.norm_k, eps)?
+                let text = a.to_k.input(&projected)?;
+                let k = rms_norm(&a.to_k.forward_input(&text)?, &a.norm_k, eps)?
                     .reshape(&[b, s_txt, heads, hd])?;
                 mark("q/k norm");
                 let v = a
                     .to_v
-                    .forward(&projected)?
+                    .forward_input(&text)?
                     .reshape(&[b, s_txt, heads, hd])?;
                 Ok((k, v))
             })
@@ -710,13 +772,16 @@ impl WanTransformer {
 
         // Self-attention: h = LN(x)·(1 + m1) + m0; q/k RMSNorm across heads and RoPE (one pass
         // each), attention, then x + to_out(o)·m2 in the output projection's GEMM.
-        let h = norm_modulate(x, &m[0], &m[1], eps, self.dtype)?;
-        mark("norm + modulate");
         let a = &blk.attn1;
+        // One input for the three projections (quantised once, by the norm, for FP8 weights).
+        let h = a
+            .to_q
+            .norm_modulate_input(x, (&m[0], &m[1]), eps, self.dtype)?;
+        mark("norm + modulate");
         // Each projection's output is a temporary, freed once normed (the projections mark
         // themselves as "linears").
         let q = rms_norm_rope(
-            &a.to_q.forward(&h)?,
+            &a.to_q.forward_input(&h)?,
             &a.norm_q,
             eps,
             rope_cos,
@@ -725,7 +790,7 @@ impl WanTransformer {
         )?;
         mark("q/k norm + rope");
         let k = rms_norm_rope(
-            &a.to_k.forward(&h)?,
+            &a.to_k.forward_input(&h)?,
             &a.norm_k,
             eps,
             rope_cos,
@@ -733,20 +798,21 @@ impl WanTransformer {
             heads,
         )?;
         mark("q/k norm + rope");
-        let v = a.to_v.forward(&h)?.reshape(&[b, l, heads, hd])?;
+        let v = a.to_v.forward_input(&h)?.reshape(&[b, l, heads, hd])?;
         let o = attn.attend(&q, &k, &v)?.reshape(&[b, l, d])?;
         mark("self-attention");
         let x = a.to_out.forward_residual(&o, x, Some(&m[2]))?;
 
         // Cross-attention to the text: no RoPE, no mask, no gate; its keys and values come from
         // `embed`, once per request.
+        let a = &blk.attn2;
         let h = match &blk.norm2 {
-            Some((w, bias)) => layer_norm(&x, Some(w), Some(bias), eps)?,
-            None => x.clone(),
+            Some((w, bias)) => a.to_q.layer_norm_input(&x, (w, bias), eps)?,
+            None => a.to_q.input(&x)?,
         };
         mark("norm");
-        let a = &blk.attn2;
-        let q = rms_norm(&a.to_q.forward(&h)?, &a.norm_q, eps)?.reshape(&[b, l, heads, hd])?;
+        let q =
+            rms_norm(&a.to_q.forward_input(&h)?, &a.norm_q, eps)?.reshape(&[b, l, heads, hd])?;
         mark("q/k norm");
         let (k, v) = &cond.cross_kv[i];
         let o = attention(&q, k, v, AttentionOptions::default())?
@@ -756,7 +822,9 @@ impl WanTransformer {
         let x = a.to_out.forward_residual(&o, &x, None)?;
 
         // Feed-forward: h = LN(x)·(1 + m4) + m3; x + W2·GELU(W1·h)·m5 (the residual in W2's GEMM).
-        let h = norm_modulate(&x, &m[3], &m[4], eps, self.dtype)?;
+        let h = blk
+            .ffn_in
+            .norm_modulate_input(&x, (&m[3], &m[4]), eps, self.dtype)?;
         mark("norm + modulate");
         let f = blk.ffn_in.forward_gelu(&h)?;
         blk.ffn_out.forward_residual(&f, &x, Some(&m[5]))
@@ -785,9 +853,11 @@ impl WanTransformer {
             )?;
             (sum.narrow(1, 0, 1)?, sum.narrow(1, 1, 1)?)
         };
-        let h = norm_modulate(x, &shift, &scale, cfg.eps as f32, self.dtype)?;
+        let h =
+            self.proj_out
+                .norm_modulate_input(x, (&shift, &scale), cfg.eps as f32, self.dtype)?;
         mark("head");
-        let out = self.proj_out.forward(&h)?;
+        let out = self.proj_out.forward_input(&h)?;
         // [B, F', H', W', pt, ph, pw, C] → [B, C, F', pt, H', ph, W', pw] → [B, C, T, H, W].
         let [pt, ph, pw] = cfg.patch_size;
         let [f, hh, ww] = grid;

@@ -137,3 +137,31 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return r;
 }
 #endif
+
+// Shared by the e4m3 quantisations (quant.cu, norm.cu's *_e4m3 kernels).
+// Largest v over the block, returned to every thread. Blocks are a multiple of 32 threads, ≤ 1024.
+// fmaxf drops a NaN operand, as the CPU reference's f32::max does.
+__device__ float block_max(float v) {
+    __shared__ float partial[32];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();  // the previous row's readers are done with `partial`
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    float t = lane < (int)(blockDim.x / 32) ? partial[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
+    return t;
+}
+
+// A row's e4m3 scale from its largest magnitude: amax / 448, 1 for an all-zero row.
+__device__ __forceinline__ float e4m3_scale(float amax) { return amax > 0.0f ? amax / 448.0f : 1.0f; }
+
+#if __CUDA_ARCH__ >= 890
+// Two e4m3 codes in one 16-bit word, `lo` in the low byte (the lower address): round to nearest
+// even, saturated to ±448 (cvt's satfinite; its first source goes to the upper byte).
+__device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#endif

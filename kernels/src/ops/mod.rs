@@ -31,8 +31,8 @@ pub use elementwise::{
 pub use embedding::{Indices, embedding};
 pub use matmul::{linear, linear_gelu_tanh, linear_residual, matmul};
 pub use norm::{
-    layer_norm, layer_norm_modulate, rms_norm, rms_norm_channels, rms_norm_channels_silu,
-    rms_norm_rope,
+    layer_norm, layer_norm_e4m3, layer_norm_modulate, layer_norm_modulate_e4m3, rms_norm,
+    rms_norm_channels, rms_norm_channels_silu, rms_norm_rope,
 };
 pub use quant::{
     E4M3_MAX, FP8_ATTENTION_BLOCK, Fp8Tensor, attention_fp8, e4m3, e4m3_value, linear_fp8,

@@ -89,7 +89,7 @@ pub fn linear_residual(
     gate: Option<&Tensor>,
 ) -> Result<Tensor> {
     const OP: &str = "linear_residual";
-    let (rows, groups) = residual_groups(OP, x, w.shape(), bias, residual, gate)?;
+    let (rows, groups) = residual_groups(OP, x.shape(), w.shape(), bias, residual, gate)?;
     let (out_features, in_features) = (w.shape()[0], w.shape()[1]);
     let (w, bias) = match gate {
         None => (w.clone(), bias.cloned()),
@@ -127,7 +127,7 @@ pub fn linear_residual(
 /// sample of x's first dim, each over a contiguous run of rows).
 pub(crate) fn residual_groups(
     op: &'static str,
-    x: &Tensor,
+    x_shape: &[usize],
     w_shape: &[usize],
     bias: Option<&Tensor>,
     residual: &Tensor,
@@ -135,16 +135,16 @@ pub(crate) fn residual_groups(
 ) -> Result<(usize, usize)> {
     let contract = "x [.., in], w [out, in], bias [out], residual [.., out] (x's leading dims), \
                     gate [out], [1, 1, out] or [B, 1, out] (x [B, L, in])";
-    let rank = x.rank();
+    let rank = x_shape.len();
     let shapes_ok = rank >= 1
         && w_shape.len() == 2
-        && x.shape()[rank - 1] == w_shape[1]
+        && x_shape[rank - 1] == w_shape[1]
         && bias.is_none_or(|b| b.shape() == [w_shape[0]])
         && residual.rank() == rank
-        && residual.shape()[..rank - 1] == x.shape()[..rank - 1]
+        && residual.shape()[..rank - 1] == x_shape[..rank - 1]
         && residual.shape()[rank - 1] == w_shape[0];
     let bad = || {
-        let mut shapes = vec![x.shape(), w_shape, residual.shape()];
+        let mut shapes = vec![x_shape, w_shape, residual.shape()];
         shapes.extend(bias.map(|b| b.shape()));
         shapes.extend(gate.map(|g| g.shape()));
         KernelError::shape(op, contract, &shapes)
@@ -156,11 +156,11 @@ pub(crate) fn residual_groups(
     if in_features == 0 {
         return Err(KernelError::arg(op, "in", 0, "it must be at least 1"));
     }
-    let rows: usize = x.shape()[..rank - 1].iter().product();
+    let rows: usize = x_shape[..rank - 1].iter().product();
     let groups = match gate {
         None => 1,
         Some(g) if g.numel() == out_features => 1,
-        Some(g) if rank == 3 && g.shape() == [x.shape()[0], 1, out_features] => x.shape()[0],
+        Some(g) if rank == 3 && g.shape() == [x_shape[0], 1, out_features] => x_shape[0],
         Some(_) => return Err(bad()),
     };
     Ok((rows, groups))

@@ -5,7 +5,8 @@ use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::cuda::{CudaBackend, KernelSource, suffix};
-use crate::{DType, KernelError, Result, Tensor};
+use crate::ops::quant::cuda::Codes;
+use crate::{DType, Fp8Tensor, KernelError, Result, Tensor};
 
 pub(crate) const SOURCE: KernelSource = KernelSource {
     name: "norm",
@@ -149,6 +150,121 @@ pub(super) fn layer_norm_modulate(
             .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok(Tensor::from_cuda(out, x.shape()))
+}
+
+/// Where norm.cu's fused *_e4m3 kernels apply to x: bf16 rows on a GPU with FP8 that `row_kernel`
+/// holds in registers (with the same threads, hence the unfused kernel's reduction order). The
+/// backend and the threads per block, or None.
+fn e4m3_rows(
+    op: &'static str,
+    x: &Tensor,
+    d: usize,
+    ptrs: &[u64],
+) -> Result<Option<(std::sync::Arc<CudaBackend>, u32)>> {
+    let Ok(sx) = x.cuda_storage(op) else {
+        return Ok(None);
+    };
+    let backend = CudaBackend::get(sx.ordinal)?;
+    let (kernel, threads) = row_kernel("", x.dtype(), d, ptrs);
+    let fits = x.dtype() == DType::BF16 && kernel == "_rows" && backend.capability >= (8, 9);
+    Ok(fits.then_some((backend, threads)))
+}
+
+/// `layer_norm` with its output quantised per row (norm.cu's `layer_norm_rows_e4m3`), or None
+/// where the fused kernel does not apply (see `e4m3_rows`).
+pub(super) fn layer_norm_e4m3(
+    op: &'static str,
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    d: usize,
+    eps: f32,
+) -> Result<Option<Fp8Tensor>> {
+    let rows = x.numel().checked_div(d).unwrap_or(0);
+    if rows == 0 || !matches!(x.device(), crate::Device::Cuda(_)) {
+        return Ok(None);
+    }
+    let (wdtype, params) = params_in_common_dtype(&[weight, bias])?;
+    let (xp, wp, bp) = (
+        x.cuda_storage(op)?.ptr(),
+        ptr_or_null(op, params[0].as_ref())?,
+        ptr_or_null(op, params[1].as_ref())?,
+    );
+    let Some((backend, threads)) = e4m3_rows(op, x, d, &[xp, wp, bp])? else {
+        return Ok(None);
+    };
+    let codes = Codes::alloc(&backend, op, rows * d)?;
+    let scales = backend.alloc(DType::F32, rows)?;
+    let (qp, sp) = (codes.ptr(), scales.ptr());
+    let f = backend.function(
+        &SOURCE,
+        &format!("layer_norm_rows_e4m3_bf16_{}", suffix(wdtype)),
+    )?;
+    let (rows_i, d_i) = (rows as i64, int(op, "d", d)?);
+    let (has_w, has_b) = (i32::from(weight.is_some()), i32::from(bias.is_some()));
+    let mut launch = backend.stream.launch_builder(&f);
+    launch.arg(&xp).arg(&wp).arg(&bp).arg(&qp).arg(&sp);
+    launch
+        .arg(&rows_i)
+        .arg(&d_i)
+        .arg(&eps)
+        .arg(&has_w)
+        .arg(&has_b);
+    // SAFETY: x holds rows·d bf16, codes rows·d bytes (8-byte words: d is a multiple of 8), scales
+    // rows f32; weight/bias hold d (checked by the caller) or are unused; `e4m3_rows` checked the
+    // rows kernel's conditions and the GPU's FP8 support.
+    unsafe { launch.launch(row_grid(rows, threads)) }
+        .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    Ok(Some(Fp8Tensor::from_cuda(
+        x.shape(),
+        codes,
+        scales,
+        DType::BF16,
+    )))
+}
+
+/// `layer_norm_modulate` to bf16 with its output quantised per row (norm.cu's
+/// `layer_norm_modulate_rows_e4m3_bf16`), or None where the fused kernel does not apply.
+pub(super) fn layer_norm_modulate_e4m3(
+    op: &'static str,
+    x: &Tensor,
+    shift: &Tensor,
+    scale: &Tensor,
+    d: usize,
+    rows_per_mod: usize,
+    eps: f32,
+) -> Result<Option<Fp8Tensor>> {
+    let rows = x.numel().checked_div(d).unwrap_or(0);
+    if rows == 0 || !matches!(x.device(), crate::Device::Cuda(_)) {
+        return Ok(None);
+    }
+    let (xp, shp, scp) = (
+        x.cuda_storage(op)?.ptr(),
+        shift.cuda_storage(op)?.ptr(),
+        scale.cuda_storage(op)?.ptr(),
+    );
+    let Some((backend, threads)) = e4m3_rows(op, x, d, &[xp, shp, scp])? else {
+        return Ok(None);
+    };
+    let codes = Codes::alloc(&backend, op, rows * d)?;
+    let scales = backend.alloc(DType::F32, rows)?;
+    let (qp, sp) = (codes.ptr(), scales.ptr());
+    let f = backend.function(&SOURCE, "layer_norm_modulate_rows_e4m3_bf16")?;
+    let (rows_i, d_i, per_i) = (rows as i64, int(op, "d", d)?, rows_per_mod as i64);
+    let mut launch = backend.stream.launch_builder(&f);
+    launch.arg(&xp).arg(&shp).arg(&scp).arg(&qp).arg(&sp);
+    launch.arg(&rows_i).arg(&d_i).arg(&per_i).arg(&eps);
+    // SAFETY: x holds rows·d bf16, codes rows·d bytes (8-byte words: d is a multiple of 8), scales
+    // rows f32; shift/scale hold (rows / rows_per_mod)·d f32 (checked by the caller); `e4m3_rows`
+    // checked the rows kernel's conditions and the GPU's FP8 support.
+    unsafe { launch.launch(row_grid(rows, threads)) }
+        .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    Ok(Some(Fp8Tensor::from_cuda(
+        x.shape(),
+        codes,
+        scales,
+        DType::BF16,
+    )))
 }
 
 /// RMSNorm over the last dim `d` → x's shape and dtype.

@@ -11,7 +11,7 @@ use super::elementwise::cpu as elementwise_cpu;
 use super::same_device;
 #[cfg(not(feature = "cuda"))]
 use super::unsupported;
-use crate::{DType, Device, KernelError, Result, Tensor};
+use crate::{DType, Device, Fp8Tensor, KernelError, Result, Tensor};
 
 /// Checks that an optional per-channel parameter holds exactly `len` values (any shape, so that
 /// checkpoint shapes like [C, 1, 1, 1] pass as they are).
@@ -42,12 +42,7 @@ pub fn layer_norm(
     eps: f32,
 ) -> Result<Tensor> {
     const OP: &str = "layer_norm";
-    let d = *x
-        .shape()
-        .last()
-        .ok_or_else(|| KernelError::shape(OP, "x must have rank ≥ 1", &[x.shape()]))?;
-    expect_len(OP, "weight", x, weight, d)?;
-    expect_len(OP, "bias", x, bias, d)?;
+    let d = layer_norm_dim(OP, x, weight, bias)?;
     let mut operands = vec![x];
     operands.extend(weight);
     operands.extend(bias);
@@ -63,6 +58,47 @@ pub fn layer_norm(
         #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
+}
+
+/// [`layer_norm`] quantised for FP8 linears: `Fp8Tensor::quantize(&layer_norm(x, weight, bias,
+/// eps)?)`, bit for bit. On a GPU with FP8, for bf16 rows that norm.cu holds in registers (the
+/// DiT's), one kernel writes the codes and scales, without the bf16 rows between: the norm before
+/// the FP8 cross-attention's q projection.
+pub fn layer_norm_e4m3(
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f32,
+) -> Result<Fp8Tensor> {
+    const OP: &str = "layer_norm_e4m3";
+    // Checked here, so that a bad shape is reported as this op's, fused or not.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    let d = layer_norm_dim(OP, x, weight, bias)?;
+    let mut operands = vec![x];
+    operands.extend(weight);
+    operands.extend(bias);
+    same_device(OP, &operands)?;
+    #[cfg(feature = "cuda")]
+    if let Some(q) = cuda::layer_norm_e4m3(OP, x, weight, bias, d, eps)? {
+        return Ok(q);
+    }
+    Fp8Tensor::quantize(&layer_norm(x, weight, bias, eps)?)
+}
+
+/// x's last dim D, with the optional weight and bias checked to hold D values each.
+fn layer_norm_dim(
+    op: &'static str,
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+) -> Result<usize> {
+    let d = *x
+        .shape()
+        .last()
+        .ok_or_else(|| KernelError::shape(op, "x must have rank ≥ 1", &[x.shape()]))?;
+    expect_len(op, "weight", x, weight, d)?;
+    expect_len(op, "bias", x, bias, d)?;
+    Ok(d)
 }
 
 /// The DiT's pre-attention and pre-FFN step in one pass: `LN(x)·(1 + scale) + shift`, LayerNorm
@@ -81,23 +117,7 @@ pub fn layer_norm_modulate(
     out_dtype: DType,
 ) -> Result<Tensor> {
     const OP: &str = "layer_norm_modulate";
-    let d = *x
-        .shape()
-        .last()
-        .ok_or_else(|| KernelError::shape(OP, "x must have rank ≥ 1", &[x.shape()]))?;
-    let rows = x.numel().checked_div(d).unwrap_or(0);
-    let mod_rows = modulation_rows(OP, x, shift, scale)?;
-    for (name, t) in [("shift", shift), ("scale", scale)] {
-        if t.dtype() != DType::F32 {
-            return Err(KernelError::arg(
-                OP,
-                name,
-                format!("{:?}", t.dtype()),
-                "the modulation rows are f32 (the DiT keeps them in f32)",
-            ));
-        }
-    }
-    let rows_per_mod = rows.checked_div(mod_rows).unwrap_or(1).max(1);
+    let (d, rows_per_mod) = modulate_dims(OP, x, shift, scale)?;
     match same_device(OP, &[x, shift, scale])? {
         Device::Cpu => {
             let out = cpu::layer_norm_modulate(
@@ -117,6 +137,59 @@ pub fn layer_norm_modulate(
         #[cfg(not(feature = "cuda"))]
         device @ Device::Cuda(_) => unsupported(OP, device),
     }
+}
+
+/// [`layer_norm_modulate`] quantised for FP8 linears: `Fp8Tensor::quantize(&layer_norm_modulate(x,
+/// shift, scale, eps, out_dtype)?)`, bit for bit. On a GPU with FP8, for bf16 x and `out_dtype`
+/// in rows that norm.cu holds in registers (the DiT's), one kernel writes the codes and scales,
+/// without the bf16 rows between: the norms before the FP8 self-attention's q/k/v projections
+/// (one quantisation for the three) and the FFN's up-projection.
+pub fn layer_norm_modulate_e4m3(
+    x: &Tensor,
+    shift: &Tensor,
+    scale: &Tensor,
+    eps: f32,
+    out_dtype: DType,
+) -> Result<Fp8Tensor> {
+    const OP: &str = "layer_norm_modulate_e4m3";
+    // Checked here, so that a bad shape is reported as this op's, fused or not.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    let (d, rows_per_mod) = modulate_dims(OP, x, shift, scale)?;
+    same_device(OP, &[x, shift, scale])?;
+    #[cfg(feature = "cuda")]
+    if out_dtype == DType::BF16
+        && let Some(q) = cuda::layer_norm_modulate_e4m3(OP, x, shift, scale, d, rows_per_mod, eps)?
+    {
+        return Ok(q);
+    }
+    Fp8Tensor::quantize(&layer_norm_modulate(x, shift, scale, eps, out_dtype)?)
+}
+
+/// x's last dim D and how many rows of x share a row of the modulation, with shift and scale
+/// checked (f32, [`modulation_rows`]' broadcast).
+fn modulate_dims(
+    op: &'static str,
+    x: &Tensor,
+    shift: &Tensor,
+    scale: &Tensor,
+) -> Result<(usize, usize)> {
+    let d = *x
+        .shape()
+        .last()
+        .ok_or_else(|| KernelError::shape(op, "x must have rank ≥ 1", &[x.shape()]))?;
+    let rows = x.numel().checked_div(d).unwrap_or(0);
+    let mod_rows = modulation_rows(op, x, shift, scale)?;
+    for (name, t) in [("shift", shift), ("scale", scale)] {
+        if t.dtype() != DType::F32 {
+            return Err(KernelError::arg(
+                op,
+                name,
+                format!("{:?}", t.dtype()),
+                "the modulation rows are f32 (the DiT keeps them in f32)",
+            ));
+        }
+    }
+    Ok((d, rows.checked_div(mod_rows).unwrap_or(1).max(1)))
 }
 
 /// The rows of D that `shift` and `scale` hold, checked against the broadcast pattern of

@@ -2,7 +2,8 @@
 // in f32, two passes for LayerNorm's variance as in the CPU reference; the *_rows kernels (below) do
 // the same maths on rows held in registers, for rows of whole 16-byte words. rms_norm_channels: a block
 // stages a tile of positions × every channel in shared memory, so x is read from memory once (see
-// below), optionally followed by SiLU in the same pass (rms_norm_channels_silu).
+// below), optionally followed by SiLU in the same pass (rms_norm_channels_silu). The *_e4m3 kernels
+// (sm_89 on) write a norm's rows quantised for the FP8 linears that read them.
 
 // Sum of v over the block, returned to every thread. Blocks are a multiple of 32 threads, ≤ 1024.
 __device__ float block_sum(float v) {
@@ -256,6 +257,106 @@ __device__ void rms_norm_rope_rows(const T* x, const W* w, const float* cos_t, c
         };
     });
 }
+
+#if __CUDA_ARCH__ >= 890
+// The norms whose every consumer is an FP8 linear (the DiT's, under `model.dtype: fp8`): map_rows'
+// walk, each output rounded to bf16 (what the unfused norm stores) and held in the row's registers,
+// then quantised per row as quant.cu's quantize_rows_v8 quantises the stored row: s = e4m3_scale of
+// the row's largest magnitude, codes e4m3(y / s), one 8-byte store per word. Codes and scales are
+// the unfused pair's bit for bit, without the bf16 row's write and read back. bf16 rows only (V = 8).
+template <typename Prepare>
+__device__ __forceinline__ void map_rows_e4m3(const bf16* x, unsigned char* q, float* scales, i64 rows,
+                                              int d, Prepare prepare) {
+    constexpr int V = Row<bf16>::V;
+    const int words = d / V;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        Row<bf16> r;
+        load_row(x + row * d, words, r);
+        const auto map = prepare(row, r, words);
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ROW_WORDS; ++j) {
+            const int wd = row_word(j);
+            if (wd >= words) continue;
+            float y[V];
+            map(wd * V, r.v[j], y);
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                r.v[j][k] = __bfloat162float(__float2bfloat16_rn(y[k]));
+                m = fmaxf(m, fabsf(r.v[j][k]));
+            }
+        }
+        const float s = e4m3_scale(block_max(m));
+#pragma unroll
+        for (int j = 0; j < ROW_WORDS; ++j) {
+            const int wd = row_word(j);
+            if (wd >= words) continue;
+            const float* v = r.v[j];
+            unsigned c[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) c[k] = e4m3x2(v[2 * k] / s, v[2 * k + 1] / s);
+            reinterpret_cast<uint2*>(q + row * d)[wd] = make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
+        }
+        if (threadIdx.x == 0) scales[row] = s;
+    }
+}
+
+// layer_norm_rows' maths (affine optional, parameters of type W), quantised.
+template <typename W>
+__device__ void layer_norm_rows_e4m3(const bf16* x, const W* w, const W* b, unsigned char* q, float* scales,
+                                     i64 rows, int d, float eps, int has_w, int has_b) {
+    map_rows_e4m3(x, q, scales, rows, d, [=](i64, const Row<bf16>& r, int words) {
+        const float2 s = row_mean_inv_std(r, words, d, eps);
+        return [=](int i, const float* v, float* y) {
+            constexpr int V = Row<bf16>::V;
+            float wv[V], bv[V];
+            if (has_w) load_vec<W, V>(w + i, wv);
+            if (has_b) load_vec<W, V>(b + i, bv);
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                y[k] = (v[k] - s.x) * s.y;
+                if (has_w) y[k] *= wv[k];
+                if (has_b) y[k] += bv[k];
+            }
+        };
+    });
+}
+
+// layer_norm_modulate_rows' maths, quantised.
+__device__ void layer_norm_modulate_rows_e4m3(const bf16* x, const float* shift, const float* scale,
+                                              unsigned char* q, float* scales, i64 rows, int d,
+                                              i64 rows_per_mod, float eps) {
+    map_rows_e4m3(x, q, scales, rows, d, [=](i64 row, const Row<bf16>& r, int words) {
+        const float2 s = row_mean_inv_std(r, words, d, eps);
+        const float* sh = shift + (row / rows_per_mod) * d;
+        const float* sc = scale + (row / rows_per_mod) * d;
+        return [=](int i, const float* v, float* y) {
+            constexpr int V = Row<bf16>::V;
+            float shv[V], scv[V];
+            load_vec<float, V>(sh + i, shv);
+            load_vec<float, V>(sc + i, scv);
+#pragma unroll
+            for (int k = 0; k < V; ++k) y[k] = (v[k] - s.x) * s.y * (1.0f + scv[k]) + shv[k];
+        };
+    });
+}
+
+#define NORMS_E4M3(WN, W) \
+    extern "C" __global__ void layer_norm_rows_e4m3_bf16_##WN(const bf16* x, const W* w, const W* b, unsigned char* q, \
+                                                         float* scales, i64 rows, int d, float eps, int has_w, \
+                                                         int has_b) { \
+        layer_norm_rows_e4m3(x, w, b, q, scales, rows, d, eps, has_w, has_b); \
+    }
+NORMS_E4M3(f32, float)
+NORMS_E4M3(bf16, bf16)
+
+extern "C" __global__ void layer_norm_modulate_rows_e4m3_bf16(const bf16* x, const float* shift,
+                                                              const float* scale, unsigned char* q,
+                                                              float* scales, i64 rows, int d, i64 rows_per_mod,
+                                                              float eps) {
+    layer_norm_modulate_rows_e4m3(x, shift, scale, q, scales, rows, d, rows_per_mod, eps);
+}
+#endif
 
 // x [batch, channels, positions]: y = x / max(||x[b, :, p]||, 1e-12) * sqrt(C) * gamma[c] + bias[c].
 // SILU: the VAE's norm-then-SiLU in one pass: y is rounded to T (as the unfused norm stores it), then

@@ -68,23 +68,22 @@ pub(super) fn e4m3_value(code: u8) -> f32 {
     if code & 0x80 != 0 { -mag } else { mag }
 }
 
-/// y [rows, out] = (Σₖ qx·qw)·s_x·s_w[o] + bias[o] (+ residual), x [rows, k] quantised per row
-/// here, w given as its e4m3 values `qw` [out, k] and scales `sw`: the products summed in f32 in k
-/// order. With `groups` > 1, `sw` and `bias` hold one [out] run per group of rows (a gate folded
-/// in, see `linear_fp8_residual`).
+/// y [rows, out] = (Σₖ qx·qw)·s_x[r]·s_w[o] + bias[o] (+ residual), x and w given as their e4m3
+/// values (`qx` [rows, k], `qw` [out, k]) and scales: the products summed in f32 in k order. With
+/// `groups` > 1, `sw` and `bias` hold one [out] run per group of rows (a gate folded in, see
+/// `linear_fp8_residual`).
 pub(super) fn linear_fp8(
-    x: &[f32],
+    (qx, sx): (&[f32], &[f32]),
     (qw, sw): (&[f32], &[f32]),
     bias: Option<&[f32]>,
     residual: Option<&[f32]>,
     groups: usize,
     (k, out): (usize, usize),
 ) -> Vec<f32> {
-    let (qx, sx) = quantize_rows(x, k);
     let rows = sx.len();
     let rows_per_group = rows / groups.max(1);
     let mut y = Vec::with_capacity(rows * out);
-    for (r, (xr, &sxr)) in qx.chunks_exact(k).zip(&sx).enumerate() {
+    for (r, (xr, &sxr)) in qx.chunks_exact(k).zip(sx).enumerate() {
         let g = r.checked_div(rows_per_group).unwrap_or(0).min(groups - 1);
         for (o, wr) in qw.chunks_exact(k).enumerate() {
             let dot: f32 = xr.iter().zip(wr).map(|(a, b)| a * b).sum();

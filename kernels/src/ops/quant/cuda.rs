@@ -26,7 +26,18 @@ pub(crate) struct Codes {
 }
 
 impl Codes {
-    fn ptr(&self) -> u64 {
+    /// `len` codes on the backend's GPU, not initialised: the kernel given them writes every one.
+    pub(crate) fn alloc(backend: &CudaBackend, op: &'static str, len: usize) -> Result<Codes> {
+        // SAFETY: the caller's kernel writes every code before anything reads it (see above).
+        let buf = unsafe { backend.stream.alloc::<u8>(len.max(1)) }
+            .map_err(|e| backend.err(op, "cuMemAllocAsync", e))?;
+        Ok(Codes {
+            buf,
+            ordinal: backend.ordinal,
+        })
+    }
+
+    pub(crate) fn ptr(&self) -> u64 {
         self.buf.device_ptr(self.buf.stream()).0
     }
 
@@ -45,7 +56,7 @@ impl Codes {
 }
 
 /// The backend of x's GPU, refusing GPUs without FP8 tensor cores.
-fn fp8_backend(op: &'static str, x: &Tensor) -> Result<std::sync::Arc<CudaBackend>> {
+pub(crate) fn fp8_backend(op: &'static str, x: &Tensor) -> Result<std::sync::Arc<CudaBackend>> {
     let backend = CudaBackend::get(x.cuda_storage(op)?.ordinal)?;
     let (major, minor) = backend.capability;
     if backend.capability < (8, 9) {
@@ -69,13 +80,7 @@ pub(super) fn quantize(
     let rows = x.numel() / k;
     let k_i = i32::try_from(k)
         .map_err(|_| KernelError::arg(op, "k", k, "the CUDA kernel takes it as an i32"))?;
-    // SAFETY: the kernel writes every code and scale before anything reads them.
-    let buf = unsafe { backend.stream.alloc::<u8>((rows * k).max(1)) }
-        .map_err(|e| backend.err(op, "cuMemAllocAsync", e))?;
-    let codes = Codes {
-        buf,
-        ordinal: backend.ordinal,
-    };
+    let codes = Codes::alloc(&backend, op, rows * k)?;
     let scales = backend.alloc(DType::F32, rows)?;
     if rows > 0 {
         let xp = x.cuda_storage(op)?.ptr();
@@ -102,37 +107,37 @@ pub(super) fn quantize(
     Ok((std::sync::Arc::new(codes), scales))
 }
 
-/// The FP8 linear on the GPU: x [.., in] (bf16) quantised per token, times w (codes [out, in]
-/// and `w`'s scales, or the gate-folded `scales` [groups, out] of `residual`), + bias (+ GELU),
-/// → `out_shape` in bf16. With `residual` = (residual, scales, groups), group g of the rows adds
-/// its rows of the residual in the accumulator (C, beta 1) and uses scales and bias row g.
+/// The FP8 linear on the GPU: x [.., in] (quantised from bf16, per token) times w (codes
+/// [out, in] and `w`'s scales, or the gate-folded `scales` [groups, out] of `residual`), + bias
+/// (+ GELU), → `out_shape` in bf16. With `residual` = (residual, scales, groups), group g of the
+/// rows adds its rows of the residual in the accumulator (C, beta 1) and uses scales and bias row g.
 pub(super) fn linear(
     op: &'static str,
-    x: &Tensor,
+    x: &Fp8Tensor,
     w: &Fp8Tensor,
     bias: Option<&Tensor>,
     gelu: bool,
     residual: Option<(&Tensor, &Tensor, usize)>,
     out_shape: &[usize],
 ) -> Result<Tensor> {
-    let backend = fp8_backend(op, x)?;
+    let backend = fp8_backend(op, x.scales())?;
     let (out_f, in_f) = (w.shape()[0], w.shape()[1]);
-    let rows = x.numel() / in_f;
-    let bf16_only = |what: &'static str, t: &Tensor| {
-        if t.dtype() == DType::BF16 {
+    let rows = x.scales().numel();
+    let bf16_only = |what: &'static str, dtype: DType| {
+        if dtype == DType::BF16 {
             Ok(())
         } else {
             Err(KernelError::arg(
                 op,
                 what,
-                format!("{:?}", t.dtype()),
-                "the GPU's FP8 GEMM reads and writes bf16 activations",
+                format!("{dtype:?}"),
+                "the GPU's FP8 GEMM writes bf16 activations (x quantised from bf16)",
             ))
         }
     };
-    bf16_only("x", x)?;
+    bf16_only("x", x.dtype())?;
     if let Some((r, _, _)) = residual {
-        bf16_only("residual", r)?;
+        bf16_only("residual", r.dtype())?;
     }
     for (name, v) in [("in", in_f), ("out", out_f)] {
         if !v.is_multiple_of(16) {
@@ -150,17 +155,20 @@ pub(super) fn linear(
             None => Tensor::zeros(out_shape, DType::BF16, x.device()),
         };
     }
+    let mismatch = |other: &Fp8Tensor| KernelError::DeviceMismatch {
+        op,
+        first: x.device(),
+        other: other.device(),
+    };
     let (groups, scales) = match residual {
         Some((_, s, g)) => (g.max(1), s),
         None => (1, w.scales()),
     };
-    let x_codes = quantize(op, x, in_f)?;
+    let super::Codes::Cuda(x_codes) = &x.codes else {
+        return Err(mismatch(x));
+    };
     let super::Codes::Cuda(w_codes) = &w.codes else {
-        return Err(KernelError::DeviceMismatch {
-            op,
-            first: x.device(),
-            other: w.device(),
-        });
+        return Err(mismatch(w));
     };
     let bias = bias.map(|b| b.to_dtype(DType::BF16)).transpose()?;
     let out = backend.alloc(DType::BF16, rows * out_f)?;
@@ -183,7 +191,11 @@ pub(super) fn linear(
         stride_d: 0,
         epilogue,
     };
-    let (wp, xp, sxp) = (w_codes.ptr(), x_codes.0.ptr(), x_codes.1.ptr());
+    let (wp, xp, sxp) = (
+        w_codes.ptr(),
+        x_codes.ptr(),
+        x.scales().cuda_storage(op)?.ptr(),
+    );
     let swp = scales.cuda_storage(op)?.ptr();
     let bp = bias
         .as_ref()

@@ -1,7 +1,9 @@
 //! FP8 (e4m3) linear layers: weights quantised per output channel once ([`Fp8Tensor::quantize`]),
-//! activations per token on every call, the GEMM on e4m3 operands with both scales applied to its
-//! f32 accumulator. The CPU path is the reference; the CUDA path (a quantisation kernel, `quant.cu`,
-//! and cuBLASLt's FP8 GEMM with outer-vector scales, `cuda.rs`) is held to it.
+//! activations per token before every call (by the caller: one quantisation can feed several
+//! linears, and a norm can write its output quantised, [`crate::layer_norm_e4m3`]), the GEMM on
+//! e4m3 operands with both scales applied to its f32 accumulator. The CPU path is the reference;
+//! the CUDA path (a quantisation kernel, `quant.cu`, and cuBLASLt's FP8 GEMM with outer-vector
+//! scales, `cuda.rs`) is held to it.
 //!
 //! Format: `e4m3fn` (OCP FP8, CUDA's `__nv_fp8_e4m3`): 1 sign, 4 exponent bits (bias 7), 3 mantissa
 //! bits; no infinities; largest finite 448, smallest normal 2⁻⁶, subnormals in steps of 2⁻⁹.
@@ -60,13 +62,15 @@ enum Codes {
 
 /// A tensor [.., K] quantised per row (its last dim): e4m3 codes and one f32 scale per row, with
 /// value ≈ e4m3_value(code)·scale. An FP8 linear's weight is one of these, [out, in]: a scale per
-/// output channel. Cloning shares the codes.
+/// output channel; its input another, [.., in]: a scale per token. Cloning shares the codes.
 #[derive(Clone)]
 pub struct Fp8Tensor {
     shape: Vec<usize>,
     codes: Codes,
     /// f32, x's leading dims, on the codes' device.
     scales: Tensor,
+    /// The dtype of the tensor quantised: what an FP8 linear of these activations returns.
+    dtype: DType,
 }
 
 impl std::fmt::Debug for Fp8Tensor {
@@ -102,7 +106,24 @@ impl Fp8Tensor {
             shape: x.shape().to_vec(),
             codes,
             scales,
+            dtype: x.dtype(),
         })
+    }
+
+    /// Codes and scales a CUDA kernel wrote for a tensor of `shape` and `dtype` (a fused norm's).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn from_cuda(
+        shape: &[usize],
+        codes: cuda::Codes,
+        scales: crate::cuda::CudaStorage,
+        dtype: DType,
+    ) -> Fp8Tensor {
+        Fp8Tensor {
+            shape: shape.to_vec(),
+            codes: Codes::Cuda(Arc::new(codes)),
+            scales: Tensor::from_cuda(scales, &shape[..shape.len() - 1]),
+            dtype,
+        }
     }
 
     /// The quantised tensor's shape.
@@ -113,6 +134,11 @@ impl Fp8Tensor {
     /// Where the codes and scales live.
     pub fn device(&self) -> Device {
         self.scales.device()
+    }
+
+    /// The dtype of the tensor that was quantised (an FP8 linear of these activations returns it).
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// The per-row scales, f32, shaped as the leading dims.
@@ -149,7 +175,7 @@ impl Fp8Tensor {
     }
 
     /// [out, in] of a weight, or a shape error for `op`.
-    fn weight_dims(&self, op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
+    fn weight_dims(&self, op: &'static str, x: &Fp8Tensor) -> Result<(usize, usize)> {
         match self.shape[..] {
             [out, inp] if x.shape().last() == Some(&inp) && inp > 0 => Ok((out, inp)),
             _ => Err(KernelError::shape(
@@ -161,22 +187,22 @@ impl Fp8Tensor {
     }
 }
 
-/// The FP8 linear of the module docs: x [.., in] quantised per token, w [out, in] an
-/// [`Fp8Tensor`], the e4m3 products summed in f32, then × s_x·s_w + bias `[out]` → [.., out] in
-/// x's dtype.
-pub fn linear_fp8(x: &Tensor, w: &Fp8Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+/// The FP8 linear of the module docs: x [.., in] quantised per token and w [out, in] per output
+/// channel (both [`Fp8Tensor`]s), the e4m3 products summed in f32, then × s_x·s_w + bias `[out]`
+/// → [.., out] in x's dtype (the dtype it was quantised from).
+pub fn linear_fp8(x: &Fp8Tensor, w: &Fp8Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     linear_fp8_then("linear_fp8", x, w, bias, false)
 }
 
 /// GELU(tanh) of [`linear_fp8`], applied to the f32 sum before its one rounding (on the GPU in the
 /// GEMM's epilogue, as `linear_gelu_tanh`).
-pub fn linear_fp8_gelu_tanh(x: &Tensor, w: &Fp8Tensor, bias: &Tensor) -> Result<Tensor> {
+pub fn linear_fp8_gelu_tanh(x: &Fp8Tensor, w: &Fp8Tensor, bias: &Tensor) -> Result<Tensor> {
     linear_fp8_then("linear_fp8_gelu_tanh", x, w, Some(bias), true)
 }
 
 fn linear_fp8_then(
     op: &'static str,
-    x: &Tensor,
+    x: &Fp8Tensor,
     w: &Fp8Tensor,
     bias: Option<&Tensor>,
     gelu: bool,
@@ -190,25 +216,19 @@ fn linear_fp8_then(
             &[x.shape(), w.shape(), b],
         ));
     }
-    let mut shape = x.shape()[..x.rank() - 1].to_vec();
+    let mut shape = x.shape()[..x.shape().len() - 1].to_vec();
     shape.push(out);
-    let mut operands = vec![x, w.scales()];
+    let mut operands = vec![x.scales(), w.scales()];
     operands.extend(bias);
     match same_device(op, &operands)? {
         Device::Cpu => {
             let bias = bias.map(|b| b.cpu_f32(op)).transpose()?;
+            let (qx, sx) = x.host_values()?;
             let (qw, sw) = w.host_values()?;
-            let y = cpu::linear_fp8(
-                &x.cpu_f32(op)?,
-                (&qw, &sw),
-                bias.as_deref(),
-                None,
-                1,
-                (inp, out),
-            );
+            let y = cpu::linear_fp8((&qx, &sx), (&qw, &sw), bias.as_deref(), None, 1, (inp, out));
             let y = Tensor::from_f32_cpu(y, &shape, DType::F32)?;
             let y = if gelu { crate::gelu_tanh(&y)? } else { y };
-            y.to_dtype(x.dtype())
+            y.to_dtype(x.dtype)
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => cuda::linear(op, x, w, bias, gelu, None, &shape),
@@ -222,7 +242,7 @@ fn linear_fp8_then(
 /// the weight's scales (f32: s_w ⊙ g_b, no rounding of the weight) and the bias (g_b ⊙ bias,
 /// rounded to the bias' dtype, as the bf16 path does).
 pub fn linear_fp8_residual(
-    x: &Tensor,
+    x: &Fp8Tensor,
     w: &Fp8Tensor,
     bias: Option<&Tensor>,
     residual: &Tensor,
@@ -230,7 +250,8 @@ pub fn linear_fp8_residual(
 ) -> Result<Tensor> {
     const OP: &str = "linear_fp8_residual";
     let (out, inp) = w.weight_dims(OP, x)?;
-    let (_, groups) = crate::ops::matmul::residual_groups(OP, x, w.shape(), bias, residual, gate)?;
+    let (_, groups) =
+        crate::ops::matmul::residual_groups(OP, x.shape(), w.shape(), bias, residual, gate)?;
     let (scales, bias) = match gate {
         None => (w.scales().clone(), bias.cloned()),
         Some(g) => {
@@ -239,14 +260,15 @@ pub fn linear_fp8_residual(
             (scales, bias.map(|b| crate::mul(b, &g)).transpose()?)
         }
     };
-    let mut operands = vec![x, &scales, residual];
+    let mut operands = vec![x.scales(), &scales, residual];
     operands.extend(bias.as_ref());
     match same_device(OP, &operands)? {
         Device::Cpu => {
             let bias = bias.as_ref().map(|b| b.cpu_f32(OP)).transpose()?;
+            let (qx, sx) = x.host_values()?;
             let (qw, _) = w.host_values()?;
             let y = cpu::linear_fp8(
-                &x.cpu_f32(OP)?,
+                (&qx, &sx),
                 (&qw, &scales.to_vec_f32()?),
                 bias.as_deref(),
                 Some(&residual.cpu_f32(OP)?),

@@ -2,30 +2,8 @@
 // over rows), the row's largest magnitude by a block reduction, s = amax / 448 (1 for an all-zero
 // row), codes = e4m3(x / s) with x / s an IEEE division (NVRTC's default -prec-div) and the e4m3
 // rounding to nearest even, saturated to ±448 (cvt.rn.satfinite, sm_89 on): the CPU's arithmetic
-// step for step, so codes and scales agree bit for bit.
-
-// Largest v over the block, returned to every thread. Blocks are a multiple of 32 threads, ≤ 1024.
-// fmaxf drops a NaN operand, as the CPU reference's f32::max does.
-__device__ float block_max(float v) {
-    __shared__ float partial[32];
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    __syncthreads();  // the previous row's readers are done with `partial`
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    float t = lane < (int)(blockDim.x / 32) ? partial[lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
-    return t;
-}
-
-// Two e4m3 codes in one 16-bit word: `lo` in the low byte (the lower address).
-__device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ float row_scale(float amax) { return amax > 0.0f ? amax / 448.0f : 1.0f; }
+// step for step, so codes and scales agree bit for bit. block_max, e4m3_scale and e4m3x2 are the
+// prelude's (norm.cu's *_e4m3 kernels quantise with them too).
 
 // Any k: element by element (the odd last code is written as a byte).
 template <typename T>
@@ -35,7 +13,7 @@ __device__ void quantize_rows(const T* x, unsigned char* q, float* scales, i64 r
         unsigned char* qr = q + row * k;
         float m = 0.0f;
         for (int i = threadIdx.x; i < k; i += blockDim.x) m = fmaxf(m, fabsf(ld(xr + i)));
-        const float s = row_scale(block_max(m));
+        const float s = e4m3_scale(block_max(m));
         for (int i = threadIdx.x; i < k; i += blockDim.x) qr[i] = (unsigned char)(e4m3x2(ld(xr + i) / s, 0.0f) & 0xff);
         if (threadIdx.x == 0) scales[row] = s;
     }
@@ -57,7 +35,7 @@ __device__ void quantize_rows_v8(const T* x, unsigned char* q, float* scales, i6
 #pragma unroll
             for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[j]));
         }
-        const float s = row_scale(block_max(m));
+        const float s = e4m3_scale(block_max(m));
         for (int w = threadIdx.x; w < words; w += blockDim.x) {
             float v[8];
             load_vec<T, 8>(xr + 8 * w, v);
@@ -101,7 +79,7 @@ extern "C" __global__ void quantize_attention_blocks_e4m3_bf16(const bf16* x, un
 #pragma unroll
         for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[j]));
     }
-    const float s = row_scale(block_max(m));
+    const float s = e4m3_scale(block_max(m));
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
         float v[8];
         load_vec<bf16, 8>(x + at(c), v);
@@ -141,7 +119,7 @@ extern "C" __global__ void quantize_attention_v_e4m3_bf16(const bf16* v, const u
     __syncthreads();
     for (int c = threadIdx.x; c < 128 * 8; c += blockDim.x) {
         const int d = c / 8, col0 = 16 * (c % 8);
-        const float s = row_scale(__uint_as_float(amax[head * 128 + d]));
+        const float s = e4m3_scale(__uint_as_float(amax[head * 128 + d]));
         unsigned int w[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {

@@ -132,7 +132,11 @@ fn the_fp8_linear_is_the_scaled_sum_of_e4m3_products() -> crate::Result<()> {
     let x = Tensor::randn(&[1, rows, k], DType::F32, 8, Device::Cpu)?;
     let w = Tensor::randn(&[out, k], DType::F32, 9, Device::Cpu)?;
     let b = Tensor::randn(&[out], DType::F32, 10, Device::Cpu)?;
-    let y = linear_fp8(&x, &Fp8Tensor::quantize(&w)?, Some(&b))?;
+    let y = linear_fp8(
+        &Fp8Tensor::quantize(&x)?,
+        &Fp8Tensor::quantize(&w)?,
+        Some(&b),
+    )?;
     assert_eq!(y.shape(), [1, rows, out]);
     let (qx, sx) = values_and_scales(&Fp8Tensor::quantize(&x)?)?;
     let (qw, sw) = values_and_scales(&Fp8Tensor::quantize(&w)?)?;
@@ -198,6 +202,7 @@ fn the_fp8_linear_is_the_scaled_sum_of_e4m3_products() -> crate::Result<()> {
 fn bad_shapes_are_refused() -> crate::Result<()> {
     let x = Tensor::randn(&[2, 8], DType::F32, 1, Device::Cpu)?;
     let w = Tensor::randn(&[3, 9], DType::F32, 2, Device::Cpu)?;
+    let x = Fp8Tensor::quantize(&x)?;
     let err = linear_fp8(&x, &Fp8Tensor::quantize(&w)?, None)
         .unwrap_err()
         .to_string();
@@ -218,7 +223,7 @@ fn bad_shapes_are_refused() -> crate::Result<()> {
 #[test]
 fn the_gated_residual_is_the_gated_linear_plus_the_residual() -> crate::Result<()> {
     let (b, l, k, out) = (2, 3, 32, 16);
-    let x = Tensor::randn(&[b, l, k], DType::F32, 11, Device::Cpu)?;
+    let x = Fp8Tensor::quantize(&Tensor::randn(&[b, l, k], DType::F32, 11, Device::Cpu)?)?;
     let w = Fp8Tensor::quantize(&Tensor::randn(&[out, k], DType::F32, 12, Device::Cpu)?)?;
     let bias = Tensor::randn(&[out], DType::F32, 13, Device::Cpu)?;
     let residual = Tensor::randn(&[b, l, out], DType::F32, 14, Device::Cpu)?;
@@ -468,5 +473,36 @@ fn fp8_attention_follows_its_online_schedule() -> crate::Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// An FP8 linear returns the dtype its input was quantised from, and the norms that write e4m3
+/// report bad shapes as themselves (their composition would name the inner op) and refuse a
+/// modulation that is not f32.
+#[test]
+fn quantised_activations_keep_their_dtype_and_the_e4m3_norms_check_their_operands()
+-> crate::Result<()> {
+    let x = Tensor::randn(&[2, 3, 16], DType::F32, 21, Device::Cpu)?.to_dtype(DType::BF16)?;
+    let w = Fp8Tensor::quantize(&Tensor::randn(&[8, 16], DType::F32, 22, Device::Cpu)?)?;
+    let qx = Fp8Tensor::quantize(&x)?;
+    assert_eq!((qx.dtype(), w.dtype()), (DType::BF16, DType::F32));
+    let y = linear_fp8(&qx, &w, None)?;
+    assert_eq!((y.shape(), y.dtype()), (&[2, 3, 8][..], DType::BF16));
+
+    let shift = Tensor::zeros(&[2, 1, 16], DType::F32, Device::Cpu)?;
+    let q = crate::layer_norm_modulate_e4m3(&x, &shift, &shift, 1e-6, DType::F32)?;
+    assert_eq!((q.shape(), q.dtype()), (x.shape(), DType::F32));
+    let bad = Tensor::zeros(&[2, 1, 15], DType::F32, Device::Cpu)?;
+    let err = crate::layer_norm_modulate_e4m3(&x, &bad, &bad, 1e-6, DType::BF16).unwrap_err();
+    assert!(
+        err.to_string().contains("layer_norm_modulate_e4m3"),
+        "{err}"
+    );
+    let bf16_shift = shift.to_dtype(DType::BF16)?;
+    let err = crate::layer_norm_modulate_e4m3(&x, &bf16_shift, &bf16_shift, 1e-6, DType::BF16)
+        .unwrap_err();
+    assert!(err.to_string().contains("f32"), "{err}");
+    let err = crate::layer_norm_e4m3(&x, Some(&bad), None, 1e-6).unwrap_err();
+    assert!(err.to_string().contains("layer_norm_e4m3"), "{err}");
     Ok(())
 }

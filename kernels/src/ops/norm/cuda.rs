@@ -152,67 +152,51 @@ pub(super) fn layer_norm_modulate(
     Ok(Tensor::from_cuda(out, x.shape()))
 }
 
-/// Where norm.cu's fused *_e4m3 kernels apply to x: bf16 rows on a GPU with FP8 that `row_kernel`
-/// holds in registers (with the same threads, hence the unfused kernel's reduction order). The
-/// backend and the threads per block, or None.
-fn e4m3_rows(
+/// Which fused e4m3 norm, with its own kernel arguments.
+enum E4m3Norm {
+    /// `layer_norm_rows_e4m3_bf16_<W>`: (eps, has_w, has_b).
+    LayerNorm(f32, i32, i32),
+    /// `layer_norm_modulate_rows_e4m3_bf16`: (rows_per_mod, eps).
+    Modulate(i64, f32),
+}
+
+/// Runs norm.cu's fused e4m3 kernel `name` on x's rows of `d` where it applies, or returns None:
+/// bf16 rows on a GPU with FP8 that `row_kernel` holds in registers (with its threads, hence the
+/// unfused kernel's reduction order). The kernel's arguments are x, the two per-element `params`
+/// (device pointers, 0 for an absent one), the codes, the scales, rows and d, then `norm`'s.
+fn norm_e4m3(
     op: &'static str,
     x: &Tensor,
     d: usize,
-    ptrs: &[u64],
-) -> Result<Option<(std::sync::Arc<CudaBackend>, u32)>> {
+    params: [u64; 2],
+    name: &str,
+    norm: E4m3Norm,
+) -> Result<Option<Fp8Tensor>> {
+    let rows = x.numel().checked_div(d).unwrap_or(0);
     let Ok(sx) = x.cuda_storage(op) else {
         return Ok(None);
     };
     let backend = CudaBackend::get(sx.ordinal)?;
-    let (kernel, threads) = row_kernel("", x.dtype(), d, ptrs);
-    let fits = x.dtype() == DType::BF16 && kernel == "_rows" && backend.capability >= (8, 9);
-    Ok(fits.then_some((backend, threads)))
-}
-
-/// `layer_norm` with its output quantised per row (norm.cu's `layer_norm_rows_e4m3`), or None
-/// where the fused kernel does not apply (see `e4m3_rows`).
-pub(super) fn layer_norm_e4m3(
-    op: &'static str,
-    x: &Tensor,
-    weight: Option<&Tensor>,
-    bias: Option<&Tensor>,
-    d: usize,
-    eps: f32,
-) -> Result<Option<Fp8Tensor>> {
-    let rows = x.numel().checked_div(d).unwrap_or(0);
-    if rows == 0 || !matches!(x.device(), crate::Device::Cuda(_)) {
+    let xp = sx.ptr();
+    let (kernel, threads) = row_kernel("", x.dtype(), d, &[xp, params[0], params[1]]);
+    if rows == 0 || x.dtype() != DType::BF16 || kernel != "_rows" || backend.capability < (8, 9) {
         return Ok(None);
     }
-    let (wdtype, params) = params_in_common_dtype(&[weight, bias])?;
-    let (xp, wp, bp) = (
-        x.cuda_storage(op)?.ptr(),
-        ptr_or_null(op, params[0].as_ref())?,
-        ptr_or_null(op, params[1].as_ref())?,
-    );
-    let Some((backend, threads)) = e4m3_rows(op, x, d, &[xp, wp, bp])? else {
-        return Ok(None);
-    };
     let codes = Codes::alloc(&backend, op, rows * d)?;
     let scales = backend.alloc(DType::F32, rows)?;
     let (qp, sp) = (codes.ptr(), scales.ptr());
-    let f = backend.function(
-        &SOURCE,
-        &format!("layer_norm_rows_e4m3_bf16_{}", suffix(wdtype)),
-    )?;
     let (rows_i, d_i) = (rows as i64, int(op, "d", d)?);
-    let (has_w, has_b) = (i32::from(weight.is_some()), i32::from(bias.is_some()));
+    let f = backend.function(&SOURCE, name)?;
     let mut launch = backend.stream.launch_builder(&f);
-    launch.arg(&xp).arg(&wp).arg(&bp).arg(&qp).arg(&sp);
-    launch
-        .arg(&rows_i)
-        .arg(&d_i)
-        .arg(&eps)
-        .arg(&has_w)
-        .arg(&has_b);
+    launch.arg(&xp).arg(&params[0]).arg(&params[1]);
+    launch.arg(&qp).arg(&sp).arg(&rows_i).arg(&d_i);
+    match &norm {
+        E4m3Norm::LayerNorm(eps, has_w, has_b) => launch.arg(eps).arg(has_w).arg(has_b),
+        E4m3Norm::Modulate(rows_per_mod, eps) => launch.arg(rows_per_mod).arg(eps),
+    };
     // SAFETY: x holds rows·d bf16, codes rows·d bytes (8-byte words: d is a multiple of 8), scales
-    // rows f32; weight/bias hold d (checked by the caller) or are unused; `e4m3_rows` checked the
-    // rows kernel's conditions and the GPU's FP8 support.
+    // rows f32; the params hold what the caller's kernel reads (checked by the caller); the rows
+    // kernel's conditions and the GPU's FP8 support were checked above.
     unsafe { launch.launch(row_grid(rows, threads)) }
         .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     Ok(Some(Fp8Tensor::from_cuda(
@@ -221,6 +205,33 @@ pub(super) fn layer_norm_e4m3(
         scales,
         DType::BF16,
     )))
+}
+
+/// `layer_norm` with its output quantised per row (norm.cu's `layer_norm_rows_e4m3`), or None
+/// where the fused kernel does not apply (see `norm_e4m3`).
+pub(super) fn layer_norm_e4m3(
+    op: &'static str,
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    d: usize,
+    eps: f32,
+) -> Result<Option<Fp8Tensor>> {
+    let (wdtype, params) = params_in_common_dtype(&[weight, bias])?;
+    let ptrs = [
+        ptr_or_null(op, params[0].as_ref())?,
+        ptr_or_null(op, params[1].as_ref())?,
+    ];
+    let (has_w, has_b) = (i32::from(weight.is_some()), i32::from(bias.is_some()));
+    let name = format!("layer_norm_rows_e4m3_bf16_{}", suffix(wdtype));
+    norm_e4m3(
+        op,
+        x,
+        d,
+        ptrs,
+        &name,
+        E4m3Norm::LayerNorm(eps, has_w, has_b),
+    )
 }
 
 /// `layer_norm_modulate` to bf16 with its output quantised per row (norm.cu's
@@ -234,37 +245,9 @@ pub(super) fn layer_norm_modulate_e4m3(
     rows_per_mod: usize,
     eps: f32,
 ) -> Result<Option<Fp8Tensor>> {
-    let rows = x.numel().checked_div(d).unwrap_or(0);
-    if rows == 0 || !matches!(x.device(), crate::Device::Cuda(_)) {
-        return Ok(None);
-    }
-    let (xp, shp, scp) = (
-        x.cuda_storage(op)?.ptr(),
-        shift.cuda_storage(op)?.ptr(),
-        scale.cuda_storage(op)?.ptr(),
-    );
-    let Some((backend, threads)) = e4m3_rows(op, x, d, &[xp, shp, scp])? else {
-        return Ok(None);
-    };
-    let codes = Codes::alloc(&backend, op, rows * d)?;
-    let scales = backend.alloc(DType::F32, rows)?;
-    let (qp, sp) = (codes.ptr(), scales.ptr());
-    let f = backend.function(&SOURCE, "layer_norm_modulate_rows_e4m3_bf16")?;
-    let (rows_i, d_i, per_i) = (rows as i64, int(op, "d", d)?, rows_per_mod as i64);
-    let mut launch = backend.stream.launch_builder(&f);
-    launch.arg(&xp).arg(&shp).arg(&scp).arg(&qp).arg(&sp);
-    launch.arg(&rows_i).arg(&d_i).arg(&per_i).arg(&eps);
-    // SAFETY: x holds rows·d bf16, codes rows·d bytes (8-byte words: d is a multiple of 8), scales
-    // rows f32; shift/scale hold (rows / rows_per_mod)·d f32 (checked by the caller); `e4m3_rows`
-    // checked the rows kernel's conditions and the GPU's FP8 support.
-    unsafe { launch.launch(row_grid(rows, threads)) }
-        .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
-    Ok(Some(Fp8Tensor::from_cuda(
-        x.shape(),
-        codes,
-        scales,
-        DType::BF16,
-    )))
+    let ptrs = [shift.cuda_storage(op)?.ptr(), scale.cuda_storage(op)?.ptr()];
+    let norm = E4m3Norm::Modulate(rows_per_mod as i64, eps);
+    norm_e4m3(op, x, d, ptrs, "layer_norm_modulate_rows_e4m3_bf16", norm)
 }
 
 /// RMSNorm over the last dim `d` → x's shape and dtype.

@@ -79,7 +79,9 @@ pub fn layer_norm_e4m3(
     operands.extend(bias);
     same_device(OP, &operands)?;
     #[cfg(feature = "cuda")]
-    if let Some(q) = cuda::layer_norm_e4m3(OP, x, weight, bias, d, eps)? {
+    if matches!(x.device(), Device::Cuda(_))
+        && let Some(q) = cuda::layer_norm_e4m3(OP, x, weight, bias, d, eps)?
+    {
         return Ok(q);
     }
     Fp8Tensor::quantize(&layer_norm(x, weight, bias, eps)?)
@@ -158,6 +160,7 @@ pub fn layer_norm_modulate_e4m3(
     same_device(OP, &[x, shift, scale])?;
     #[cfg(feature = "cuda")]
     if out_dtype == DType::BF16
+        && matches!(x.device(), Device::Cuda(_))
         && let Some(q) = cuda::layer_norm_modulate_e4m3(OP, x, shift, scale, d, rows_per_mod, eps)?
     {
         return Ok(q);

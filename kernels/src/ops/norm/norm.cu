@@ -160,10 +160,12 @@ __device__ __forceinline__ void map_rows(const T* x, O* out, i64 rows, int d, Pr
     }
 }
 
+// The per-row maps of the LayerNorms below, shared by their bf16/f32 stores (map_rows) and their
+// e4m3 ones (map_rows_e4m3), so that both do the same maths in the same order.
+// LayerNorm with optional affine (parameters of type W).
 template <typename T, typename W>
-__device__ void layer_norm_rows(const T* x, const W* w, const W* b, T* out, i64 rows, int d, float eps,
-                                int has_w, int has_b) {
-    map_rows(x, out, rows, d, [=](i64, const Row<T>& r, int words) {
+__device__ __forceinline__ auto layer_norm_map(const W* w, const W* b, int d, float eps, int has_w, int has_b) {
+    return [=](i64, const Row<T>& r, int words) {
         const float2 s = row_mean_inv_std(r, words, d, eps);
         return [=](int i, const float* v, float* y) {
             constexpr int V = Row<T>::V;
@@ -177,13 +179,14 @@ __device__ void layer_norm_rows(const T* x, const W* w, const W* b, T* out, i64 
                 if (has_b) y[k] += bv[k];
             }
         };
-    });
+    };
 }
 
-template <typename T, typename O>
-__device__ void layer_norm_modulate_rows(const T* x, const float* shift, const float* scale, O* out,
-                                         i64 rows, int d, i64 rows_per_mod, float eps) {
-    map_rows(x, out, rows, d, [=](i64 row, const Row<T>& r, int words) {
+// LayerNorm without affine, then · (1 + scale) + shift with row r's modulation row r / rows_per_mod.
+template <typename T>
+__device__ __forceinline__ auto layer_norm_modulate_map(const float* shift, const float* scale, int d,
+                                                        i64 rows_per_mod, float eps) {
+    return [=](i64 row, const Row<T>& r, int words) {
         const float2 s = row_mean_inv_std(r, words, d, eps);
         const float* sh = shift + (row / rows_per_mod) * d;
         const float* sc = scale + (row / rows_per_mod) * d;
@@ -195,7 +198,19 @@ __device__ void layer_norm_modulate_rows(const T* x, const float* shift, const f
 #pragma unroll
             for (int k = 0; k < V; ++k) y[k] = (v[k] - s.x) * s.y * (1.0f + scv[k]) + shv[k];
         };
-    });
+    };
+}
+
+template <typename T, typename W>
+__device__ void layer_norm_rows(const T* x, const W* w, const W* b, T* out, i64 rows, int d, float eps,
+                                int has_w, int has_b) {
+    map_rows(x, out, rows, d, layer_norm_map<T, W>(w, b, d, eps, has_w, has_b));
+}
+
+template <typename T, typename O>
+__device__ void layer_norm_modulate_rows(const T* x, const float* shift, const float* scale, O* out,
+                                         i64 rows, int d, i64 rows_per_mod, float eps) {
+    map_rows(x, out, rows, d, layer_norm_modulate_map<T>(shift, scale, d, rows_per_mod, eps));
 }
 
 template <typename T, typename W>
@@ -301,44 +316,17 @@ __device__ __forceinline__ void map_rows_e4m3(const bf16* x, unsigned char* q, f
     }
 }
 
-// layer_norm_rows' maths (affine optional, parameters of type W), quantised.
+// layer_norm_rows and layer_norm_modulate_rows, quantised.
 template <typename W>
 __device__ void layer_norm_rows_e4m3(const bf16* x, const W* w, const W* b, unsigned char* q, float* scales,
                                      i64 rows, int d, float eps, int has_w, int has_b) {
-    map_rows_e4m3(x, q, scales, rows, d, [=](i64, const Row<bf16>& r, int words) {
-        const float2 s = row_mean_inv_std(r, words, d, eps);
-        return [=](int i, const float* v, float* y) {
-            constexpr int V = Row<bf16>::V;
-            float wv[V], bv[V];
-            if (has_w) load_vec<W, V>(w + i, wv);
-            if (has_b) load_vec<W, V>(b + i, bv);
-#pragma unroll
-            for (int k = 0; k < V; ++k) {
-                y[k] = (v[k] - s.x) * s.y;
-                if (has_w) y[k] *= wv[k];
-                if (has_b) y[k] += bv[k];
-            }
-        };
-    });
+    map_rows_e4m3(x, q, scales, rows, d, layer_norm_map<bf16, W>(w, b, d, eps, has_w, has_b));
 }
 
-// layer_norm_modulate_rows' maths, quantised.
 __device__ void layer_norm_modulate_rows_e4m3(const bf16* x, const float* shift, const float* scale,
                                               unsigned char* q, float* scales, i64 rows, int d,
                                               i64 rows_per_mod, float eps) {
-    map_rows_e4m3(x, q, scales, rows, d, [=](i64 row, const Row<bf16>& r, int words) {
-        const float2 s = row_mean_inv_std(r, words, d, eps);
-        const float* sh = shift + (row / rows_per_mod) * d;
-        const float* sc = scale + (row / rows_per_mod) * d;
-        return [=](int i, const float* v, float* y) {
-            constexpr int V = Row<bf16>::V;
-            float shv[V], scv[V];
-            load_vec<float, V>(sh + i, shv);
-            load_vec<float, V>(sc + i, scv);
-#pragma unroll
-            for (int k = 0; k < V; ++k) y[k] = (v[k] - s.x) * s.y * (1.0f + scv[k]) + shv[k];
-        };
-    });
+    map_rows_e4m3(x, q, scales, rows, d, layer_norm_modulate_map<bf16>(shift, scale, d, rows_per_mod, eps));
 }
 
 #define NORMS_E4M3(WN, W) \

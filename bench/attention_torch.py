@@ -4,8 +4,10 @@ call after warm-up, median of the timed calls). Backends: the default dispatch (
 torch 2.11), cuDNN forced, and FlashAttention-2 (SDPBackend.FLASH_ATTENTION). Inputs are [B, H, S, D]
 contiguous (torch's native layout; ours are [B, S, H, D], the layout the DiT produces).
 
-Usage: attention_torch.py [--iters N] [--warmup N] B,H,S[,D] ...
-Prints `RESULT\ttorch\t<backend>\t(B,H,S,D)\t<ms>\t<TFLOP/s>` lines."""
+Usage: attention_torch.py [--iters N] [--warmup N] B,H,S[,D[,S_kv]] ...
+A shape may name a key length of its own, as the Rust benchmark's (the DiT's cross-attention to 512
+text tokens: 1,12,32760,128,512); FLOPs are then 4·B·H·S·S_kv·D.
+Prints `RESULT\ttorch\t<backend>\t(B,H,S,D[,S_kv])\t<ms>\t<TFLOP/s>` lines."""
 
 import argparse
 
@@ -44,9 +46,11 @@ def main():
         dims = [int(x) for x in shape.split(",")]
         b, h, s = dims[:3]
         d = dims[3] if len(dims) > 3 else D
-        label = f"({b},{h},{s},{d})"
-        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-        flops = 4 * b * h * s * s * d
+        s_kv = dims[4] if len(dims) > 4 else s
+        label = f"({b},{h},{s},{d})" if s_kv == s else f"({b},{h},{s},{d},{s_kv})"
+        q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(b, h, s_kv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        flops = 4 * b * h * s * s_kv * d
         for name, backend in [
             ("default", None),
             ("cudnn", SDPBackend.CUDNN_ATTENTION),

@@ -679,11 +679,12 @@ fn flash_attention_matches_cpu() -> Result<()> {
 #[test]
 fn hopper_attention_matches_cpu() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
-    let hopper: Vec<_> = HOPPER_VARIANTS
+    let labels: Vec<_> = HOPPER_VARIANTS
         .iter()
         .enumerate()
-        .map(|(i, var)| (AttentionKernel::Hopper(i), var.name))
+        .map(|(i, var)| (AttentionKernel::Hopper(i), var.label()))
         .collect();
+    let hopper: Vec<_> = labels.iter().map(|(k, l)| (*k, l.as_str())).collect();
     let probe = Tensor::zeros(&[1, 1, 1, 128], DType::BF16, dev)?;
     let forced = with_attention_kernel(AttentionKernel::Hopper(0), || {
         ditstream_kernels::attention(&probe, &probe, &probe, AttentionOptions::default())
@@ -709,7 +710,10 @@ fn tensor_core_attention_cases(
 ) -> Result<()> {
     use ditstream_kernels as k;
     // (B, S_q, S_k, H, kv_len): S not a multiple of any tile, partial last K/V blocks, kv_len 0, a
-    // single key, kv_len on a 64/128-key boundary, and every key valid.
+    // single key, kv_len on a 64/128-key boundary, and every key valid; last, more tiles of 128
+    // query rows (144) than an H200 has SMs (132), over a short key run as the cross-attention's,
+    // so that a persistent launch takes several items per CTA (with 128-key blocks a whole tile
+    // and then a chunk of a split one: 12 tiles left over split 2 ways).
     let cases = [
         (1, 200, 200, 2, None),
         (2, 130, 300, 3, Some(77)),
@@ -718,6 +722,7 @@ fn tensor_core_attention_cases(
         (1, 300, 257, 2, Some(129)),
         (2, 257, 700, 2, Some(640)),
         (1, 129, 1000, 1, None),
+        (2, 2200, 512, 4, Some(500)),
     ];
     for (ci, &(batch, seq_q, seq_k, heads, kv_len)) in cases.iter().enumerate() {
         let seed = 60 + 3 * ci as u64;
@@ -1701,13 +1706,16 @@ fn fp8_linears_match_cpu() -> Result<()> {
         return Ok(());
     }
     // Quantisation, bit for bit.
-    // k: the vectorised kernel (multiples of 8: 256, the DiT's 1,536 and 8,960, a long 40,000;
-    // f32 rows too) and the scalar one (37).
+    // k: bf16 rows held in registers (up to 32,768: 256, the DiT's 1,536, 5,120, 8,960 and
+    // 13,824), the vectorised kernel (f32 rows, and bf16 rows too long to hold: 40,000) and the
+    // scalar one (37).
     for (dtype, kk) in [
         (DType::BF16, 256),
         (DType::F32, 256),
         (DType::BF16, 1536),
+        (DType::BF16, 5120),
         (DType::BF16, 8960),
+        (DType::BF16, 13824),
         (DType::BF16, 37),
         (DType::BF16, 40000),
     ] {

@@ -95,7 +95,7 @@ fn main() -> Result<()> {
         // Last, so that a fault of the new kernel comes after every other timing of the shape.
         if d == 128 && !args.no_hopper && (!args.auto_only || args.hopper_only) {
             for (i, v) in HOPPER_VARIANTS.iter().enumerate() {
-                kernels.push((AttentionKernel::Hopper(i), v.name.to_string()));
+                kernels.push((AttentionKernel::Hopper(i), v.label()));
             }
         }
         let label = if s_kv == s {

@@ -41,9 +41,19 @@ pub struct HopperVariant {
     /// Keys per K/V block: 128, or 176 (FlashAttention-3's choice at head dim 128) or 192
     /// (warp-specialised only).
     pub block_k: usize,
+    /// Warp-specialised only: launched persistent, one CTA per SM taking work items in turn (its
+    /// producer loads the next item's Q and K/V under the current one's last blocks), rather than one
+    /// CTA per item. The same kernel either way; this is the launch.
+    pub persistent: bool,
 }
 
 impl HopperVariant {
+    /// Its label in tests and benchmarks: the kernel's name, with `_persistent` for that launch.
+    pub fn label(&self) -> String {
+        let launch = if self.persistent { "_persistent" } else { "" };
+        format!("{}{launch}", self.name)
+    }
+
     /// Dynamic shared memory: Q [128 × 128] and `stages` × (K, V) [block_k × 128], bf16, plus 1 KiB the
     /// kernel uses to round its base up to the 1024-byte boundary the swizzled wgmma operands need.
     pub fn shared_bytes(&self) -> usize {
@@ -59,36 +69,63 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         stages: 2,
         warp_specialised: false,
         block_k: 128,
+        persistent: false,
     },
     HopperVariant {
         name: "hopper_fwd_d128_br128_bc128_s3",
         stages: 3,
         warp_specialised: false,
         block_k: 128,
+        persistent: false,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s2",
         stages: 2,
         warp_specialised: true,
         block_k: 128,
+        persistent: false,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s3",
         stages: 3,
         warp_specialised: true,
         block_k: 128,
+        persistent: false,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc176_s2",
         stages: 2,
         warp_specialised: true,
         block_k: 176,
+        persistent: false,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc192_s2",
         stages: 2,
         warp_specialised: true,
         block_k: 192,
+        persistent: false,
+    },
+    HopperVariant {
+        name: "hopper_ws_fwd_d128_br128_bc128_s2",
+        stages: 2,
+        warp_specialised: true,
+        block_k: 128,
+        persistent: true,
+    },
+    HopperVariant {
+        name: "hopper_ws_fwd_d128_br128_bc128_s3",
+        stages: 3,
+        warp_specialised: true,
+        block_k: 128,
+        persistent: true,
+    },
+    HopperVariant {
+        name: "hopper_ws_fwd_d128_br128_bc192_s2",
+        stages: 2,
+        warp_specialised: true,
+        block_k: 192,
+        persistent: true,
     },
 ];
 
@@ -291,6 +328,7 @@ mod tests {
             assert!(v.name.ends_with(&format!("_s{}", v.stages)), "{}", v.name);
             assert!(v.name.contains(&format!("_bc{}_", v.block_k)), "{}", v.name);
             assert!(v.block_k == 128 || v.warp_specialised, "{}", v.name);
+            assert!(!v.persistent || v.warp_specialised, "{}", v.name);
             assert_eq!(
                 v.name.starts_with("hopper_ws_"),
                 v.warp_specialised,

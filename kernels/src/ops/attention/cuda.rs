@@ -150,7 +150,7 @@ pub(super) fn attention(
             i,
         )?),
         AttentionKernel::Auto | AttentionKernel::HopperFp8(_) => {
-            if let Some(variant) = super::hopper::auto(&backend, q.dtype(), dims, scale) {
+            if let Some(variant) = super::hopper::auto(&backend, q.dtype(), dims, scale, kv_len) {
                 return super::hopper::attention(
                     op,
                     &backend,

@@ -478,7 +478,10 @@ __device__ __forceinline__ void pv(float* o, unsigned (*p)[4], unsigned vt) {
 
 // The ws kernel's work schedule (hopper.rs picks it per call). Work items are the tiles of 128 query
 // rows of one (batch, head), numbered tile = q-tile + tiles_x·(h + heads·b) (the q-tiles of a head
-// consecutive, so the CTAs running at once share their K/V in L2), one item per CTA of a 1-D grid. When
+// consecutive, so the CTAs running at once share their K/V in L2). CTA c of a 1-D grid takes items c,
+// c + gridDim.x, …: one each when the grid is as large as the items; fewer CTAs than items make the
+// kernel persistent, its producer loading the next item's Q and first K/V blocks while the consumers
+// finish the current one (what a short key run, the cross-attention's 512 text tokens, needs). When
 // the tile count leaves a last wave that would keep few SMs busy (the rest idle for a whole tile's
 // time), its tiles are split over `ways` CTAs each along the keys: item n_full + (t − n_full)·ways + c
 // takes the c-th of `ways` even runs of the K/V blocks of tile t. Each writes its partial rows (O
@@ -491,6 +494,7 @@ struct Schedule {
     int tiles_x;        // q-tiles per (batch, head)
     int n_full;         // tiles computed whole by one CTA: the first n_full
     int ways;           // CTAs per split tile (1: nothing is split)
+    int items;          // work items: n_full + split tiles × ways
 };
 
 // This consumer thread's slot e (0–63: O, 64–65: the LSE of its rows r0 and r0 + 8) of chunk `item`:
@@ -499,52 +503,61 @@ __device__ __forceinline__ float* part_slot(float* part, int item, int e) {
     return part + ((i64)item * 66 + e) * 256 + threadIdx.x;
 }
 
+// Item `item`'s tile: rows [q0, q0 + 128) of head h of batch b, and its K/V blocks [lo, hi) (all of
+// them for a whole tile, chunk `item`'s even share for a split one).
+struct Item {
+    int q0, h, b, lo, hi;
+};
+template <int KB>
+__device__ __forceinline__ Item item_of(int item, const Schedule& sched, int heads, int kv_len) {
+    const bool split = item >= sched.n_full;
+    const int tile = split ? sched.n_full + (item - sched.n_full) / sched.ways : item;
+    const int chunk = split ? (item - sched.n_full) % sched.ways : 0;
+    const int blocks = (kv_len + KB - 1) / KB;  // of the whole tile; hopper.rs splits only when ≥ 2·ways
+    return Item{(tile % sched.tiles_x) * BR, (tile / sched.tiles_x) % heads, tile / (sched.tiles_x * heads),
+                split ? chunk * blocks / sched.ways : 0, split ? (chunk + 1) * blocks / sched.ways : blocks};
+}
+
 template <int STAGES, int KB>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, bf16* __restrict__ out,
                                     float* __restrict__ lse, int seq_q, int heads, int kv_len, float scale,
                                     const Schedule sched) {
     static_assert(KB == 128 || KB == 176 || KB == 192, "keys per K/V block: 128, FA3's 176, or 192");
     // Dynamic (Q, the K/V stages, 1 KiB alignment slack) + static (barriers, `pin`, `last`) shared memory.
-    static_assert((1 + 2 * STAGES * KB / 128) * TILE + 1024 + 8 * (1 + 4 * STAGES) + 4 * 257 <= 227 * 1024,
+    static_assert((1 + 2 * STAGES * KB / 128) * TILE + 1024 + 8 * (2 + 4 * STAGES) + 4 * 257 <= 227 * 1024,
                   "shared memory");
     constexpr int KV_TILE = KB * 256;  // bytes of a K or V tile
     extern __shared__ __align__(1024) unsigned char smem[];
-    // full Q, full K[STAGES], full V[STAGES], empty K[STAGES], empty V[STAGES]
-    __shared__ __align__(8) u64 bars[1 + 4 * STAGES];
+    // full Q, empty Q, full K[STAGES], full V[STAGES], empty K[STAGES], empty V[STAGES]
+    __shared__ __align__(8) u64 bars[2 + 4 * STAGES];
     __shared__ float pin[256];  // one slot per consumer thread, written to order the softmax (see its use)
     __shared__ int last;        // a split tile's last chunk: this CTA merges
     const unsigned base = (smem_addr(smem) + 1023u) & ~1023u;
     const unsigned sq = base, sk = base + TILE, sv = base + TILE + STAGES * KV_TILE;
-    const unsigned full_q = smem_addr(&bars[0]);
-    const unsigned full_k = full_q + 8, full_v = full_k + 8 * STAGES;
+    const unsigned full_q = smem_addr(&bars[0]), empty_q = full_q + 8;
+    const unsigned full_k = empty_q + 8, full_v = full_k + 8 * STAGES;
     const unsigned empty_k = full_v + 8 * STAGES, empty_v = empty_k + 8 * STAGES;
 
-    // This CTA's work item: tile, and for a split tile its chunk c of the K/V blocks [lo, hi).
-    const int item = blockIdx.x;
-    const bool split = item >= sched.n_full;
-    const int tile = split ? sched.n_full + (item - sched.n_full) / sched.ways : item;
-    const int chunk = split ? (item - sched.n_full) % sched.ways : 0;
-    const int q0 = (tile % sched.tiles_x) * BR, h = (tile / sched.tiles_x) % heads,
-              b = tile / (sched.tiles_x * heads);
-    const int blocks = (kv_len + KB - 1) / KB;  // of the whole tile; hopper.rs splits only when ≥ ways
-    const int lo = split ? chunk * blocks / sched.ways : 0, hi = split ? (chunk + 1) * blocks / sched.ways : blocks;
-    const int nblk = hi - lo;
     // Warpgroups 0 and 1 consume, 2 produces. The warpgroup index is made visibly warp-uniform (a
     // shuffle, brief §5.7): every .aligned instruction below runs converged per warpgroup.
     const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
     const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-    if (nblk <= 0) {  // no valid key: out = 0, lse = −∞ (kv_len is uniform; no barrier has run)
+    if (kv_len <= 0) {  // no valid key: out = 0, lse = −∞ (kv_len is uniform; no barrier has run)
         if (wg < 2) {
             const float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
             float zero[64];
 #pragma unroll
             for (int i = 0; i < 64; ++i) zero[i] = 0.0f;
-            store_rows(out, lse, zero, m, l, b, h, q0 + wg * 64 + warp * 16, lane, seq_q, heads, scale);
+            for (int item = blockIdx.x; item < sched.items; item += gridDim.x) {
+                const Item it = item_of<KB>(item, sched, heads, kv_len);
+                store_rows(out, lse, zero, m, l, it.b, it.h, it.q0 + wg * 64 + warp * 16, lane, seq_q, heads, scale);
+            }
         }
         return;
     }
     if (threadIdx.x == 0) {
         mbar_init(full_q, 1);
+        mbar_init(empty_q, 2);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full_k + 8 * s, 1);
             mbar_init(full_v + 8 * s, 1);
@@ -555,143 +568,164 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     }
     __syncthreads();
 
+    // Both sides count the K/V blocks this CTA has taken (`g`, across items) and its items (`n`): the
+    // rings' stage and phase of block g are g mod STAGES and (g / STAGES) mod 2, Q's phase n mod 2.
     if (wg == 2) {  // producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
         if (warp != 0 || lane != 0) return;
-        mbar_expect_tx(full_q, TILE);
-        tma_tile<BR>(sq, tq, full_q, q0, h, b);
-        for (int i = 0; i < nblk; ++i) {
-            const int j = hi - 1 - i, s = i % STAGES;
-            const unsigned phase = (i / STAGES) & 1;
-            mbar_wait(empty_k + 8 * s, phase ^ 1);
-            mbar_expect_tx(full_k + 8 * s, KV_TILE);
-            tma_tile<KB>(sk + s * KV_TILE, tk, full_k + 8 * s, j * KB, h, b);
-            mbar_wait(empty_v + 8 * s, phase ^ 1);
-            mbar_expect_tx(full_v + 8 * s, KV_TILE);
-            tma_tile<KB>(sv + s * KV_TILE, tv, full_v + 8 * s, j * KB, h, b);
+        int g = 0;
+        for (int item = blockIdx.x, n = 0; item < sched.items; item += gridDim.x, ++n) {
+            const Item it = item_of<KB>(item, sched, heads, kv_len);
+            mbar_wait(empty_q, (n & 1) ^ 1);  // both consumers' last Q·Kᵀ of the item before
+            mbar_expect_tx(full_q, TILE);
+            tma_tile<BR>(sq, tq, full_q, it.q0, it.h, it.b);
+            for (int j = it.hi - 1; j >= it.lo; --j, ++g) {
+                const int s = g % STAGES;
+                const unsigned phase = (g / STAGES) & 1;
+                mbar_wait(empty_k + 8 * s, phase ^ 1);
+                mbar_expect_tx(full_k + 8 * s, KV_TILE);
+                tma_tile<KB>(sk + s * KV_TILE, tk, full_k + 8 * s, j * KB, it.h, it.b);
+                mbar_wait(empty_v + 8 * s, phase ^ 1);
+                mbar_expect_tx(full_v + 8 * s, KV_TILE);
+                tma_tile<KB>(sv + s * KV_TILE, tv, full_v + 8 * s, j * KB, it.h, it.b);
+            }
         }
         return;
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
     const int w = wg;  // consumer 0 or 1
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    float o[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
     const bool leader = threadIdx.x % 128 == 0;    // releases stages for its WG
     const float c = scale * 1.4426950408889634f;  // scale·log2 e
     const unsigned q_wg = sq + w * 64 * 128;       // this WG's 64 rows, in each half
     const unsigned scratch = smem_addr(&pin[threadIdx.x]);
-    float s[KB / 2];
-    unsigned p[KB / 16][4];
     if (w == 1) bar_arrive(TURN + 0);  // consumer 0 issues first
+    int g = 0;
+    for (int item = blockIdx.x, n = 0; item < sched.items; item += gridDim.x, ++n) {
+        const Item it = item_of<KB>(item, sched, heads, kv_len);
+        const int nblk = it.hi - it.lo;  // ≥ 1: kv_len > 0, and a split chunk has ≥ 2 blocks
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+        float o[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+        float s[KB / 2];
+        unsigned p[KB / 16][4];
 
-    // Prologue: block hi − 1 (stage 0, phase 0), the only one that can be partial.
-    mbar_wait(full_q, 0);
-    mbar_wait(full_k, 0);
-    bar_sync(TURN + w);
-    fence_regs<KB / 2>(s);
-    wgmma_fence();
-    qk<KB>(s, q_wg, sk);
-    wgmma_commit();
-    bar_arrive(TURN + (1 - w));
-    wgmma_wait0();
-    fence_regs<KB / 2>(s);
-    if (leader) mbar_arrive(empty_k);
-    if (hi * KB > kv_len) mask_keys<KB>(s, kv_len - (hi - 1) * KB, lane);
-    {
-        float alpha[2];
-        online_softmax<KB>(s, m, l, alpha, c);  // O = 0: nothing to rescale
-    }
-    pack_p<KB>(s, p);
+        // Prologue: block hi − 1, the only one that can be partial.
+        {
+            const int st = g % STAGES;
+            mbar_wait(full_q, n & 1);
+            mbar_wait(full_k + 8 * st, (g / STAGES) & 1);
+            bar_sync(TURN + w);
+            fence_regs<KB / 2>(s);
+            wgmma_fence();
+            qk<KB>(s, q_wg, sk + st * KV_TILE);
+            wgmma_commit();
+            bar_arrive(TURN + (1 - w));
+            wgmma_wait0();
+            fence_regs<KB / 2>(s);
+            if (leader) {
+                mbar_arrive(empty_k + 8 * st);
+                if (nblk == 1) mbar_arrive(empty_q);
+            }
+            if (it.hi * KB > kv_len) mask_keys<KB>(s, kv_len - (it.hi - 1) * KB, lane);
+            float alpha[2];
+            online_softmax<KB>(s, m, l, alpha, c);  // O = 0: nothing to rescale
+            pack_p<KB>(s, p);
+        }
 
-    for (int i = 1; i < nblk; ++i) {
-        const int st = i % STAGES, prev = (i - 1) % STAGES;
-        const unsigned phase = (i / STAGES) & 1, prev_phase = ((i - 1) / STAGES) & 1;
-        mbar_wait(full_k + 8 * st, phase);
-        mbar_wait(full_v + 8 * prev, prev_phase);
-        bar_sync(TURN + w);
-        fence_regs<KB / 2>(s);
+        for (int i = 1; i < nblk; ++i) {
+            const int st = (g + i) % STAGES, prev = (g + i - 1) % STAGES;
+            const unsigned phase = ((g + i) / STAGES) & 1, prev_phase = ((g + i - 1) / STAGES) & 1;
+            mbar_wait(full_k + 8 * st, phase);
+            mbar_wait(full_v + 8 * prev, prev_phase);
+            bar_sync(TURN + w);
+            fence_regs<KB / 2>(s);
+            fence_regs(o);
+            fence_regs(&p[0][0], KB / 4);
+            wgmma_fence();
+            qk<KB>(s, q_wg, sk + st * KV_TILE);
+            wgmma_commit();
+            pv<KB>(o, p, sv + prev * KV_TILE);
+            wgmma_commit();
+            bar_arrive(TURN + (1 - w));
+            wgmma_wait1();  // S is in; P·V of block i − 1 may still run
+            fence_regs<KB / 2>(s);
+            if (leader) {
+                mbar_arrive(empty_k + 8 * st);
+                if (i == nblk - 1) mbar_arrive(empty_q);  // this WG's last read of Q
+            }
+            float alpha[2];
+            const bool rescale = online_softmax<KB>(s, m, l, alpha, c);
+            // ptxas hoisted the wait below above the softmax (to just after the first row's max: every
+            // MUFU.EX2 came after the WARPGROUP.DEPBAR), so the exponentials ran after P·V, not under it. A
+            // store of the row sums (which need every exponential) to shared memory pins it: ptxas keeps
+            // shared-memory accesses on their side of a wgmma wait.
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(l[0] + l[1]) : "memory");
+            wgmma_wait0();
+            fence_regs(o);
+            fence_regs(&p[0][0], KB / 4);
+            if (leader) mbar_arrive(empty_v + 8 * prev);
+            rescale_o(o, alpha, rescale);
+            pack_p<KB>(s, p);
+        }
+
+        // The last block's P·V (outside the turns: nothing of this WG's item follows it to overlap with).
+        const int last_stage = (g + nblk - 1) % STAGES;
+        mbar_wait(full_v + 8 * last_stage, ((g + nblk - 1) / STAGES) & 1);
         fence_regs(o);
         fence_regs(&p[0][0], KB / 4);
         wgmma_fence();
-        qk<KB>(s, q_wg, sk + st * KV_TILE);
+        pv<KB>(o, p, sv + last_stage * KV_TILE);
         wgmma_commit();
-        pv<KB>(o, p, sv + prev * KV_TILE);
-        wgmma_commit();
-        bar_arrive(TURN + (1 - w));
-        wgmma_wait1();  // S is in; P·V of block i − 1 may still run
-        fence_regs<KB / 2>(s);
-        if (leader) mbar_arrive(empty_k + 8 * st);
-        float alpha[2];
-        const bool rescale = online_softmax<KB>(s, m, l, alpha, c);
-        // ptxas hoisted the wait below above the softmax (to just after the first row's max: every
-        // MUFU.EX2 came after the WARPGROUP.DEPBAR), so the exponentials ran after P·V, not under it. A
-        // store of the row sums (which need every exponential) to shared memory pins it: ptxas keeps
-        // shared-memory accesses on their side of a wgmma wait.
-        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(l[0] + l[1]) : "memory");
         wgmma_wait0();
         fence_regs(o);
-        fence_regs(&p[0][0], KB / 4);
-        if (leader) mbar_arrive(empty_v + 8 * prev);
-        rescale_o(o, alpha, rescale);
-        pack_p<KB>(s, p);
-    }
+        if (leader) mbar_arrive(empty_v + 8 * last_stage);
+        g += nblk;
 
-    // The last block's P·V (outside the turns: nothing of this WG follows it to overlap with).
-    const int last_stage = (nblk - 1) % STAGES;
-    mbar_wait(full_v + 8 * last_stage, ((nblk - 1) / STAGES) & 1);
-    fence_regs(o);
-    fence_regs(&p[0][0], KB / 4);
-    wgmma_fence();
-    pv<KB>(o, p, sv + last_stage * KV_TILE);
-    wgmma_commit();
-    wgmma_wait0();
-    fence_regs(o);
+        const int row0 = it.q0 + w * 64 + warp * 16;
+        if (item < sched.n_full) {
+            store_rows(out, lse, o, m, l, it.b, it.h, row0, lane, seq_q, heads, scale);
+            continue;
+        }
+        // A chunk of a split tile: its normalised rows and LSEs to `part`, made visible device-wide,
+        // then a ticket; the CTA taking the last one merges every chunk's rows.
+        float row_lse[2];
+        normalise_rows(o, m, l, scale, row_lse);
+        const int t = (item - sched.n_full) / sched.ways, first = t * sched.ways;
+#pragma unroll
+        for (int e = 0; e < 64; ++e) *part_slot(sched.part, item - sched.n_full, e) = o[e];
+        *part_slot(sched.part, item - sched.n_full, 64) = row_lse[0];
+        *part_slot(sched.part, item - sched.n_full, 65) = row_lse[1];
+        __threadfence();
+        bar_sync(MERGE);
+        if (threadIdx.x == 0) last = atomicAdd(&sched.tickets[t], 1u) == (unsigned)sched.ways - 1;
+        bar_sync(MERGE);
+        if (!last) continue;
+        __threadfence();  // the other chunks' rows, fenced before their tickets, are visible from here
+        // Three passes over the chunks' LSEs (a handful of loads) rather than an array indexed at run time.
+        float mx[2] = {-INFINITY, -INFINITY}, wsum[2] = {0.0f, 0.0f};
+        for (int k = 0; k < sched.ways; ++k)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) mx[hf] = fmaxf(mx[hf], __ldcg(part_slot(sched.part, first + k, 64 + hf)));
+        for (int k = 0; k < sched.ways; ++k)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) wsum[hf] += expf(__ldcg(part_slot(sched.part, first + k, 64 + hf)) - mx[hf]);
+#pragma unroll
+        for (int e = 0; e < 64; ++e) o[e] = 0.0f;
+        for (int k = 0; k < sched.ways; ++k) {
+            const float w0 = expf(__ldcg(part_slot(sched.part, first + k, 64)) - mx[0]) / wsum[0];
+            const float w1 = expf(__ldcg(part_slot(sched.part, first + k, 65)) - mx[1]) / wsum[1];
+#pragma unroll
+            for (int e = 0; e < 64; ++e) o[e] += ((e & 2) ? w1 : w0) * __ldcg(part_slot(sched.part, first + k, e));
+        }
+        row_lse[0] = mx[0] + logf(wsum[0]);
+        row_lse[1] = mx[1] + logf(wsum[1]);
+        write_rows(out, lse, o, row_lse, it.b, it.h, row0, lane, seq_q, heads);
+    }
     // Consumer 1 arrived on consumer 0's turn once more than consumer 0 synced on it (its opening
     // arrival): consume it, so no barrier is left mid-phase at exit.
     if (w == 0) bar_sync(TURN + 0);
-
-    const int row0 = q0 + w * 64 + warp * 16;
-    if (!split) {
-        store_rows(out, lse, o, m, l, b, h, row0, lane, seq_q, heads, scale);
-        return;
-    }
-    // A chunk of a split tile: its normalised rows and LSEs to `part`, made visible device-wide, then
-    // a ticket; the CTA taking the last one merges every chunk's rows.
-    float row_lse[2];
-    normalise_rows(o, m, l, scale, row_lse);
-    const int t = (item - sched.n_full) / sched.ways, first = t * sched.ways;
-#pragma unroll
-    for (int e = 0; e < 64; ++e) *part_slot(sched.part, item - sched.n_full, e) = o[e];
-    *part_slot(sched.part, item - sched.n_full, 64) = row_lse[0];
-    *part_slot(sched.part, item - sched.n_full, 65) = row_lse[1];
-    __threadfence();
-    bar_sync(MERGE);
-    if (threadIdx.x == 0) last = atomicAdd(&sched.tickets[t], 1u) == (unsigned)sched.ways - 1;
-    bar_sync(MERGE);
-    if (!last) return;
-    __threadfence();  // the other chunks' rows, fenced before their tickets, are visible from here
-    // Three passes over the chunks' LSEs (a handful of loads) rather than an array indexed at run time.
-    float mx[2] = {-INFINITY, -INFINITY}, wsum[2] = {0.0f, 0.0f};
-    for (int k = 0; k < sched.ways; ++k)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) mx[hf] = fmaxf(mx[hf], __ldcg(part_slot(sched.part, first + k, 64 + hf)));
-    for (int k = 0; k < sched.ways; ++k)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) wsum[hf] += expf(__ldcg(part_slot(sched.part, first + k, 64 + hf)) - mx[hf]);
-#pragma unroll
-    for (int e = 0; e < 64; ++e) o[e] = 0.0f;
-    for (int k = 0; k < sched.ways; ++k) {
-        const float w0 = expf(__ldcg(part_slot(sched.part, first + k, 64)) - mx[0]) / wsum[0];
-        const float w1 = expf(__ldcg(part_slot(sched.part, first + k, 65)) - mx[1]) / wsum[1];
-#pragma unroll
-        for (int e = 0; e < 64; ++e) o[e] += ((e & 2) ? w1 : w0) * __ldcg(part_slot(sched.part, first + k, e));
-    }
-    row_lse[0] = mx[0] + logf(wsum[0]);
-    row_lse[1] = mx[1] + logf(wsum[1]);
-    write_rows(out, lse, o, row_lse, b, h, row0, lane, seq_q, heads);
 }
 
 }  // namespace ws
@@ -1014,14 +1048,14 @@ HOPPER_KERNEL(2)
 HOPPER_KERNEL(3)
 
 // hopper_ws_fwd_d128_br128_bc<KB>_s<STAGES> (the warp-specialised kernel): 384 threads, a 1-D grid of
-// work items (ws::Schedule: n_full + split tiles × ways), dynamic shared memory Q (32 KiB) + 2·STAGES
+// at most as many CTAs as work items (ws::Schedule: n_full + split tiles × ways), dynamic shared memory Q (32 KiB) + 2·STAGES
 // K/V tiles of KB·256 bytes + 1 KiB alignment slack; the tensor maps of q ([B, S_q, H, 128] bf16, box
 // 64 × 128) and of k and v (S = kv_len, box 64 × KB) and the schedule come from hopper.rs; seq_k only
 // keeps the argument list the cp.async kernels' (the maps carry the strides).
 #ifdef HOPPER_WGMMA
 #define HOPPER_WS_BODY(STAGES, KB)                                                                   \
     hopper::ws::fwd<STAGES, KB>(tq, tk, tv, out, lse, seq_q, heads, kv_len, scale,                  \
-                                hopper::ws::Schedule{part, tickets, tiles_x, n_full, ways});
+                                hopper::ws::Schedule{part, tickets, tiles_x, n_full, ways, items});
 #else
 #define HOPPER_WS_BODY(STAGES, KB)
 #endif
@@ -1029,7 +1063,7 @@ HOPPER_KERNEL(3)
     extern "C" __global__ void __launch_bounds__(384, 1) hopper_ws_fwd_d128_br128_bc##KB##_s##STAGES(      \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         bf16* out, float* lse, int seq_q, int seq_k, int heads, int kv_len, float scale, float* part,       \
-        unsigned* tickets, int tiles_x, int n_full, int ways) {                                             \
+        unsigned* tickets, int tiles_x, int n_full, int ways, int items) {                                  \
         HOPPER_WS_BODY(STAGES, KB)                                                                         \
     }
 HOPPER_WS_KERNEL(2, 128)

@@ -65,19 +65,37 @@ fn unsupported(
 /// 648.6–652.6 for 176 keys (FlashAttention-3's tile) in the same process, and ahead of 176 in 9 of
 /// the 10 same-process pairs of that session (last session: 3 of 4 shapes, behind at
 /// (1,24,27280)); 128-key blocks 627–638, the cp.async kernel 415–470.
-const AUTO_VARIANT: &str = "hopper_ws_fwd_d128_br128_bc192_s2";
+const AUTO_VARIANT: (&str, bool) = ("hopper_ws_fwd_d128_br128_bc192_s2", false);
 
-/// The variant `Auto` runs for this call, if the Hopper kernel applies to it.
+/// Up to this many valid keys (the DiT's cross-attention to 512 text tokens), `Auto` runs
+/// `AUTO_SHORT_VARIANT`: a tile's few K/V blocks leave one CTA per tile waiting on its Q and first
+/// blocks and on its stores, which a persistent launch overlaps with the neighbouring items.
+/// Measured on the H200 (bench/RESULTS.md, 2026-12-04): 0.233 ms at (1,12,32760,128) against 512
+/// keys and 1.579 ms at (1,40,75600,128), against 0.286 and 2.034 for `AUTO_VARIANT` (192-key
+/// blocks persistent: 0.237, 1.666). Over full-length keys the persistent launch is no faster (192-key
+/// blocks at (1,12,32760,128): 9.70 ms against 8.82 one CTA per tile), so `AUTO_VARIANT` stays there.
+const SHORT_KEYS: usize = 1024;
+const AUTO_SHORT_VARIANT: (&str, bool) = ("hopper_ws_fwd_d128_br128_bc128_s2", true);
+
+/// The variant `Auto` runs for this call (kv_len valid keys), if the Hopper kernel applies to it.
 pub(super) fn auto(
     backend: &CudaBackend,
     dtype: DType,
     dims: [usize; 5],
     scale: f32,
+    kv_len: usize,
 ) -> Option<&'static HopperVariant> {
     if unsupported(&backend.arch, dtype, dims, scale).is_some() {
         return None;
     }
-    HOPPER_VARIANTS.iter().find(|v| v.name == AUTO_VARIANT)
+    let (name, persistent) = if kv_len <= SHORT_KEYS {
+        AUTO_SHORT_VARIANT
+    } else {
+        AUTO_VARIANT
+    };
+    HOPPER_VARIANTS
+        .iter()
+        .find(|v| v.name == name && v.persistent == persistent)
 }
 
 /// Variant `i` if the Hopper kernel applies to this call, else an error saying why.
@@ -134,12 +152,12 @@ fn schedule(tiles: usize, sms: usize, blocks: usize) -> (usize, usize) {
 /// What the warp-specialised kernels take beyond the shared argument list: the tensor maps of q, k
 /// and v (in place of their addresses), then the schedule: the split tiles' partial rows and tickets
 /// (owned here, so they live until the launch is queued; none when nothing is split) and (tiles per
-/// head, n_full, ways).
+/// head, n_full, ways, work items).
 pub(super) struct WsArgs {
     pub maps: [TensorMap; 3],
     part: Option<CudaSlice<f32>>,
     tickets: Option<CudaSlice<u32>>,
-    pub schedule: [i32; 3],
+    pub schedule: [i32; 4],
 }
 
 impl WsArgs {
@@ -275,7 +293,13 @@ pub(super) fn attention(
             kv_len,
             variant,
         )?;
-        ((items, 1, 1), WS_THREADS, Some(ws))
+        // Persistent: one CTA per SM (one fits), each taking items in turn.
+        let ctas = if variant.persistent {
+            items.min(backend.sm_count.max(1) as u32)
+        } else {
+            items
+        };
+        ((ctas, 1, 1), WS_THREADS, Some(ws))
     } else {
         let tiles_x = int(op, "seq_q / 128", tiles_x)? as u32;
         ((tiles_x, heads as u32, batch as u32), THREADS, None)
@@ -284,7 +308,8 @@ pub(super) fn attention(
     // the addresses, one CTA of 256 threads per (q-tile, head, batch); the ws ones the tensor maps
     // (encoded by `ws_args` over these buffers) and the schedule after scale, one CTA of 384 threads
     // per work item, `ws` owning the split chunks' slots and zeroed tickets until after the launch is
-    // queued (their stream-ordered frees follow it). Contiguous bf16 [B, S, H, 128] buffers of the
+    // queued (their stream-ordered frees follow it), at most as many CTAs as items (the kernel loops
+    // over its share). Contiguous bf16 [B, S, H, 128] buffers of the
     // shapes `check` accepted (allocations 256-byte aligned, rows of 256 bytes, so every 16-byte
     // cp.async is aligned); kv_len ≤ S_k; the dynamic shared memory is the variant's carve-up (Q and
     // its K/V stages + 1 KiB of alignment slack), within the 227 KiB an sm_90 block may opt into
@@ -303,7 +328,7 @@ pub(super) fn attention(
     }
 }
 
-/// The warp-specialised kernel's extra arguments for this call, and its grid (work items): the
+/// The warp-specialised kernel's extra arguments for this call, and its work items: the
 /// tensor maps (K and V end at kv_len, so that TMA zero-fills the padded keys of the partial block:
 /// their P is 0 and V must be finite there) and the [`schedule`] with its buffers.
 fn ws_args(
@@ -344,6 +369,7 @@ fn ws_args(
             kv_len,
         )
     };
+    let items = int(op, "tiles", n_full + split * ways)?;
     let ws = WsArgs {
         maps: [
             tensor_map(op, backend, q, [batch, seq_q, heads], BLOCK_Q, seq_q)?,
@@ -356,9 +382,10 @@ fn ws_args(
             int(op, "seq_q / 128", tiles_x)?,
             int(op, "tiles", n_full)?,
             ways as i32,
+            items,
         ],
     };
-    Ok((ws, int(op, "tiles", n_full + split * ways)? as u32))
+    Ok((ws, items as u32))
 }
 
 /// Why the FP8 Hopper kernel cannot run on this GPU and head dim, if it cannot (the dtype and

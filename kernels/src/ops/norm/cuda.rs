@@ -152,8 +152,10 @@ pub(super) fn layer_norm_modulate(
     Ok(Tensor::from_cuda(out, x.shape()))
 }
 
-/// Which fused e4m3 norm, with its own kernel arguments.
+/// Which fused e4m3 map, with its own kernel arguments.
 enum E4m3Norm {
+    /// `quantize_rows_e4m3_rows_bf16`: none (and no per-element params).
+    Identity,
     /// `layer_norm_rows_e4m3_bf16_<W>`: (eps, has_w, has_b).
     LayerNorm(f32, i32, i32),
     /// `layer_norm_modulate_rows_e4m3_bf16`: (rows_per_mod, eps).
@@ -162,13 +164,14 @@ enum E4m3Norm {
 
 /// Runs norm.cu's fused e4m3 kernel `name` on x's rows of `d` where it applies, or returns None:
 /// bf16 rows on a GPU with FP8 that `row_kernel` holds in registers (with its threads, hence the
-/// unfused kernel's reduction order). The kernel's arguments are x, the two per-element `params`
-/// (device pointers, 0 for an absent one), the codes, the scales, rows and d, then `norm`'s.
+/// unfused kernel's reduction order). The kernel's arguments are x, the per-element `params`
+/// (device pointers, 0 for an absent one; none for the identity), the codes, the scales, rows and
+/// d, then `norm`'s.
 fn norm_e4m3(
     op: &'static str,
     x: &Tensor,
     d: usize,
-    params: [u64; 2],
+    params: &[u64],
     name: &str,
     norm: E4m3Norm,
 ) -> Result<Option<Fp8Tensor>> {
@@ -178,7 +181,9 @@ fn norm_e4m3(
     };
     let backend = CudaBackend::get(sx.ordinal)?;
     let xp = sx.ptr();
-    let (kernel, threads) = row_kernel("", x.dtype(), d, &[xp, params[0], params[1]]);
+    let mut ptrs = vec![xp];
+    ptrs.extend(params);
+    let (kernel, threads) = row_kernel("", x.dtype(), d, &ptrs);
     if rows == 0 || x.dtype() != DType::BF16 || kernel != "_rows" || backend.capability < (8, 9) {
         return Ok(None);
     }
@@ -188,9 +193,13 @@ fn norm_e4m3(
     let (rows_i, d_i) = (rows as i64, int(op, "d", d)?);
     let f = backend.function(&SOURCE, name)?;
     let mut launch = backend.stream.launch_builder(&f);
-    launch.arg(&xp).arg(&params[0]).arg(&params[1]);
+    launch.arg(&xp);
+    for p in params {
+        launch.arg(p);
+    }
     launch.arg(&qp).arg(&sp).arg(&rows_i).arg(&d_i);
     match &norm {
+        E4m3Norm::Identity => &mut launch,
         E4m3Norm::LayerNorm(eps, has_w, has_b) => launch.arg(eps).arg(has_w).arg(has_b),
         E4m3Norm::Modulate(rows_per_mod, eps) => launch.arg(rows_per_mod).arg(eps),
     };
@@ -228,9 +237,22 @@ pub(super) fn layer_norm_e4m3(
         op,
         x,
         d,
-        ptrs,
+        &ptrs,
         &name,
         E4m3Norm::LayerNorm(eps, has_w, has_b),
+    )
+}
+
+/// `Fp8Tensor::quantize` of bf16 rows of `d` in one read of each row (norm.cu's
+/// `quantize_rows_e4m3_rows_bf16`), or None where the register-held walk does not apply.
+pub(crate) fn quantize_e4m3(op: &'static str, x: &Tensor, d: usize) -> Result<Option<Fp8Tensor>> {
+    norm_e4m3(
+        op,
+        x,
+        d,
+        &[],
+        "quantize_rows_e4m3_rows_bf16",
+        E4m3Norm::Identity,
     )
 }
 
@@ -247,7 +269,7 @@ pub(super) fn layer_norm_modulate_e4m3(
 ) -> Result<Option<Fp8Tensor>> {
     let ptrs = [shift.cuda_storage(op)?.ptr(), scale.cuda_storage(op)?.ptr()];
     let norm = E4m3Norm::Modulate(rows_per_mod as i64, eps);
-    norm_e4m3(op, x, d, ptrs, "layer_norm_modulate_rows_e4m3_bf16", norm)
+    norm_e4m3(op, x, d, &ptrs, "layer_norm_modulate_rows_e4m3_bf16", norm)
 }
 
 /// RMSNorm over the last dim `d` → x's shape and dtype.

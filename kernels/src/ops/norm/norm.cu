@@ -344,6 +344,19 @@ extern "C" __global__ void layer_norm_modulate_rows_e4m3_bf16(const bf16* x, con
                                                               float eps) {
     layer_norm_modulate_rows_e4m3(x, shift, scale, q, scales, rows, d, rows_per_mod, eps);
 }
+
+// The walk with no map: quant.cu's quantize_rows_v8 on bf16 rows (the same codes and scales: a bf16
+// value rounds to itself), reading each row once instead of twice. `Fp8Tensor::quantize` runs it
+// wherever the rows fit the registers (the inputs of the FP8 output projections and FFN-down).
+extern "C" __global__ void quantize_rows_e4m3_rows_bf16(const bf16* x, unsigned char* q, float* scales,
+                                                        i64 rows, int d) {
+    map_rows_e4m3(x, q, scales, rows, d, [](i64, const Row<bf16>&, int) {
+        return [](int, const float* v, float* y) {
+#pragma unroll
+            for (int k = 0; k < Row<bf16>::V; ++k) y[k] = v[k];
+        };
+    });
+}
 #endif
 
 // x [batch, channels, positions]: y = x / max(||x[b, :, p]||, 1e-12) * sqrt(C) * gamma[c] + bias[c].

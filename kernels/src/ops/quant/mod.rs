@@ -96,6 +96,10 @@ impl Fp8Tensor {
             }
             #[cfg(feature = "cuda")]
             Device::Cuda(_) => {
+                // bf16 rows that fit the registers: read once (the same codes and scales).
+                if let Some(q) = crate::ops::norm::cuda::quantize_e4m3(OP, x, k)? {
+                    return Ok(q);
+                }
                 let (codes, scales) = cuda::quantize(OP, x, k)?;
                 (Codes::Cuda(codes), Tensor::from_cuda(scales, lead))
             }

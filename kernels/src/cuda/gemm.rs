@@ -93,7 +93,8 @@ impl GemmKey {
     }
 
     /// The key's text in the algorithm cache: every field, e.g.
-    /// `bf16 m1536 n32760 k1536 ta b1 s0,0,0 bias` (`e4m3>bf16 …` for FP8 operands).
+    /// `bf16 m1536 n32760 k1536 ta b1 s0,0,0 bias` (`e4m3fast>bf16 …` for FP8 operands, which
+    /// accumulate fast: a cache written before they did, keyed `e4m3>`, is not taken for them).
     fn text(&self) -> String {
         let dtype = match self.dtype {
             DType::F32 => "f32",
@@ -106,7 +107,7 @@ impl GemmKey {
         };
         format!(
             "{}{dtype} m{} n{} k{} {} b{} s{},{},{} {epilogue}",
-            if self.e4m3 { "e4m3>" } else { "" },
+            if self.e4m3 { "e4m3fast>" } else { "" },
             self.m,
             self.n,
             self.k,
@@ -392,8 +393,12 @@ fn build_plan(
         set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
     }
     if key.e4m3 {
-        // Fast accumulation stays off (the default): cuBLASLt then promotes the tensor cores'
-        // partial sums to f32 along k instead of accumulating the whole k in their narrower adder.
+        // Fast accumulation: the whole k is summed in the tensor cores' own adder (about 14 bits
+        // kept, DeepSeek-V3) instead of being promoted to f32 every few k-steps, as the forward
+        // GEMMs of Transformer Engine, torchao's float8 and vLLM's FP8 kernels run. Its error
+        // (bounded in `fp8_linears_match_cpu`) is far below the e4m3 rounding of the operands
+        // (2⁻⁴), and it is faster (bench/RESULTS.md, 2026-12-04).
+        set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &1i8)?;
         let outer = lt_sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
         set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
         set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;

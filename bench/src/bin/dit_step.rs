@@ -64,7 +64,8 @@ struct Args {
     device: String,
     /// Also the same model in FP8 (e4m3) as `model.dtype: fp8` runs it (its blocks' linears and
     /// self-attention), and with FP8 linears only: their forwards' times, the FP8 forward's error
-    /// against the bf16 one on the same inputs, and the block's linears alone in FP8.
+    /// against the bf16 one on the same inputs, the block's linears alone in FP8, and (without
+    /// `--no-split`) the FP8 forward's split inside recorded forwards ("in fp8 forward").
     #[arg(long)]
     fp8: bool,
     /// With `--fp8`: this many Euler steps of a flow-matching denoise from the same noise with
@@ -296,6 +297,14 @@ fn fp8_forward(
             forward / bf16_forward
         );
     }
+    if !args.no_split {
+        // Where the FP8 forward's time goes, as the bf16 split below (the quantisations that
+        // no norm writes are their own marks: "fp8 quantize", "fp8 attention: quantize q, k, v").
+        let forward = median_per_call(device, 1, 1, 1, || Ok(fp8.forward(x, t, ctx)?))?;
+        in_forward_split("in fp8 forward", device, args.iters.max(3), forward, || {
+            Ok(fp8.forward(x, t, ctx)?)
+        })?;
+    }
     let err = rel_rms(&fp8.forward(x, t, ctx)?, &model.forward(x, t, ctx)?)?;
     println!("RESULT\tours\tfp8 forward vs bf16, rel rms\t{err:.3e}\t-");
     // One block's linears alone (as the split's bf16 set), FP8 against bf16 on the same operands.
@@ -393,6 +402,7 @@ fn fp8_forward(
 /// cross-attention, linears; "rest" = every other mark: norms, modulation, embedding, head, and
 /// the gaps before each), and the recorded forward's total beside the unrecorded one's.
 fn in_forward_split(
+    what: &str,
     device: Device,
     reps: usize,
     forward: f64,
@@ -413,7 +423,7 @@ fn in_forward_split(
     }
     let total = median(&totals).context("no recorded forwards")?;
     println!(
-        "RESULT\tours\tin forward: recorded forward\t{:.3}\tms\t{:.1}\t% of the unrecorded one",
+        "RESULT\tours\t{what}: recorded forward\t{:.3}\tms\t{:.1}\t% of the unrecorded one",
         total * 1e3,
         100.0 * total / forward
     );
@@ -421,7 +431,7 @@ fn in_forward_split(
     for (label, v, n) in &per_label {
         let secs = median(v).unwrap_or(0.0);
         println!(
-            "RESULT\tours\tin forward: {label}\t{:.3}\tms\t{n}\tintervals",
+            "RESULT\tours\t{what}: {label}\t{:.3}\tms\t{n}\tintervals",
             secs * 1e3
         );
         let part = match *label {
@@ -432,12 +442,12 @@ fn in_forward_split(
         };
         parts[part] += secs;
     }
-    for (what, secs) in ["self-attention", "cross-attention", "linears", "rest"]
+    for (part, secs) in ["self-attention", "cross-attention", "linears", "rest"]
         .iter()
         .zip(parts)
     {
         println!(
-            "RESULT\tours\tin forward, {what}\t{:.3}\tms\t{:.1}\t% of the recorded forward",
+            "RESULT\tours\t{what}, {part}\t{:.3}\tms\t{:.1}\t% of the recorded forward",
             secs * 1e3,
             100.0 * secs / total
         );
@@ -646,7 +656,9 @@ fn main() -> Result<()> {
         );
         // The same split inside the forward (kernels::timeline: CUDA events between the ops the
         // model marks), so each op runs at the clocks and with the caches it has there.
-        in_forward_split(device, reps, forward, || Ok(model.forward(&x, &t, &ctx)?))?;
+        in_forward_split("in forward", device, reps, forward, || {
+            Ok(model.forward(&x, &t, &ctx)?)
+        })?;
         let n = layers as f64;
         let rest = forward - n * (self_attn + cross_attn + linears);
         block_rest_ops([l, d, heads, hd, ffn], latent, reps, n, device)?;

@@ -141,7 +141,11 @@ impl Linear {
     fn input(&self, x: &Tensor) -> Result<Input, ModelError> {
         Ok(match self.weight {
             Weight::Dense(_) => Input::Dense(x.clone()),
-            Weight::Fp8(_) => Input::Fp8(Fp8Tensor::quantize(x)?),
+            Weight::Fp8(_) => {
+                let x = Fp8Tensor::quantize(x)?;
+                mark("fp8 quantize");
+                Input::Fp8(x)
+            }
         })
     }
 
@@ -220,7 +224,9 @@ impl Linear {
             }
             (_, Weight::Dense(w)) => linear_residual(x, w, b, residual, gate)?,
             (_, Weight::Fp8(w)) => {
-                linear_fp8_residual(&Fp8Tensor::quantize(x)?, w, b, residual, gate)?
+                let x = Fp8Tensor::quantize(x)?;
+                mark("fp8 quantize");
+                linear_fp8_residual(&x, w, b, residual, gate)?
             }
         };
         mark("linears");

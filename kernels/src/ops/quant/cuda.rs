@@ -324,34 +324,29 @@ pub(super) fn attention(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
-    let blocks = backend.function(&SOURCE, "quantize_attention_blocks_e4m3_bf16")?;
-    for (x, codes, scales, seq, valid, n) in [
-        (qp, q8p, qsp, seq_qi, seq_qi, q_blocks),
-        (kp, k8p, ksp, seq_ki, kv_i, k_blocks),
-    ] {
-        let mut launch = stream.launch_builder(&blocks);
-        launch
-            .arg(&x)
-            .arg(&codes)
-            .arg(&scales)
-            .arg(&seq)
-            .arg(&heads_i)
-            .arg(&valid);
-        // SAFETY: x is bf16 [B, seq, H, 128] (16-byte aligned rows), codes as many bytes,
-        // scales B·H·n f32 with n = ⌈valid/128⌉ the grid's x, valid ≤ seq.
-        unsafe { launch.launch(cfg(n, THREADS)) }
-            .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
-    }
-    let f = backend.function(&SOURCE, "attention_v_amax_bf16")?;
+    let f = backend.function(&SOURCE, "quantize_attention_qkv_bf16")?;
+    let (q_blocks_i, k_blocks_i) = (q_blocks as i32, k_blocks as i32);
     let mut launch = stream.launch_builder(&f);
     launch
+        .arg(&qp)
+        .arg(&kp)
         .arg(&vp)
+        .arg(&q8p)
+        .arg(&k8p)
+        .arg(&qsp)
+        .arg(&ksp)
         .arg(&amax_p)
+        .arg(&seq_qi)
         .arg(&seq_ki)
         .arg(&heads_i)
-        .arg(&kv_i);
-    // SAFETY: v is bf16 [B, S_k, H, 128], amax B·H·128 zeroed u32, one thread per channel.
-    unsafe { launch.launch(cfg(k_blocks, 128)) }
+        .arg(&kv_i)
+        .arg(&q_blocks_i)
+        .arg(&k_blocks_i);
+    // SAFETY: q bf16 [B, S_q, H, 128] and k, v [B, S_k, H, 128] (16-byte aligned rows), their
+    // codes as many bytes as q and k, scales B·H·q_blocks and B·H·k_blocks f32 with q_blocks =
+    // ⌈S_q/128⌉ and k_blocks = ⌈kv_len/128⌉ (kv_len ≤ S_k), amax B·H·128 zeroed u32; the grid's x
+    // is q_blocks + 2·k_blocks, as the kernel splits it.
+    unsafe { launch.launch(cfg(q_blocks + 2 * k_blocks, THREADS)) }
         .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     let f = backend.function(&SOURCE, "quantize_attention_v_e4m3_bf16")?;
     let mut launch = stream.launch_builder(&f);
@@ -368,6 +363,8 @@ pub(super) fn attention(
     // f32; the kernel's 34 KiB of static shared memory is under the default limit.
     unsafe { launch.launch(cfg(k_blocks, THREADS)) }
         .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    // The quantisation's share of the attention on a recorded timeline (`crate::timeline`).
+    crate::timeline::mark("fp8 attention: quantize q, k, v");
     let operands = hopper::Fp8Operands {
         q: q8p,
         k: k8p,

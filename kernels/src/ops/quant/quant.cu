@@ -64,41 +64,79 @@ QUANT(bf16, bf16)
 // ---- The FP8 attention's operands (the twin of ops/quant/attention.rs's quantisation; hopper.cu's
 // namespace fp8 reads them). Heads of 128 channels; Q, K, V bf16 [B, S, H, 128].
 
-// Q or K → codes in the same layout, with one scale per (batch, head, block of 128 tokens) over the
-// tokens below `valid` (later ones are not written): grid (⌈valid/128⌉, H, B), 256 threads, each
-// taking 8 channels of a token at a time; scales [B, H, ⌈valid/128⌉].
-extern "C" __global__ void quantize_attention_blocks_e4m3_bf16(const bf16* x, unsigned char* q, float* scales,
-                                                               int seq, int heads, int valid) {
-    const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+// Q and K → codes in their layout, with one scale per (batch, head, block of 128 tokens) over the
+// tokens below their valid length (S_q; kv_len for K: later codes are not written), scales
+// [B, H, ⌈valid/128⌉]; and V's largest magnitude per (batch, head, channel) over the tokens below
+// kv_len, as f32 bits (non-negative floats order as their bits) maxed into `amax` [B, H, 128],
+// zeroed before. One launch for the three: grid (q_blocks + 2·k_blocks, H, B), 256 threads; x below
+// q_blocks is Q's block x, then K's k_blocks blocks, then V's. A Q or K block's 128 × 128 values
+// stay in registers between its max and its codes, read once (the three kernels this replaced
+// read Q and K twice: 8.0 ms of a 1.3B FP8 forward's recorded 338 went to the quantisation then,
+// 7.4 now, bench/RESULTS.md 2026-12-04 third session); a max is exact in any order, so the codes
+// and scales are the CPU recipe's bit for bit.
+extern "C" __global__ void quantize_attention_qkv_bf16(const bf16* q, const bf16* k, const bf16* v,
+                                                       unsigned char* q8, unsigned char* k8, float* q_scales,
+                                                       float* k_scales, unsigned* amax, int seq_q, int seq_k,
+                                                       int heads, int kv_len, int q_blocks, int k_blocks) {
+    const int h = blockIdx.y, b = blockIdx.z;
+    int blk = blockIdx.x;
+    if (blk >= q_blocks + k_blocks) {  // V's amax over the block's tokens below kv_len
+        const int t0 = (blk - q_blocks - k_blocks) * 128, g = threadIdx.x % 16, r = threadIdx.x / 16;
+        float m[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int t = t0 + r + 16 * i;
+            if (t >= kv_len) break;
+            float x[8];
+            load_vec<bf16, 8>(v + (((i64)b * seq_k + t) * heads + h) * 128 + 8 * g, x);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], fabsf(x[j]));
+        }
+        __shared__ float part[8][128];  // [warp][channel]: lanes l and l + 16 share a channel group
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m[j] = fmaxf(m[j], __shfl_xor_sync(0xffffffffu, m[j], 16));
+        if (threadIdx.x % 32 < 16)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) part[threadIdx.x / 32][8 * g + j] = m[j];
+        __syncthreads();
+        if (threadIdx.x < 128) {
+            float c = part[0][threadIdx.x];
+#pragma unroll
+            for (int w = 1; w < 8; ++w) c = fmaxf(c, part[w][threadIdx.x]);
+            atomicMax(amax + ((i64)b * heads + h) * 128 + threadIdx.x, __float_as_uint(c));
+        }
+        return;
+    }
+    const bool is_q = blk < q_blocks;
+    if (!is_q) blk -= q_blocks;
+    const bf16* x = is_q ? q : k;
+    unsigned char* codes = is_q ? q8 : k8;
+    const int seq = is_q ? seq_q : seq_k, valid = is_q ? seq_q : kv_len, n = is_q ? q_blocks : k_blocks;
+    // Chunk c = threadIdx.x + 256·i: token c / 16 of the block, channels 8·(c % 16) on.
     const int t0 = blk * 128, chunks = min(128, valid - t0) * 16;
     const auto at = [&](int c) { return (((i64)b * seq + t0 + c / 16) * heads + h) * 128 + 8 * (c % 16); };
+    uint4 held[8];
     float m = 0.0f;
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        float v[8];
-        load_vec<bf16, 8>(x + at(c), v);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[j]));
+    for (int i = 0; i < 8; ++i) {
+        const int c = threadIdx.x + 256 * i;
+        held[i] = c < chunks ? *reinterpret_cast<const uint4*>(x + at(c)) : make_uint4(0u, 0u, 0u, 0u);
+        const bf16* e = reinterpret_cast<const bf16*>(&held[i]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(ld(e + j)));
     }
     const float s = e4m3_scale(block_max(m));
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        float v[8];
-        load_vec<bf16, 8>(x + at(c), v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int c = threadIdx.x + 256 * i;
+        if (c >= chunks) break;
+        const bf16* e = reinterpret_cast<const bf16*>(&held[i]);
         unsigned int w[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) w[j] = e4m3x2(v[2 * j] / s, v[2 * j + 1] / s);
-        *reinterpret_cast<uint2*>(q + at(c)) = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+        for (int j = 0; j < 4; ++j) w[j] = e4m3x2(ld(e + 2 * j) / s, ld(e + 2 * j + 1) / s);
+        *reinterpret_cast<uint2*>(codes + at(c)) = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
     }
-    if (threadIdx.x == 0) scales[((i64)b * heads + h) * gridDim.x + blk] = s;
-}
-
-// V's largest magnitude per (batch, head, channel) over the tokens below kv_len, as f32 bits
-// (non-negative floats order as their bits) maxed into `amax` [B, H, 128], zeroed before: grid
-// (⌈kv_len/128⌉, H, B), 128 threads, one per channel.
-extern "C" __global__ void attention_v_amax_bf16(const bf16* v, unsigned* amax, int seq, int heads, int kv_len) {
-    const int h = blockIdx.y, b = blockIdx.z, t0 = blockIdx.x * 128, t1 = min(t0 + 128, kv_len);
-    float m = 0.0f;
-    for (int t = t0; t < t1; ++t) m = fmaxf(m, fabsf(ld(v + (((i64)b * seq + t) * heads + h) * 128 + threadIdx.x)));
-    atomicMax(amax + ((i64)b * heads + h) * 128 + threadIdx.x, __float_as_uint(m));
+    if (threadIdx.x == 0) (is_q ? q_scales : k_scales)[((i64)b * heads + h) * n + blk] = s;
 }
 
 // V → Vᵀ codes [B, H, 128, s_pad] (s_pad a multiple of 128; 0 for keys ≥ kv_len) and its scales

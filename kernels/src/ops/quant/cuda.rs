@@ -325,7 +325,11 @@ pub(super) fn attention(
         shared_mem_bytes: 0,
     };
     let f = backend.function(&SOURCE, "quantize_attention_qkv_bf16")?;
-    let (q_blocks_i, k_blocks_i) = (q_blocks as i32, k_blocks as i32);
+    let (q_blocks_i, k_blocks_i) = (
+        int("seq_q blocks", q_blocks)?,
+        int("kv_len blocks", k_blocks)?,
+    );
+    int("the quantisation's grid", q_blocks + 2 * k_blocks)?;
     let mut launch = stream.launch_builder(&f);
     launch
         .arg(&qp)

@@ -364,45 +364,6 @@ fn fp8_forward(
         quant * 1e3,
         (l * d * 3) as f64 / quant / 1e9
     );
-    // The FFN as the FP8 model runs it (up + GELU → quantise → down + gated residual; its input
-    // arrives quantised by the norm), whole and in row chunks. A lead, not the model's path:
-    // GELU's bf16 rows are 2·FFN bytes (17.5 KiB at 1.3B), so ~2,048 of them fit the H200's
-    // 50 MiB L2, where the quantisation could read them back. Each chunk's input and residual are
-    // cut before the timing (a model path would need GEMMs that read and write at a row offset).
-    let (hq, gate_ffn) = (q(h)?, gate.clone());
-    let ffn_of = |hq: &k::Fp8Tensor, residual: &Tensor| -> Result<Tensor> {
-        let up = k::linear_fp8_gelu_tanh(hq, &q_up, bias_f)?;
-        Ok(k::linear_fp8_residual(
-            &q(&up)?,
-            &q_down,
-            Some(bias_d),
-            residual,
-            Some(&gate_ffn),
-        )?)
-    };
-    let whole = median_per_call(device, 1, reps, 1, || ffn_of(&hq, h))?;
-    let mut line = format!("whole {:.3}", whole * 1e3 * cfg.num_layers as f64);
-    for rows in [8192, 4096, 2048, 1024] {
-        let chunks = (0..l.div_ceil(rows))
-            .map(|c| {
-                let n = rows.min(l - c * rows);
-                let part = h.narrow(1, c * rows, n)?;
-                Ok((q(&part)?, part))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let chunked = median_per_call(device, 1, reps, 1, || {
-            let mut last = None;
-            for (hq, residual) in &chunks {
-                last = Some(ffn_of(hq, residual)?);
-            }
-            last.context("no chunks")
-        })?;
-        line += &format!(", {rows} rows {:.3}", chunked * 1e3 * cfg.num_layers as f64);
-    }
-    println!(
-        "RESULT\tours\tfp8 ffn per forward (×{}), whole vs in row chunks\t{line}\tms",
-        cfg.num_layers
-    );
     if args.steps > 0 {
         let noise = random_input(x.shape(), DType::F32, 30, device)?;
         let t0 = Instant::now();

@@ -285,6 +285,55 @@ pub(super) fn attention(
         )?;
         return Ok((out, lse));
     }
+    let operands = quantize_attention(op, &backend, (q, k, v), dims, kv_len)?;
+    // The quantisation's share of the attention on a recorded timeline (`crate::timeline`).
+    crate::timeline::mark("fp8 attention: quantize q, k, v");
+    let ptrs = hopper::Fp8Operands {
+        q: operands.q.ptr(),
+        k: operands.k.ptr(),
+        vt: operands.vt.ptr(),
+        s_pad: operands.s_pad,
+        scales: [
+            operands.scales[0].cuda_storage(op)?.ptr(),
+            operands.scales[1].cuda_storage(op)?.ptr(),
+            operands.scales[2].cuda_storage(op)?.ptr(),
+        ],
+    };
+    // SAFETY: `quantize_attention` wrote the operands with the shapes `Fp8Operands` documents (vᵀ
+    // zero past kv_len), 1 ≤ kv_len ≤ S_k (checked by the caller); the buffers are freed in stream
+    // order, after the attention that reads them.
+    unsafe {
+        hopper::attention_fp8(
+            op,
+            &backend,
+            &ptrs,
+            [batch, seq_q, seq_k, heads],
+            (scale, kv_len),
+            variant,
+        )
+    }
+}
+
+/// The FP8 attention's operands on the GPU, as `hopper::Fp8Operands` describes them: Q's and K's
+/// codes in their layout, Vᵀ's [B, H, 128, s_pad] (keys in the P fragments' order, 0 from kv_len
+/// on), and their f32 scales (`scales`: q [B, H, ⌈S_q/128⌉], k [B, H, ⌈kv_len/128⌉], v [B, H, 128]).
+pub(super) struct AttentionOperands {
+    pub(super) q: Codes,
+    pub(super) k: Codes,
+    pub(super) vt: Codes,
+    pub(super) scales: [Tensor; 3],
+    pub(super) s_pad: usize,
+}
+
+/// q, k, v bf16 [B, S, H, 128] on `backend`'s GPU → the FP8 attention's operands, by quant.cu's two
+/// attention kernels (`super::attention_fp8`'s recipe, code for code). kv_len ≥ 1, ≤ S_k.
+pub(super) fn quantize_attention(
+    op: &'static str,
+    backend: &CudaBackend,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    [batch, seq_q, seq_k, heads, head_dim]: [usize; 5],
+    kv_len: usize,
+) -> Result<AttentionOperands> {
     let int = |name, v| crate::ops::attention::cuda::int(op, name, v);
     let (h, b) = (int("heads", heads)? as u32, int("batch", batch)? as u32);
     let (seq_qi, seq_ki, heads_i) = (int("seq_q", seq_q)?, int("seq_k", seq_k)?, heads as i32);
@@ -295,13 +344,9 @@ pub(super) fn attention(
     let alloc_err = |e| backend.err(op, "cuMemAllocAsync", e);
     // The kernels below write every code that the attention reads (k's codes past kv_len are
     // never read: its map ends there; vᵀ is written up to s_pad).
-    // SAFETY: see above.
-    let q8 = unsafe { backend.stream.alloc::<u8>(q.numel()) }.map_err(alloc_err)?;
-    // SAFETY: see above.
-    let k8 = unsafe { backend.stream.alloc::<u8>(k.numel()) }.map_err(alloc_err)?;
-    // SAFETY: see above.
-    let vt8 = unsafe { backend.stream.alloc::<u8>(batch * heads * head_dim * s_pad) }
-        .map_err(alloc_err)?;
+    let q8 = Codes::alloc(backend, op, q.numel())?;
+    let k8 = Codes::alloc(backend, op, k.numel())?;
+    let vt8 = Codes::alloc(backend, op, batch * heads * head_dim * s_pad)?;
     let amax = backend
         .stream
         .alloc_zeros::<u32>(batch * heads * head_dim)
@@ -310,8 +355,7 @@ pub(super) fn attention(
     let k_scales = backend.alloc(DType::F32, batch * heads * k_blocks)?;
     let v_scales = backend.alloc(DType::F32, batch * heads * head_dim)?;
     let stream = &backend.stream;
-    let ptr8 = |c: &CudaSlice<u8>| c.device_ptr(stream).0;
-    let (q8p, k8p, vt8p) = (ptr8(&q8), ptr8(&k8), ptr8(&vt8));
+    let (q8p, k8p, vt8p) = (q8.ptr(), k8.ptr(), vt8.ptr());
     let amax_p = amax.device_ptr(stream).0;
     let (qp, kp, vp) = (
         q.cuda_storage(op)?.ptr(),
@@ -367,28 +411,17 @@ pub(super) fn attention(
     // f32; the kernel's 34 KiB of static shared memory is under the default limit.
     unsafe { launch.launch(cfg(k_blocks, THREADS)) }
         .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
-    // The quantisation's share of the attention on a recorded timeline (`crate::timeline`).
-    crate::timeline::mark("fp8 attention: quantize q, k, v");
-    let operands = hopper::Fp8Operands {
-        q: q8p,
-        k: k8p,
-        vt: vt8p,
+    Ok(AttentionOperands {
+        q: q8,
+        k: k8,
+        vt: vt8,
+        scales: [
+            Tensor::from_cuda(q_scales, &[batch, heads, q_blocks]),
+            Tensor::from_cuda(k_scales, &[batch, heads, k_blocks]),
+            Tensor::from_cuda(v_scales, &[batch, heads, head_dim]),
+        ],
         s_pad,
-        scales: [qsp, ksp, vsp],
-    };
-    // SAFETY: the operands were written above with the shapes `Fp8Operands` documents (vᵀ zero
-    // past kv_len), 1 ≤ kv_len ≤ S_k (checked by the caller); the buffers are freed in stream
-    // order, after the attention that reads them.
-    unsafe {
-        hopper::attention_fp8(
-            op,
-            &backend,
-            &operands,
-            [batch, seq_q, seq_k, heads],
-            (scale, kv_len),
-            variant,
-        )
-    }
+    })
 }
 
 /// `HOPPER_FP8_VARIANTS[DEFAULT_FP8_ATTENTION]` runs unless a test or benchmark forces another:

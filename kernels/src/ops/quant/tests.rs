@@ -506,3 +506,125 @@ fn quantised_activations_keep_their_dtype_and_the_e4m3_norms_check_their_operand
     assert!(err.to_string().contains("layer_norm_e4m3"), "{err}");
     Ok(())
 }
+
+/// The GPU's FP8 attention operands are the recipe's code for code (`attention_fp8`'s CPU branch:
+/// Q and K per head and 128-token block with s = amax/448, V per head and channel over the keys
+/// below kv_len; codes e4m3(x/s)), and Vᵀ holds key 32r + 16h + 8j + 2t + e at column
+/// 32r + 16h + 4t + 2j + e (the P fragments' order) with 0 from kv_len to s_pad. Exact: a max is
+/// exact in any order and both sides divide in IEEE f32, so a single differing code or scale is a
+/// bug (a wrong block, a missed token, a mis-ordered key), which the attention's tolerance could
+/// hide. Shapes with partial Q and K blocks, kv_len < S_k, several batches and heads.
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_attention_operands_are_the_recipes_code_for_code() -> crate::Result<()> {
+    use crate::{DType, Device};
+    let Some(dev) = crate::testing::test_gpu() else {
+        return Ok(());
+    };
+    if !crate::cuda::supports_fp8(0)? {
+        eprintln!("skipped: this GPU has no FP8 tensor cores");
+        return Ok(());
+    }
+    let backend = crate::cuda::CudaBackend::get(0)?;
+    const D: usize = 128;
+    for (b, sq, sk, h, kv_len) in [
+        (1, 300, 257, 2, 250),
+        (2, 256, 384, 3, 384),
+        (1, 100, 60, 1, 60),
+        (1, 129, 385, 2, 257),
+    ] {
+        let draw = |s: usize, seed| -> crate::Result<Tensor> {
+            let x = Tensor::randn(&[b, s, h, D], DType::F32, seed, Device::Cpu)?;
+            // Magnitudes over a few binades, so blocks' and channels' scales differ.
+            let spread: Vec<f32> = (0..b * s * h * D)
+                .map(|i| 2f32.powi((i % 7) as i32 - 3))
+                .collect();
+            crate::mul(&x, &Tensor::from_vec(spread, &[b, s, h, D])?)?.to_dtype(DType::BF16)
+        };
+        let (q, k, v) = (draw(sq, 51)?, draw(sk, 52)?, draw(sk, 53)?);
+        let ops = super::cuda::quantize_attention(
+            "test",
+            &backend,
+            (&q.to_device(dev)?, &k.to_device(dev)?, &v.to_device(dev)?),
+            [b, sq, sk, h, D],
+            kv_len,
+        )?;
+        let (gq, gk, gvt) = (ops.q.download()?, ops.k.download()?, ops.vt.download()?);
+        let [qs, ks, vs] = &ops.scales;
+        let (qs, ks, vs) = (qs.to_vec_f32()?, ks.to_vec_f32()?, vs.to_vec_f32()?);
+        let (qv, kv, vv) = (q.to_vec_f32()?, k.to_vec_f32()?, v.to_vec_f32()?);
+        let s_pad = kv_len.div_ceil(FP8_ATTENTION_BLOCK) * FP8_ATTENTION_BLOCK;
+        assert_eq!(ops.s_pad, s_pad);
+        let at = |s: usize, bi: usize, t: usize, hi: usize| ((bi * s + t) * h + hi) * D;
+        let case = format!("({b},{sq},{sk},{h}) kv {kv_len}");
+        for bi in 0..b {
+            for hi in 0..h {
+                let head = bi * h + hi;
+                // Q and K: every block's scale, every code below the valid length.
+                for (name, x, codes, scales, s, n) in [
+                    ("q", &qv, &gq, &qs, sq, sq),
+                    ("k", &kv, &gk, &ks, sk, kv_len),
+                ] {
+                    let blocks = n.div_ceil(FP8_ATTENTION_BLOCK);
+                    for blk in 0..blocks {
+                        let tokens =
+                            blk * FP8_ATTENTION_BLOCK..((blk + 1) * FP8_ATTENTION_BLOCK).min(n);
+                        let amax = tokens.clone().fold(0f32, |m, t| {
+                            x[at(s, bi, t, hi)..][..D]
+                                .iter()
+                                .fold(m, |m, v| m.max(v.abs()))
+                        });
+                        let sc = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+                        let got = scales[head * blocks + blk];
+                        assert_eq!(
+                            got.to_bits(),
+                            sc.to_bits(),
+                            "{case} {name} scale b{bi} h{hi} block {blk}"
+                        );
+                        for t in tokens {
+                            for c in 0..D {
+                                let i = at(s, bi, t, hi) + c;
+                                let want = e4m3(x[i] / sc);
+                                assert_eq!(
+                                    e4m3_value(codes[i]),
+                                    want,
+                                    "{case} {name} code b{bi} t{t} h{hi} c{c}"
+                                );
+                            }
+                        }
+                    }
+                }
+                // V: per-channel scales, Vᵀ's codes in the fragments' key order, 0 past kv_len.
+                for c in 0..D {
+                    let amax =
+                        (0..kv_len).fold(0f32, |m, t| m.max(vv[at(sk, bi, t, hi) + c].abs()));
+                    let sc = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+                    let got = vs[head * D + c];
+                    assert_eq!(
+                        got.to_bits(),
+                        sc.to_bits(),
+                        "{case} v scale b{bi} h{hi} c{c}"
+                    );
+                    for col in 0..s_pad {
+                        let r = col % 32;
+                        let (hh, tt, j, e) = (r / 16, (r % 16) / 4, (r % 4) / 2, r % 2);
+                        let key = col - r + 16 * hh + 8 * j + 2 * tt + e;
+                        let want = if key < kv_len {
+                            e4m3(vv[at(sk, bi, key, hi) + c] / sc)
+                        } else {
+                            0.0
+                        };
+                        let code = gvt[(head * D + c) * s_pad + col];
+                        assert_eq!(
+                            (e4m3_value(code), key >= kv_len && code != 0),
+                            (want, false),
+                            "{case} vt code b{bi} h{hi} c{c} column {col} (key {key})"
+                        );
+                    }
+                }
+            }
+        }
+        println!("PARITY\tattention_fp8 operands\t{case}\texact");
+    }
+    Ok(())
+}

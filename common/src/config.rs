@@ -445,7 +445,8 @@ pub struct ParallelConfig {
     pub ring_size: i64,
     /// Attention2D grid `[row, col]`; exclusive with `ring_size`.
     pub attn2d_size: [i64; 2],
-    /// Overlap the Ulysses all-to-all with the Q/K/V projections (needs `ulysses_size > 1`, no ring).
+    /// Async Ulysses: each Ulysses all-to-all (V, then Q, then K) runs under the next projection
+    /// (needs `ulysses_size > 1`; any inner Ring or Attention2D runs after the exchanges as usual).
     pub async_ulysses: bool,
     /// Ranks of one decoder instance (spatially sharded VAE); 1 = no parallel VAE.
     pub parallel_vae_size: i64,
@@ -1031,21 +1032,15 @@ impl Config {
                 ),
             ));
         }
-        if p.async_ulysses && (p.ulysses_size < 2 || p.ring_size > 1) {
+        if p.async_ulysses && p.ulysses_size < 2 {
             return Err(invalid(
                 "parallel_config.async_ulysses",
                 true,
                 format!(
-                    "needs ulysses_size > 1 and ring_size = 1 (have ulysses_size {}, ring_size {})",
-                    p.ulysses_size, p.ring_size
+                    "overlaps the Ulysses all-to-alls with the projections, so it needs \
+                     ulysses_size > 1 (have {})",
+                    p.ulysses_size
                 ),
-            ));
-        }
-        if p.async_ulysses {
-            return Err(invalid(
-                "parallel_config.async_ulysses",
-                true,
-                "overlapping the all-to-all with the projections is not built yet; use false",
             ));
         }
         let heads = self.num_heads()?;
@@ -1528,9 +1523,15 @@ serving: {device: cuda}
         assert!(
             err("  tp_size: 2\n").starts_with("parallel_config.tp_size = 2: tensor parallelism")
         );
-        assert!(err("  async_ulysses: true\n").starts_with("parallel_config.async_ulysses = true"));
-        let e = err("  ulysses_size: 2\n  async_ulysses: true\n");
-        assert!(e.contains("not built yet"), "{e}");
+        let e = err("  async_ulysses: true\n");
+        assert!(
+            e.starts_with("parallel_config.async_ulysses = true") && e.contains("ulysses_size > 1"),
+            "{e}"
+        );
+        let mesh = cfg("  ulysses_size: 2\n  async_ulysses: true\n").unwrap();
+        assert_eq!(mesh.ulysses_size(), 2);
+        let mesh = cfg("  ulysses_size: 2\n  ring_size: 2\n  async_ulysses: true\n").unwrap();
+        assert_eq!(mesh.world_size(), 4);
         // `auto` picks the Hopper kernel where it applies; naming it is not a choice.
         let e = Config::parse(
             "model:\n  preset: tiny\nattention:\n  backend: hopper\n",

@@ -288,6 +288,35 @@ fn a_missing_send_times_out_the_receiver() {
 }
 
 #[test]
+fn a_posted_all_to_all_does_not_wait_for_its_peers() {
+    // Rank 1 posts its all-to-all only after it has received a token that rank 0 sends, over a
+    // second group of the same ranks, after posting its own: if posting waited for the peers,
+    // the two would deadlock (and time out).
+    let world = CpuWorld::new(2).with_timeout(Duration::from_secs(20));
+    let out = world.run(|rank| -> Result<[f32; 4], CollectiveError> {
+        let comm = rank.group(&[0, 1])?;
+        let side = rank.group(&[0, 1])?;
+        let send = [rank.rank() as f32 + 1.0; 4];
+        let mut recv = [0.0f32; 4];
+        let (mut token, mut nothing) = ([0.0f32], [0.0f32; 0]);
+        if rank.rank() == 0 {
+            let posted = comm.all_to_all_posted(&send, &mut recv)?;
+            side.send_recv(&[7.0], 1, &mut nothing, 1)?.wait()?;
+            posted.wait()?;
+        } else {
+            side.send_recv(&[], 0, &mut token, 0)?.wait()?;
+            assert_eq!(token, [7.0]);
+            comm.all_to_all_posted(&send, &mut recv)?.wait()?;
+        }
+        Ok(recv)
+    });
+    // Chunk i came from rank i, which sent rank + 1 everywhere.
+    for res in out {
+        assert!(matches!(res, Ok(Ok([1.0, 1.0, 2.0, 2.0]))), "{res:?}");
+    }
+}
+
+#[test]
 fn poisoned_group_fails_fast_afterwards() {
     let (out, _) = run_failing(2, Duration::from_secs(20), |rank, comm| {
         if rank == 0 {

@@ -110,16 +110,19 @@ struct DenoiseRank<C> {
     device: Device,
     mesh: Mesh,
     attention: AttentionBackend,
+    /// `parallel_config.async_ulysses`.
+    async_ulysses: bool,
     comms: Option<MeshComms<C>>,
 }
 
 impl<C> DenoiseRank<C> {
-    /// Rank r's state: the model copy and device of rank r, not yet connected.
+    /// Rank r's state: the model copy and device of rank r, not yet connected; the mesh and the
+    /// attention settings of `cfg`.
     fn for_ranks(
         copies: &[Arc<DenoiserModels>],
         devices: &[Device],
         mesh: Mesh,
-        attention: AttentionBackend,
+        cfg: &Config,
     ) -> Vec<Self> {
         copies
             .iter()
@@ -128,7 +131,8 @@ impl<C> DenoiseRank<C> {
                 models: Arc::clone(models),
                 device,
                 mesh,
-                attention,
+                attention: cfg.attention.backend,
+                async_ulysses: cfg.parallel_config.async_ulysses,
                 comms: None,
             })
             .collect()
@@ -145,7 +149,7 @@ where
 
     fn connect(&mut self, world: &W) -> Result<(), RankError> {
         let comms = MeshComms::new(world, self.mesh).map_err(|e| RankError::Connect(e.into()))?;
-        self.comms = Some(comms);
+        self.comms = Some(comms.with_async_ulysses(self.async_ulysses));
         Ok(())
     }
 
@@ -252,7 +256,7 @@ impl DenoiseStage {
                 DeviceKind::Cpu => Box::new(RankGroup::<Threads, DenoiseRank<CpuComm>>::start(
                     "denoise",
                     Threads,
-                    DenoiseRank::for_ranks(&copies, &devices, mesh, cfg.attention.backend),
+                    DenoiseRank::for_ranks(&copies, &devices, mesh, cfg),
                 )?),
                 #[cfg(feature = "cuda")]
                 DeviceKind::Cuda => Box::new(RankGroup::<
@@ -264,7 +268,7 @@ impl DenoiseStage {
                         gpus: devices::gpu_ordinals(&devices)?,
                         timeout: DEFAULT_TIMEOUT,
                     },
-                    DenoiseRank::for_ranks(&copies, &devices, mesh, cfg.attention.backend),
+                    DenoiseRank::for_ranks(&copies, &devices, mesh, cfg),
                 )?),
                 #[cfg(not(feature = "cuda"))]
                 DeviceKind::Cuda => return Err(StageError::NoCuda),

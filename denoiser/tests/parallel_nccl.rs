@@ -1,9 +1,9 @@
 //! Sequence and CFG parallelism on two GPUs over NCCL (feature `cuda`), in bf16, against the
-//! 1-GPU bf16 run with the same weights: for every 2-GPU mesh (cfg2, ulysses2, ring2, attn2d 1×2
-//! and 2×1), the full model output (batch 2; 105 tokens, which 2 does not divide, so every
-//! sequence-parallel mesh pads, and 48 tokens, which it does) and a 2-step CFG denoise (UniPC,
-//! guidance 5, 105 tokens), for the head-dim-128 mini fixture (2 heads) and a 4-head random model
-//! (4 heads × 128, 2 layers). Device tensors cross NCCL in place
+//! 1-GPU bf16 run with the same weights: for every 2-GPU mesh (cfg2, ulysses2 with async Ulysses
+//! off and on, ring2, attn2d 1×2 and 2×1), the full model output (batch 2; 105 tokens, which 2
+//! does not divide, so every sequence-parallel mesh pads, and 48 tokens, which it does) and a
+//! 2-step CFG denoise (UniPC, guidance 5, 105 tokens), for the head-dim-128 mini fixture (2 heads)
+//! and a 4-head random model (4 heads × 128, 2 layers). Device tensors cross NCCL in place
 //! (`common/src/collectives/wire.rs`).
 //!
 //! Skips (with a message) with fewer than 2 GPUs or without libcuda/libnccl, but fails when the
@@ -120,15 +120,31 @@ impl Which {
     }
 }
 
-/// The 2-GPU meshes.
-fn meshes() -> Vec<Mesh> {
+/// The 2-GPU meshes, each with async Ulysses off or on (ulysses2 both ways).
+fn meshes() -> Vec<(Mesh, bool)> {
     vec![
-        Mesh::new(2, 1, CpLayout::None, 1),
-        Mesh::new(1, 1, CpLayout::None, 2),
-        Mesh::new(1, 1, CpLayout::Ring(2), 1),
-        Mesh::new(1, 1, CpLayout::Attn2d { rows: 1, cols: 2 }, 1),
-        Mesh::new(1, 1, CpLayout::Attn2d { rows: 2, cols: 1 }, 1),
+        (Mesh::new(2, 1, CpLayout::None, 1), false),
+        (Mesh::new(1, 1, CpLayout::None, 2), false),
+        (Mesh::new(1, 1, CpLayout::None, 2), true),
+        (Mesh::new(1, 1, CpLayout::Ring(2), 1), false),
+        (
+            Mesh::new(1, 1, CpLayout::Attn2d { rows: 1, cols: 2 }, 1),
+            false,
+        ),
+        (
+            Mesh::new(1, 1, CpLayout::Attn2d { rows: 2, cols: 1 }, 1),
+            false,
+        ),
     ]
+}
+
+/// A mesh and its Ulysses schedule, as the parity lines print them.
+fn label((mesh, async_ulysses): (Mesh, bool)) -> String {
+    if async_ulysses {
+        format!("{mesh}, async ulysses")
+    } else {
+        mesh.to_string()
+    }
 }
 
 /// 105 tokens: odd, so sequence degree 2 pads. 48 tokens: even.
@@ -210,8 +226,10 @@ fn two_gpu(which: Which) -> Vec<RankResults> {
         let model = which.load(Device::Cuda(rank));
         let cfg = model.config().clone();
         let mut results = Vec::new();
-        for mesh in meshes() {
-            let comms = MeshComms::new(&world, mesh).map_err(|e| format!("{mesh}: {e}"))?;
+        for (mesh, async_ulysses) in meshes() {
+            let comms = MeshComms::new(&world, mesh)
+                .map_err(|e| format!("{mesh}: {e}"))?
+                .with_async_ulysses(async_ulysses);
             let mut forwards = Vec::new();
             for &g in &GRIDS {
                 let inp = inputs(&cfg, g);
@@ -278,7 +296,7 @@ fn errors(got: &[f32], want: &[f32]) -> (f64, f64) {
 /// Compares, prints the `NCCLPARITY` line, and returns a failure message if out of bounds.
 fn compare(
     which: Which,
-    mesh: Mesh,
+    mesh: &str,
     kind: &str,
     rank: usize,
     got: &[f32],
@@ -310,7 +328,8 @@ fn parity(which: Which) {
     let (want_fwd, want_den) = single_gpu(which);
     let ranks = two_gpu(which);
     let mut failures = Vec::new();
-    for (m, mesh) in meshes().into_iter().enumerate() {
+    for (m, entry) in meshes().into_iter().enumerate() {
+        let mesh = &label(entry);
         for (rank, results) in ranks.iter().enumerate() {
             let (fwd, den) = &results[m];
             let (fwd0, den0) = &ranks[0][m];
@@ -369,6 +388,56 @@ fn two_gpu_meshes_match_one_gpu_mini128() {
 #[test]
 fn two_gpu_meshes_match_one_gpu_four_heads() {
     parity(Which::FourHeads);
+}
+
+#[test]
+fn async_ulysses_orders_its_streams_on_one_gpu() {
+    // One GPU, a Ulysses group of one rank over NCCL: each exchange is the pack and a self
+    // send/recv on the communicator's stream, posted while the next projection runs on the
+    // kernels' stream. The values are the single-rank ones, bitwise, only if every exchange waits
+    // for its operand's producers and the attention for the exchanges; a missing event reads a
+    // half-written projection or receive buffer. 4,096 tokens make the projections long enough
+    // to race, batch 2 takes the unpack path and batch 1 the direct one.
+    if !ditstream_kernels::testing::test_gpus(1) {
+        return;
+    }
+    let out = NcclWorld::run_local(1, TIMEOUT, |world| -> Result<(), String> {
+        let model = Which::FourHeads.load(Device::Cuda(0));
+        let cfg = model.config().clone();
+        let group = ditstream_common::collectives::CommWorld::split(&world, &[vec![0]])
+            .map_err(|e| e.to_string())?
+            .ok_or("rank 0 is not in its own group")?;
+        let comms = MeshComms::new(&world, Mesh::new(1, 1, CpLayout::None, 1))
+            .map_err(|e| e.to_string())?;
+        for (b, grid) in [(2, [4, 32, 32]), (1, [3, 5, 7])] {
+            let [f, h, w] = grid;
+            let x = Tensor::randn(&[b, cfg.in_channels, f, 2 * h, 2 * w], DType::F32, 11, Device::Cpu)
+                .map_err(|e| e.to_string())?;
+            let t = Tensor::from_vec(vec![900.0; b], &[b]).map_err(|e| e.to_string())?;
+            let ctx = Tensor::randn(&[b, 7, cfg.text_dim], DType::F32, 12, Device::Cpu)
+                .map_err(|e| e.to_string())?;
+            let want = model.forward(&x, &t, &ctx).map_err(|e| e.to_string())?;
+            for overlap in [false, true] {
+                let got = parallel::forward_with(&model, &comms, &x, &t, &ctx, |tokens| {
+                    let local = parallel::LocalChunk { tokens, fp8: false };
+                    Box::new(parallel::UlyssesAttention::new(&group, local).with_async(overlap))
+                })
+                .map_err(|e| e.to_string())?;
+                let (got, want) = (got.to_vec_f32().map_err(|e| e.to_string())?, want.to_vec_f32().map_err(|e| e.to_string())?);
+                let differing = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                println!("NCCLASYNC\tbatch {b}\t{grid:?}\tasync {overlap}\t{differing} of {} values differ", want.len());
+                if differing != 0 {
+                    return Err(format!("batch {b}, async {overlap}: {differing} values differ from the single-rank forward"));
+                }
+            }
+        }
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("NCCL world: {e}"));
+    for res in out {
+        res.unwrap_or_else(|e| panic!("rank 0 did not start: {e}"))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
 }
 
 #[test]

@@ -97,9 +97,18 @@ fn run<R: Send>(
     mesh: Mesh,
     f: impl Fn(&MeshComms<CpuComm>) -> Result<R, ParallelError> + Sync,
 ) -> Vec<R> {
+    run_with(mesh, false, f)
+}
+
+/// [`run`] with async Ulysses on or off.
+fn run_with<R: Send>(
+    mesh: Mesh,
+    async_ulysses: bool,
+    f: impl Fn(&MeshComms<CpuComm>) -> Result<R, ParallelError> + Sync,
+) -> Vec<R> {
     let world = CpuWorld::new(mesh.world_size()).with_timeout(TIMEOUT);
     let out = world.run(|rank| {
-        let comms = MeshComms::new(&rank, mesh)?;
+        let comms = MeshComms::new(&rank, mesh)?.with_async_ulysses(async_ulysses);
         f(&comms)
     });
     out.into_iter()
@@ -360,6 +369,140 @@ fn a_mask_bug_would_be_caught() {
     assert!(
         err > 10.0 * FORWARD_TOL,
         "an unmasked padded key moved the output by only {err:e}"
+    );
+}
+
+#[test]
+fn async_ulysses_is_the_same_computation() {
+    // Async Ulysses only reorders the host's work (V projected and sent, then Q under V's
+    // transfer, then K under Q's): on every mesh with a Ulysses group, its forward must be bitwise
+    // the synchronous one, which is itself within FORWARD_TOL of the single rank (0 measured for
+    // Ulysses alone). 105 tokens pad on every degree here but 3, 5 and 7; batch 2 takes the
+    // exchange's unpack path, and the 63-token batch-1 case its direct path.
+    let model = eight_heads(11);
+    let batch2 = inputs(&model, 2, GRID_105, false);
+    let batch1 = inputs(&model, 1, [21, 1, 3], false);
+    let uly_meshes: Vec<Mesh> = meshes(8)
+        .into_iter()
+        .filter(|m| m.ulysses_size() > 1)
+        .collect();
+    assert!(
+        uly_meshes.len() >= 10,
+        "{} Ulysses meshes",
+        uly_meshes.len()
+    );
+    for mesh in uly_meshes {
+        for inp in [&batch2, &batch1] {
+            let forward = |async_ulysses| {
+                run_with(mesh, async_ulysses, |comms| {
+                    parallel::forward(&model, comms, &inp.x, &inp.t, &inp.ctx)
+                })
+            };
+            let (sync, overlapped) = (forward(false), forward(true));
+            for (r, (a, b)) in sync.iter().zip(&overlapped).enumerate() {
+                assert_eq!(
+                    a.to_vec_f32().unwrap(),
+                    b.to_vec_f32().unwrap(),
+                    "{mesh}, {:?}: rank {r}'s async forward differs from the synchronous one",
+                    inp.x.shape()
+                );
+            }
+            let want = model.forward(&inp.x, &inp.t, &inp.ctx).unwrap();
+            let err = rel_err(&overlapped[0], &want);
+            assert!(err <= FORWARD_TOL, "{mesh}: async forward off by {err:e}");
+        }
+    }
+    // And through the CFG denoise loop, on a mesh of both branches and a Ring inside Ulysses.
+    let experts = Experts {
+        high: &model,
+        low: None,
+    };
+    let mesh = Mesh::new(2, 1, CpLayout::Ring(2), 2);
+    let (cond, uncond) = prompts(&model);
+    let latents = denoise::initial_noise([1, 4, 3, 10, 14], 5).unwrap();
+    let p = params(2, GUIDANCE);
+    let denoised = |async_ulysses| {
+        run_with(mesh, async_ulysses, |comms| {
+            parallel::denoise(
+                experts,
+                comms,
+                &p,
+                latents.clone(),
+                &cond,
+                Some(&uncond),
+                |_| Control::Continue,
+            )
+        })
+    };
+    assert_eq!(
+        denoised(false)[0].to_vec_f32().unwrap(),
+        denoised(true)[0].to_vec_f32().unwrap(),
+        "{mesh}: the async denoise differs"
+    );
+}
+
+/// An inner attention whose operand Q fails on one rank, after V's exchange was posted.
+struct FailsAtQ<A> {
+    inner: A,
+    fail: bool,
+}
+
+impl<A: parallel::ChunkAttention> parallel::ChunkAttention for FailsAtQ<A> {
+    fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor, ParallelError> {
+        self.inner.attend_chunk(q, k, v)
+    }
+    fn attend_chunk_staged(
+        &self,
+        operand: &mut parallel::attention::StagedOperand<'_>,
+    ) -> Result<Tensor, ParallelError> {
+        self.inner.attend_chunk_staged(&mut |which| {
+            if self.fail && which == ditstream_denoiser::model::Operand::Q {
+                return Err(ParallelError::Shape {
+                    what: "test operand",
+                    shape: vec![],
+                    rule: "rank 1 fails while V travels",
+                });
+            }
+            operand(which)
+        })
+    }
+}
+
+#[test]
+fn a_rank_failing_between_async_exchanges_fails_every_rank_without_hanging() {
+    let model = eight_heads(12);
+    let inp = inputs(&model, 1, GRID_105, false);
+    let mesh = Mesh::new(1, 1, CpLayout::None, 4);
+    let (out, took) = run_raw(mesh, Duration::from_secs(30), |comms| {
+        let comms_async = comms.ulysses.as_ref().expect("a Ulysses group of 4");
+        parallel::forward_with(&model, comms, &inp.x, &inp.t, &inp.ctx, |tokens| {
+            let local = parallel::LocalChunk { tokens, fp8: false };
+            let uly = parallel::UlyssesAttention::new(comms_async, local).with_async(true);
+            Box::new(FailsAtQ {
+                inner: uly,
+                fail: comms.rank() == 1,
+            })
+        })
+    });
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    for (r, res) in out.iter().enumerate() {
+        match res {
+            Ok(Err(e)) => eprintln!("rank {r}: {e}"),
+            other => panic!(
+                "rank {r} should have failed: {:?}",
+                other.as_ref().map(|r| r.is_ok())
+            ),
+        }
+    }
+    assert!(
+        matches!(
+            &out[1],
+            Ok(Err(ParallelError::Shape {
+                what: "test operand",
+                ..
+            }))
+        ),
+        "rank 1 must report its own failure"
     );
 }
 

@@ -1,8 +1,8 @@
 //! One CFG denoise step (both guidance branches, then the sampler) of a Wan DiT with seeded random
 //! weights in bf16: on one GPU (`denoise::denoise`, the branches batched) and on two GPUs over
-//! NCCL for every 2-GPU mesh (`parallel::denoise`: cfg2, ulysses2, ring2, attn2d 1×2 and 2×1),
-//! with the speedups, and the collectives of one step timed alone at the step's shapes, so the
-//! report says where the time goes (communication vs the rest).
+//! NCCL for every 2-GPU mesh (`parallel::denoise`: cfg2, ulysses2 with async Ulysses off and on,
+//! ring2, attn2d 1×2 and 2×1), with the speedups, and the collectives of one step timed alone at
+//! the step's shapes, so the report says where the time goes (communication vs the rest).
 //!
 //! Timing follows GPU.md: warm-up steps first (kernel compiles, GEMM plans, NCCL connections),
 //! then the median of `--iters` steps. A step is timed with CUDA events on each rank's kernel
@@ -68,8 +68,12 @@ struct Args {
     /// Label of this run in the `RESULT` lines (default `<frames>f`, `+ <n> blocks` with --layers).
     #[arg(long)]
     label: Option<String>,
-    /// Meshes to run on 2 GPUs (comma-separated from cfg2, ulysses2, ring2, attn2d_1x2, attn2d_2x1).
-    #[arg(long, default_value = "cfg2,ulysses2,ring2,attn2d_1x2,attn2d_2x1")]
+    /// Meshes to run on 2 GPUs (comma-separated from cfg2, ulysses2, ulysses2_async, ring2,
+    /// attn2d_1x2, attn2d_2x1).
+    #[arg(
+        long,
+        default_value = "cfg2,ulysses2,ulysses2_async,ring2,attn2d_1x2,attn2d_2x1"
+    )]
     meshes: String,
 }
 
@@ -119,13 +123,21 @@ fn timed(ordinal: usize, f: impl FnOnce() -> Result<()>) -> Result<(f64, f64)> {
     Ok((events, t0.elapsed().as_secs_f64()))
 }
 
-fn mesh_of(name: &str) -> Result<Mesh> {
+/// A mesh name of `--meshes`: the mesh, and whether async Ulysses is on.
+fn mesh_of(name: &str) -> Result<(Mesh, bool)> {
     Ok(match name {
-        "cfg2" => Mesh::new(2, 1, CpLayout::None, 1),
-        "ulysses2" => Mesh::new(1, 1, CpLayout::None, 2),
-        "ring2" => Mesh::new(1, 1, CpLayout::Ring(2), 1),
-        "attn2d_1x2" => Mesh::new(1, 1, CpLayout::Attn2d { rows: 1, cols: 2 }, 1),
-        "attn2d_2x1" => Mesh::new(1, 1, CpLayout::Attn2d { rows: 2, cols: 1 }, 1),
+        "cfg2" => (Mesh::new(2, 1, CpLayout::None, 1), false),
+        "ulysses2" => (Mesh::new(1, 1, CpLayout::None, 2), false),
+        "ulysses2_async" => (Mesh::new(1, 1, CpLayout::None, 2), true),
+        "ring2" => (Mesh::new(1, 1, CpLayout::Ring(2), 1), false),
+        "attn2d_1x2" => (
+            Mesh::new(1, 1, CpLayout::Attn2d { rows: 1, cols: 2 }, 1),
+            false,
+        ),
+        "attn2d_2x1" => (
+            Mesh::new(1, 1, CpLayout::Attn2d { rows: 2, cols: 1 }, 1),
+            false,
+        ),
         other => bail!("--meshes: unknown mesh {other:?}"),
     })
 }
@@ -166,19 +178,18 @@ fn collectives_alone(comms: &MeshComms<NcclComm>, d: Dims) -> Result<f64> {
         return Ok(t0.elapsed().as_secs_f64());
     }
     if let Some(u) = &comms.ulysses {
-        let qkv = UlyssesShape::qkv(b, sc, h, hd);
-        let out = UlyssesShape::bshd(b, sc, h, hd);
-        let input = alloc::<bf16>(u, qkv.numel())?;
-        let mut output = alloc::<bf16>(u, qkv.numel())?;
-        let mut scratch = alloc::<bf16>(u, qkv.numel())?;
-        let back_in = alloc::<bf16>(u, out.numel())?;
-        let mut back_out = alloc::<bf16>(u, out.numel())?;
-        let mut back_scratch = alloc::<bf16>(u, out.numel())?;
+        // Per block: q, k and v sequence → heads (one all-to-all each), the output back.
+        let shape = UlyssesShape::bshd(b, sc, h, hd);
+        let input = alloc::<bf16>(u, shape.numel())?;
+        let mut output = alloc::<bf16>(u, shape.numel())?;
+        let mut scratch = alloc::<bf16>(u, shape.numel())?;
         u.synchronize()?;
         let t0 = Instant::now();
         for _ in 0..d.layers {
-            u.seq_to_heads(&input, &mut output, &mut scratch, qkv)?;
-            u.heads_to_seq(&back_in, &mut back_out, &mut back_scratch, out)?;
+            for _ in 0..3 {
+                u.seq_to_heads(&input, &mut output, &mut scratch, shape)?;
+            }
+            u.heads_to_seq(&input, &mut output, &mut scratch, shape)?;
         }
         return finish_with_gather(comms, d, t0);
     }
@@ -383,8 +394,8 @@ fn main() -> Result<()> {
                     low: None,
                 };
                 let mut out = Vec::new();
-                for (_, mesh) in &meshes {
-                    let comms = MeshComms::new(&world, *mesh)?;
+                for (_, (mesh, async_ulysses)) in &meshes {
+                    let comms = MeshComms::new(&world, *mesh)?.with_async_ulysses(*async_ulysses);
                     let barrier = comms
                         .world
                         .as_ref()
@@ -429,7 +440,7 @@ fn main() -> Result<()> {
         .map(|r| r.and_then(|v| v))
         .collect::<std::result::Result<Vec<_>, String>>()
         .map_err(|e| anyhow::anyhow!(e))?;
-    for (m, (name, mesh)) in meshes.iter().enumerate() {
+    for (m, (name, (mesh, _))) in meshes.iter().enumerate() {
         for (rank, r) in per_rank.iter().enumerate() {
             print_timeline(name, rank, &r[m].2, &label);
         }

@@ -445,6 +445,27 @@ impl CpuComm {
         Ok(all)
     }
 
+    /// Deposits each `(to, bytes)` in the mailbox from this rank to group rank `to` (peers
+    /// checked by the caller); a poisoned group takes nothing.
+    fn post<'b>(&self, messages: impl IntoIterator<Item = (usize, &'b [u8])>) -> Result<()> {
+        let mut inner = self.state.lock();
+        if let Some(reason) = &inner.poisoned {
+            return Err(CollectiveError::Poisoned {
+                ranks: self.state.ranks.clone(),
+                reason: reason.clone(),
+            });
+        }
+        for (to, bytes) in messages {
+            inner
+                .mail
+                .entry((self.group_rank, to))
+                .or_default()
+                .push_back(bytes.to_vec());
+        }
+        self.state.cv.notify_all();
+        Ok(())
+    }
+
     fn desc<T: Element>(&self, op: &'static str, agreed: Vec<usize>) -> OpDesc {
         OpDesc {
             op,
@@ -702,25 +723,34 @@ impl Communicator for CpuComm {
         self.guarded("send_recv", || {
             check::peer("send_recv", "to", to, self.size_())?;
             check::peer("send_recv", "from", from, self.size_())?;
-            let mut inner = self.state.lock();
-            if let Some(reason) = &inner.poisoned {
-                return Err(CollectiveError::Poisoned {
-                    ranks: self.state.ranks.clone(),
-                    reason: reason.clone(),
-                });
-            }
-            inner
-                .mail
-                .entry((self.group_rank, to))
-                .or_default()
-                .push_back(bytemuck::cast_slice::<T, u8>(send).to_vec());
-            self.state.cv.notify_all();
-            Ok(())
+            self.post([(to, bytemuck::cast_slice::<T, u8>(send))])
         })?;
         Ok(CpuPending {
             comm: self,
+            op: "send_recv",
             recv: Some(bytemuck::cast_slice_mut::<T, u8>(recv)),
-            from,
+            sources: vec![from],
+        })
+    }
+
+    fn all_to_all_posted<'a, T: Element>(
+        &'a self,
+        send: &'a [T],
+        recv: &'a mut [T],
+    ) -> Result<CpuPending<'a>> {
+        let p = self.size_();
+        self.guarded("all_to_all_posted", || {
+            let n = check::chunk("all_to_all_posted", "send", send.len(), p)?;
+            check::len("all_to_all_posted", "recv", send.len(), recv.len())?;
+            let chunks =
+                (0..p).map(|j| (j, bytemuck::cast_slice::<T, u8>(&send[j * n..(j + 1) * n])));
+            self.post(chunks)
+        })?;
+        Ok(CpuPending {
+            comm: self,
+            op: "all_to_all_posted",
+            recv: Some(bytemuck::cast_slice_mut::<T, u8>(recv)),
+            sources: (0..p).collect(),
         })
     }
 
@@ -750,13 +780,16 @@ impl Communicator for CpuComm {
     }
 }
 
-/// A posted send/recv pair of the CPU backend: the send was deposited when posted, the receive
-/// happens in [`Pending::wait`] (or on drop).
+/// A posted operation of the CPU backend ([`Communicator::send_recv`],
+/// [`Communicator::all_to_all_posted`]): the sends were deposited when posted; the receive, one
+/// equal chunk of `recv` from each of `sources` in order, happens in [`Pending::wait`] (or on
+/// drop).
 #[derive(Debug)]
 pub struct CpuPending<'a> {
     comm: &'a CpuComm,
+    op: &'static str,
     recv: Option<&'a mut [u8]>,
-    from: usize,
+    sources: Vec<usize>,
 }
 
 impl CpuPending<'_> {
@@ -764,23 +797,26 @@ impl CpuPending<'_> {
         let Some(recv) = self.recv.take() else {
             return Ok(());
         };
-        let comm = self.comm;
-        comm.guarded("send_recv", || {
-            let key = (self.from, comm.group_rank);
+        let (comm, op) = (self.comm, self.op);
+        let chunk = recv.len() / self.sources.len().max(1);
+        comm.guarded(op, || {
             let deadline = Instant::now() + comm.timeout;
-            let guard = comm.state.lock();
-            let mut guard = comm.wait_until(guard, "send_recv", deadline, Wait::Result, |g| {
-                g.mail.get(&key).is_some_and(|q| !q.is_empty())
-            })?;
-            // wait_until returned because the queue is non-empty.
-            let msg = guard
-                .mail
-                .get_mut(&key)
-                .and_then(|q| q.pop_front())
-                .unwrap_or_default();
-            drop(guard);
-            check::len("send_recv", "recv (bytes)", msg.len(), recv.len())?;
-            recv.copy_from_slice(&msg);
+            for (i, &from) in self.sources.iter().enumerate() {
+                let key = (from, comm.group_rank);
+                let guard = comm.state.lock();
+                let mut guard = comm.wait_until(guard, op, deadline, Wait::Result, |g| {
+                    g.mail.get(&key).is_some_and(|q| !q.is_empty())
+                })?;
+                // wait_until returned because the queue is non-empty.
+                let msg = guard
+                    .mail
+                    .get_mut(&key)
+                    .and_then(|q| q.pop_front())
+                    .unwrap_or_default();
+                drop(guard);
+                check::len(op, "recv (bytes)", msg.len(), chunk)?;
+                recv[i * chunk..(i + 1) * chunk].copy_from_slice(&msg);
+            }
             Ok(())
         })
     }
@@ -795,7 +831,7 @@ impl Pending for CpuPending<'_> {
 impl Drop for CpuPending<'_> {
     fn drop(&mut self) {
         if let Err(e) = self.finish() {
-            tracing::error!(error = %e, "send_recv dropped without wait, and it failed");
+            tracing::error!(error = %e, op = self.op, "posted operation dropped without wait, and it failed");
         }
     }
 }

@@ -391,6 +391,18 @@ pub trait Communicator {
     /// send: `[P·n]` split into P contiguous chunks, chunk j goes to rank j → recv: `[P·n]`,
     /// chunk i came from rank i.
     fn all_to_all<T: Element>(&self, send: &Self::Buf<T>, recv: &mut Self::Buf<T>) -> Result<()>;
+    /// [`Communicator::all_to_all`], posted: the sends leave (or are queued on the backend's
+    /// stream) and the call returns at once; `recv` holds the result once [`Pending::wait`]
+    /// returns. The transfer overlaps whatever the caller does meanwhile (async Ulysses moves V
+    /// under Q's projection). Both buffers stay borrowed until then. Every rank posts the same
+    /// exchanges in the same order, and waits them in that order (the CPU backend matches
+    /// messages between two ranks by their order). Dropping the handle without waiting waits (and
+    /// logs a failure).
+    fn all_to_all_posted<'a, T: Element>(
+        &'a self,
+        send: &'a Self::Buf<T>,
+        recv: &'a mut Self::Buf<T>,
+    ) -> Result<Self::Pending<'a>>;
     /// Uneven all-to-all: send chunk j (`send_counts[j]` elements, packed in order) goes to rank j;
     /// recv chunk i (`recv_counts[i]` elements, packed in order) came from rank i. Rank i's
     /// `send_counts[j]` must equal rank j's `recv_counts[i]`.

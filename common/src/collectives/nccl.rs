@@ -859,6 +859,26 @@ impl NcclComm {
         self.sync(op)
     }
 
+    /// The transfer of [`Communicator::all_to_all`], lengths checked here (`op` names it in
+    /// errors), queued on the communicator's stream: one grouped send/recv, chunk j of `send` to
+    /// rank j and chunk i of `recv` from rank i, the own chunk included (NCCL's self send/recv).
+    fn queue_all_to_all<T: Element>(
+        &self,
+        op: &'static str,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let p = self.size();
+        let n = check::chunk(op, "send", send.len(), p)?;
+        check::len(op, "recv", send.len(), recv.len())?;
+        let (s, _gs) = send.device_ptr(&self.stream);
+        let (r, _gr) = recv.device_ptr_mut(&self.stream);
+        let chunk = bytes_of::<T>(n) as u64;
+        let sends: Vec<_> = (0..p).map(|j| (s + j as u64 * chunk, n, j)).collect();
+        let recvs: Vec<_> = (0..p).map(|i| (r + i as u64 * chunk, n, i)).collect();
+        self.grouped_p2p(dtype(T::DTYPE), &sends, &recvs)
+    }
+
     /// A zero-length buffer (an uneven last shard can be empty). The driver refuses 0-byte
     /// allocations, so this allocates one element and hands it out with length 0; dropping the
     /// slice frees it as usual.
@@ -976,16 +996,27 @@ impl Communicator for NcclComm {
 
     fn all_to_all<T: Element>(&self, send: &CudaSlice<T>, recv: &mut CudaSlice<T>) -> Result<()> {
         self.guarded("all_to_all", || {
-            let p = self.size();
-            let n = check::chunk("all_to_all", "send", send.len(), p)?;
-            check::len("all_to_all", "recv", send.len(), recv.len())?;
-            let (s, _gs) = send.device_ptr(&self.stream);
-            let (r, _gr) = recv.device_ptr_mut(&self.stream);
-            let chunk = bytes_of::<T>(n) as u64;
-            let sends: Vec<_> = (0..p).map(|j| (s + j as u64 * chunk, n, j)).collect();
-            let recvs: Vec<_> = (0..p).map(|i| (r + i as u64 * chunk, n, i)).collect();
-            self.grouped_p2p(dtype(T::DTYPE), &sends, &recvs)?;
+            self.queue_all_to_all("all_to_all", send, recv)?;
             self.sync("all_to_all")
+        })
+    }
+
+    /// Queued on the communicator's stream like every collective, not waited: the host goes on
+    /// queueing kernels on its own stream, which the transfer overlaps; [`Pending::wait`] is the
+    /// collective's timed wait.
+    fn all_to_all_posted<'a, T: Element>(
+        &'a self,
+        send: &'a CudaSlice<T>,
+        recv: &'a mut CudaSlice<T>,
+    ) -> Result<NcclPending<'a>> {
+        self.guarded("all_to_all_posted", || {
+            self.queue_all_to_all("all_to_all_posted", send, recv)
+        })?;
+        Ok(NcclPending {
+            comm: self,
+            op: "all_to_all_posted",
+            done: false,
+            _buffers: PhantomData,
         })
     }
 
@@ -1158,6 +1189,7 @@ impl Communicator for NcclComm {
         })?;
         Ok(NcclPending {
             comm: self,
+            op: "send_recv",
             done: false,
             _buffers: PhantomData,
         })
@@ -1231,10 +1263,14 @@ impl Communicator for NcclComm {
     }
 }
 
-/// A posted send/recv pair of the NCCL backend; both buffers stay borrowed until it completes.
+/// A posted operation of the NCCL backend ([`Communicator::send_recv`],
+/// [`Communicator::all_to_all_posted`]), queued on the communicator's stream; its buffers stay
+/// borrowed until it completes. Waiting is the stream's timed wait, so it also waits for
+/// everything queued on that stream before it.
 #[derive(Debug)]
 pub struct NcclPending<'a> {
     comm: &'a NcclComm,
+    op: &'static str,
     done: bool,
     _buffers: PhantomData<&'a mut ()>,
 }
@@ -1244,8 +1280,8 @@ impl NcclPending<'_> {
         if std::mem::replace(&mut self.done, true) {
             return Ok(());
         }
-        self.comm
-            .guarded("send_recv", || self.comm.sync("send_recv"))
+        let op = self.op;
+        self.comm.guarded(op, || self.comm.sync(op))
     }
 }
 
@@ -1258,7 +1294,7 @@ impl Pending for NcclPending<'_> {
 impl Drop for NcclPending<'_> {
     fn drop(&mut self) {
         if let Err(e) = self.finish() {
-            tracing::error!(error = %e, "send_recv dropped without wait, and it failed");
+            tracing::error!(error = %e, op = self.op, "posted operation dropped without wait, and it failed");
         }
     }
 }

@@ -33,7 +33,7 @@
 //! A producer that writes its projection directly in packed order would save the pack copy;
 //! that is the attention wrapper's business, not this layer's.
 
-use super::{CollectiveError, Communicator, Element, Result, check};
+use super::{CollectiveError, Communicator, Element, Pending, Result, check};
 
 /// Dimensions of a Ulysses layout: `b` batch, `s_local` = S/P sequence positions per rank,
 /// `stack` G stacked tensors (1 for `[B, S, H, D]`, 3 for stacked QKV), `h` total heads,
@@ -85,9 +85,36 @@ impl UlyssesShape {
 pub trait UlyssesExt: Communicator {
     /// input `[B, S/P, G, H, D]` (sequence shard r) → output `[B, S, G, H/P, D]` (head group r).
     /// `scratch` is any buffer of `shape.numel()` elements; its contents are overwritten.
+    /// [`UlyssesExt::seq_to_heads_posted`], waited, then [`UlyssesExt::seq_to_heads_finish`].
     fn seq_to_heads<T: Element>(
         &self,
         input: &Self::Buf<T>,
+        output: &mut Self::Buf<T>,
+        scratch: &mut Self::Buf<T>,
+        shape: UlyssesShape,
+    ) -> Result<()> {
+        self.seq_to_heads_posted(input, output, scratch, shape)?
+            .wait()?;
+        self.seq_to_heads_finish(output, scratch, shape)
+    }
+
+    /// The first half of [`UlyssesExt::seq_to_heads`]: packs `input` and posts the all-to-all
+    /// ([`Communicator::all_to_all_posted`]), so the caller can queue other work (the next
+    /// projection) under the transfer. Once the handle is waited, `input` may be reused and
+    /// [`UlyssesExt::seq_to_heads_finish`] on the same `output` and `scratch` completes the
+    /// layout in `output`.
+    fn seq_to_heads_posted<'a, T: Element>(
+        &'a self,
+        input: &Self::Buf<T>,
+        output: &'a mut Self::Buf<T>,
+        scratch: &'a mut Self::Buf<T>,
+        shape: UlyssesShape,
+    ) -> Result<Self::Pending<'a>>;
+
+    /// The second half: after the posted handle was waited, the received chunks in their final
+    /// layout in `output` (B = 1: already there, nothing to do; B > 1: one unpack copy).
+    fn seq_to_heads_finish<T: Element>(
+        &self,
         output: &mut Self::Buf<T>,
         scratch: &mut Self::Buf<T>,
         shape: UlyssesShape,
@@ -108,7 +135,7 @@ pub trait UlyssesExt: Communicator {
 fn plan<C: Communicator + ?Sized>(
     comm: &C,
     op: &'static str,
-    bufs: [(&'static str, usize); 3],
+    bufs: &[(&'static str, usize)],
     shape: UlyssesShape,
 ) -> Result<(usize, usize, usize)> {
     let p = comm.size();
@@ -118,7 +145,7 @@ fn plan<C: Communicator + ?Sized>(
             size: p,
         });
     }
-    for (what, len) in bufs {
+    for &(what, len) in bufs {
         check::len(op, what, shape.numel(), len)?;
     }
     let h_local = shape.h / p;
@@ -127,19 +154,19 @@ fn plan<C: Communicator + ?Sized>(
 }
 
 impl<C: Communicator + ?Sized> UlyssesExt for C {
-    fn seq_to_heads<T: Element>(
-        &self,
+    fn seq_to_heads_posted<'a, T: Element>(
+        &'a self,
         input: &Self::Buf<T>,
-        output: &mut Self::Buf<T>,
-        scratch: &mut Self::Buf<T>,
+        output: &'a mut Self::Buf<T>,
+        scratch: &'a mut Self::Buf<T>,
         shape: UlyssesShape,
-    ) -> Result<()> {
+    ) -> Result<Self::Pending<'a>> {
         let lens = [
             ("input", self.len(input)),
             ("output", self.len(&*output)),
             ("scratch", self.len(&*scratch)),
         ];
-        let (p, hl, chunk) = plan(self, "seq_to_heads", lens, shape)?;
+        let (p, hl, chunk) = plan(self, "seq_to_heads", &lens, shape)?;
         let UlyssesShape {
             b,
             s_local: s,
@@ -148,10 +175,9 @@ impl<C: Communicator + ?Sized> UlyssesExt for C {
             d,
         } = shape;
         let row = hl * d; // one head group of one (b, t, g) position
-        let run = s * g * row; // one batch entry of one received chunk
         // Pack into `scratch` when B = 1 (all_to_all then lands directly in `output`);
         // otherwise into `output`, used as a temporary, and receive into `scratch`.
-        let (packed, received): (&mut Self::Buf<T>, &mut Self::Buf<T>) = if b == 1 {
+        let (packed, received): (&'a mut Self::Buf<T>, &'a mut Self::Buf<T>) = if b == 1 {
             (scratch, output)
         } else {
             (output, scratch)
@@ -168,13 +194,33 @@ impl<C: Communicator + ?Sized> UlyssesExt for C {
                 b * s * g,
             )?;
         }
-        self.all_to_all(packed, received)?;
+        self.all_to_all_posted(packed, received)
+    }
+
+    fn seq_to_heads_finish<T: Element>(
+        &self,
+        output: &mut Self::Buf<T>,
+        scratch: &mut Self::Buf<T>,
+        shape: UlyssesShape,
+    ) -> Result<()> {
+        let lens = [
+            ("output", self.len(&*output)),
+            ("scratch", self.len(&*scratch)),
+        ];
+        let (p, hl, chunk) = plan(self, "seq_to_heads", &lens, shape)?;
+        let UlyssesShape {
+            b,
+            s_local: s,
+            stack: g,
+            ..
+        } = shape;
         if b == 1 {
             return Ok(());
         }
-        // `received` is `scratch`, `packed` is `output`: unpack scratch → output.
+        // Received into `scratch`, packed in `output`: unpack scratch → output.
+        let run = s * g * hl * shape.d; // one batch entry of one received chunk
         for i in 0..p {
-            self.copy_2d(received, i * chunk, run, packed, i * run, p * run, run, b)?;
+            self.copy_2d(scratch, i * chunk, run, output, i * run, p * run, run, b)?;
         }
         self.synchronize()
     }
@@ -191,7 +237,7 @@ impl<C: Communicator + ?Sized> UlyssesExt for C {
             ("output", self.len(&*output)),
             ("scratch", self.len(&*scratch)),
         ];
-        let (p, hl, chunk) = plan(self, "heads_to_seq", lens, shape)?;
+        let (p, hl, chunk) = plan(self, "heads_to_seq", &lens, shape)?;
         let UlyssesShape {
             b,
             s_local: s,

@@ -9,7 +9,9 @@ use ditstream_kernels::weights::{Checkpoint, WeightsError};
 use ditstream_kernels::{DType, Device};
 
 pub use config::WanConfig;
-pub use wan::{Conditioning, LocalAttention, SelfAttention, WanTransformer, timestep_sinusoid};
+pub use wan::{
+    Conditioning, LocalAttention, Operand, SelfAttention, WanTransformer, timestep_sinusoid,
+};
 
 /// Why the model could not be built or run.
 #[derive(Debug, thiserror::Error)]

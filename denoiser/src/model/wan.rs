@@ -41,11 +41,37 @@ use ditstream_kernels::attention_fp8;
 /// Wan's RoPE base.
 const ROPE_THETA: f64 = 10_000.0;
 
+/// One of the self-attention's operands, as [`SelfAttention::attend_staged`] asks for them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operand {
+    /// The queries (projected, q-RMSNorm, RoPE).
+    Q,
+    /// The keys (projected, k-RMSNorm, RoPE).
+    K,
+    /// The values (projected).
+    V,
+}
+
 /// Runs self-attention for the blocks. The local implementation attends over the tokens it is
 /// given; parallel wrappers exchange shards around an inner attention.
 pub trait SelfAttention {
     /// q, k, v: [B, S, H, D] (RoPE applied) → out [B, S, H, D].
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor, ModelError>;
+
+    /// The same attention, its operands computed when it asks: `operand(Q)` (and K, V) runs that
+    /// projection and returns it as [`SelfAttention::attend`] takes it. The blocks call this, so
+    /// an attention that sends its operands somewhere (async Ulysses) asks for them in the order it
+    /// sends them and puts each transfer under the next projection. The default asks for Q, K, V
+    /// and attends.
+    fn attend_staged(
+        &self,
+        operand: &mut dyn FnMut(Operand) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
+        let q = operand(Operand::Q)?;
+        let k = operand(Operand::K)?;
+        let v = operand(Operand::V)?;
+        self.attend(&q, &k, &v)
+    }
 }
 
 /// Self-attention over the local tokens only (single rank), masking keys at or past `kv_len`
@@ -784,28 +810,26 @@ impl WanTransformer {
             .to_q
             .norm_modulate_input(x, (&m[0], &m[1]), eps, self.dtype)?;
         mark("norm + modulate");
-        // Each projection's output is a temporary, freed once normed (the projections mark
-        // themselves as "linears").
-        let q = rms_norm_rope(
-            &a.to_q.forward_input(&h)?,
-            &a.norm_q,
-            eps,
-            rope_cos,
-            rope_sin,
-            heads,
-        )?;
-        mark("q/k norm + rope");
-        let k = rms_norm_rope(
-            &a.to_k.forward_input(&h)?,
-            &a.norm_k,
-            eps,
-            rope_cos,
-            rope_sin,
-            heads,
-        )?;
-        mark("q/k norm + rope");
-        let v = a.to_v.forward_input(&h)?.reshape(&[b, l, heads, hd])?;
-        let o = attn.attend(&q, &k, &v)?.reshape(&[b, l, d])?;
+        // The projections run when the attention asks for them (`attend_staged`); each one's
+        // output is a temporary, freed once normed (the projections mark themselves as "linears").
+        let mut operand = |which| -> Result<Tensor, ModelError> {
+            let (proj, norm) = match which {
+                Operand::Q => (&a.to_q, &a.norm_q),
+                Operand::K => (&a.to_k, &a.norm_k),
+                Operand::V => return Ok(a.to_v.forward_input(&h)?.reshape(&[b, l, heads, hd])?),
+            };
+            let t = rms_norm_rope(
+                &proj.forward_input(&h)?,
+                norm,
+                eps,
+                rope_cos,
+                rope_sin,
+                heads,
+            )?;
+            mark("q/k norm + rope");
+            Ok(t)
+        };
+        let o = attn.attend_staged(&mut operand)?.reshape(&[b, l, d])?;
         mark("self-attention");
         let x = a.to_out.forward_residual(&o, x, Some(&m[2]))?;
 

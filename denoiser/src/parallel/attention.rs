@@ -7,7 +7,7 @@ use std::cell::RefCell;
 use ditstream_kernels::{AttentionOptions, Tensor, attention, attention_fp8};
 
 use super::{ParallelError, Result, valid_in_chunk};
-use crate::model::{ModelError, SelfAttention};
+use crate::model::{ModelError, Operand, SelfAttention};
 
 /// Self-attention for this rank's chunk of a sequence that is cut into equal chunks (padding at
 /// the end). Each implementation knows the sequence's real token count and which chunk it holds,
@@ -16,11 +16,26 @@ pub trait ChunkAttention {
     /// q, k, v: [B, S_c, H, D] (this rank's chunk, RoPE applied) → out [B, S_c, H, D], the
     /// attention of these queries over the whole sequence's real keys.
     fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor>;
+
+    /// The same, with the operands produced when asked (the model's
+    /// [`SelfAttention::attend_staged`]); a wrapper that sends them (async Ulysses) overrides it.
+    fn attend_chunk_staged(&self, operand: &mut StagedOperand<'_>) -> Result<Tensor> {
+        let q = operand(Operand::Q)?;
+        let k = operand(Operand::K)?;
+        let v = operand(Operand::V)?;
+        self.attend_chunk(&q, &k, &v)
+    }
 }
+
+/// What [`ChunkAttention::attend_chunk_staged`] calls to produce an operand ([B, S_c, H, D]).
+pub type StagedOperand<'o> = dyn FnMut(Operand) -> Result<Tensor> + 'o;
 
 impl<A: ChunkAttention + ?Sized> ChunkAttention for Box<A> {
     fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         (**self).attend_chunk(q, k, v)
+    }
+    fn attend_chunk_staged(&self, operand: &mut StagedOperand<'_>) -> Result<Tensor> {
+        (**self).attend_chunk_staged(operand)
     }
 }
 
@@ -87,18 +102,33 @@ impl<'a> ModelAttention<'a> {
             .take()
             .unwrap_or(ParallelError::Model(from_model))
     }
-}
 
-impl SelfAttention for ModelAttention<'_> {
-    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor, ModelError> {
-        self.inner.attend_chunk(q, k, v).map_err(|e| {
+    /// The model's summary of a failure of the wrapper, whose typed error is kept for
+    /// [`ModelAttention::take_error`] (an operand's own failure comes back as it was, as
+    /// `ParallelError::Model`).
+    fn kept(&self, result: Result<Tensor>) -> Result<Tensor, ModelError> {
+        result.map_err(|e| {
             let summary = ModelError::Input {
                 what: "parallel self-attention",
-                value: format!("{:?}", q.shape()),
+                value: "this rank's chunk".into(),
                 rule: e.to_string(),
             };
             *self.failure.borrow_mut() = Some(e);
             summary
         })
+    }
+}
+
+impl SelfAttention for ModelAttention<'_> {
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor, ModelError> {
+        self.kept(self.inner.attend_chunk(q, k, v))
+    }
+
+    fn attend_staged(
+        &self,
+        operand: &mut dyn FnMut(Operand) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
+        let mut produce = |which| operand(which).map_err(ParallelError::Model);
+        self.kept(self.inner.attend_chunk_staged(&mut produce))
     }
 }

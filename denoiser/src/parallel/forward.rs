@@ -16,8 +16,8 @@ use super::{
 use crate::model::WanTransformer;
 
 /// The attention wrapper for `comms`' mesh, for a sequence of `tokens` real tokens: Ring or
-/// Attention2D over the cp axis (or the local attention), inside Ulysses when ulysses_size > 1;
-/// with FP8 attention wherever it attends when `fp8`.
+/// Attention2D over the cp axis (or the local attention), inside Ulysses when ulysses_size > 1
+/// (async when `comms` says so); with FP8 attention wherever it attends when `fp8`.
 pub fn seq_attention<'c, C: TensorWire>(
     comms: &'c MeshComms<C>,
     tokens: usize,
@@ -32,7 +32,7 @@ pub fn seq_attention<'c, C: TensorWire>(
         _ => Box::new(LocalChunk { tokens, fp8 }),
     };
     match &comms.ulysses {
-        Some(uly) => Box::new(UlyssesAttention::new(uly, cp)),
+        Some(uly) => Box::new(UlyssesAttention::new(uly, cp).with_async(comms.async_ulysses())),
         None => cp,
     }
 }
@@ -54,7 +54,7 @@ pub fn forward<C: TensorWire>(
 }
 
 /// [`forward`] with the attention wrapper chosen by the caller: `attention(L)` builds it for a
-/// sequence of L real tokens (benchmarks of one wrapper, tests, a future async Ulysses).
+/// sequence of L real tokens (benchmarks of one wrapper, tests).
 pub fn forward_with<'c, C: TensorWire>(
     model: &WanTransformer,
     comms: &MeshComms<C>,

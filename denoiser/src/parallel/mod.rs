@@ -180,6 +180,8 @@ pub struct MeshComms<C> {
     pub seq: Option<C>,
     /// Every rank: agreement on cancellation after each step.
     pub world: Option<C>,
+    /// Async Ulysses (`parallel_config.async_ulysses`): each exchange under the next projection.
+    async_ulysses: bool,
 }
 
 impl<C: Communicator> MeshComms<C> {
@@ -224,6 +226,7 @@ impl<C: Communicator> MeshComms<C> {
             col,
             seq: split(GroupKind::Seq)?,
             world: world_comm,
+            async_ulysses: false,
             mesh,
             rank: world.rank(),
         })
@@ -231,6 +234,18 @@ impl<C: Communicator> MeshComms<C> {
 }
 
 impl<C> MeshComms<C> {
+    /// The same communicators with async Ulysses on or off (`parallel_config.async_ulysses`;
+    /// see [`UlyssesAttention::with_async`]). Off by default.
+    pub fn with_async_ulysses(mut self, on: bool) -> Self {
+        self.async_ulysses = on;
+        self
+    }
+
+    /// Whether the Ulysses exchanges run under the projections (async Ulysses).
+    pub fn async_ulysses(&self) -> bool {
+        self.async_ulysses
+    }
+
     /// The mesh.
     pub fn mesh(&self) -> &Mesh {
         &self.mesh

@@ -1,7 +1,7 @@
-//! Ulysses attention: the sequence is sharded everywhere but here. q, k and v of this rank's
-//! sequence shard are stacked `[B, S/P, 3, H, D]` and one all-to-all turns them into the whole
-//! chunk of the Ulysses group for H/P heads `[B, S, 3, H/P, D]`; the inner attention runs on
-//! that; one all-to-all brings the output back to `[B, S/P, H, D]`. P must divide H.
+//! Ulysses attention: the sequence is sharded everywhere but here. Each of q, k and v of this
+//! rank's sequence shard `[B, S/P, H, D]` crosses one all-to-all that turns it into the whole
+//! chunk of the Ulysses group for H/P heads `[B, S, H/P, D]`; the inner attention runs on that;
+//! one all-to-all brings the output back to `[B, S/P, H, D]`. P must divide H.
 //!
 //! The model applies the q/k RMSNorm (across all heads) and RoPE on the local shard before this
 //! is called, as the all-to-all only moves heads.
@@ -11,58 +11,53 @@
 //! consecutive shards (`seq_rank = cp_rank·U + uly`), so after the exchange each holds chunk
 //! `cp_rank` of length U·S/P, which is what the inner wrapper expects.
 //!
-//! Shaped for async Ulysses later: [`UlyssesAttention::scatter_qkv`] and
-//! [`UlyssesAttention::gather_out`] are the two exchanges; an async variant pushes V, Q and K
-//! separately as the projections produce them and joins before the inner attention.
+//! The three exchanges are posted ([`UlyssesExt::seq_to_heads_posted`]) in the order V, Q, K and
+//! waited once, before the inner attention. Each operand travels on its own, so nothing is
+//! stacked before the all-to-all or cut apart after it (the only copy is the all-to-all's own
+//! pack, and with B > 1 its unpack). With async Ulysses (`parallel_config.async_ulysses`) the
+//! model's projections run between the posts ([`ChunkAttention::attend_chunk_staged`]): V is
+//! projected and posted, then Q is projected while V travels, then K while Q travels, as the
+//! seed's design (TensorRT-LLM VisualGen) schedules it. Without it, the three projections run
+//! first and the three exchanges follow. Both schedules compute the same values: the
+//! projections and the exchanges are the same operations, only their order on the host differs.
+//!
+//! On NCCL the exchanges run on the communicator's stream, ordered after the kernels that
+//! produced each operand by an event (common's `wire`), so V's all-to-all overlaps Q's GEMM on the
+//! GPU; the host waits once, for the last exchange, before it queues the attention.
 
 use std::borrow::{Borrow, BorrowMut};
 
 use ditstream_common::by_dtype;
 use ditstream_common::collectives::wire::{TensorWire, WireElement};
-use ditstream_common::collectives::{UlyssesExt, UlyssesShape};
+use ditstream_common::collectives::{Pending, UlyssesExt, UlyssesShape};
 use ditstream_kernels::Tensor;
 
-use super::attention::ChunkAttention;
+use super::attention::{ChunkAttention, StagedOperand};
 use super::{ParallelError, Result};
+use crate::model::Operand;
 
 /// Ulysses over `comm` (the Ulysses group) around `inner`.
 pub struct UlyssesAttention<'c, C, I> {
     comm: &'c C,
     inner: I,
+    overlap: bool,
 }
 
 impl<'c, C: TensorWire, I: ChunkAttention> UlyssesAttention<'c, C, I> {
-    /// Ulysses over `comm` around `inner`.
+    /// Ulysses over `comm` around `inner`, projections first, then the exchanges.
     pub fn new(comm: &'c C, inner: I) -> Self {
-        Self { comm, inner }
+        Self {
+            comm,
+            inner,
+            overlap: false,
+        }
     }
 
-    /// q, k, v [B, S/P, H, D] → (q, k, v) [B, S, H/P, D] (this rank's head group over the
-    /// group's whole chunk) through one all-to-all of the stacked [B, S/P, 3, H, D].
-    pub fn scatter_qkv(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let &[b, s, h, d] = q.shape() else {
-            return Err(shape_error(q));
-        };
-        let p = self.comm.size();
-        if !h.is_multiple_of(p) {
-            return Err(ParallelError::Collective(
-                ditstream_common::collectives::CollectiveError::HeadsNotDivisible {
-                    heads: h,
-                    size: p,
-                },
-            ));
-        }
-        let stack = |t: &Tensor| t.reshape(&[b, s, 1, h, d]);
-        let qkv = Tensor::concat(&[&stack(q)?, &stack(k)?, &stack(v)?], 2)?;
-        let by_heads = exchange(self.comm, UlyssesWay::SeqToHeads, &qkv)?;
-        let part =
-            |i| -> Result<Tensor> { Ok(by_heads.narrow(2, i, 1)?.reshape(&[b, s * p, h / p, d])?) };
-        Ok((part(0)?, part(1)?, part(2)?))
+    /// The same with async Ulysses on or off: each exchange posted as soon as its projection is
+    /// done, under the next projection (module docs).
+    pub fn with_async(mut self, on: bool) -> Self {
+        self.overlap = on;
+        self
     }
 
     /// out [B, S, H/P, D] → [B, S/P, H, D] through one all-to-all.
@@ -71,11 +66,7 @@ impl<'c, C: TensorWire, I: ChunkAttention> UlyssesAttention<'c, C, I> {
             return Err(shape_error(out));
         };
         let p = self.comm.size();
-        let back = exchange(
-            self.comm,
-            UlyssesWay::HeadsToSeq,
-            &out.reshape(&[b, s, 1, h, d])?,
-        )?;
+        let back = heads_to_seq(self.comm, &out.reshape(&[b, s, 1, h, d])?)?;
         Ok(back.reshape(&[b, s / p, h * p, d])?)
     }
 }
@@ -90,36 +81,132 @@ fn shape_error(t: &Tensor) -> ParallelError {
 
 impl<C: TensorWire, I: ChunkAttention> ChunkAttention for UlyssesAttention<'_, C, I> {
     fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        let (q, k, v) = self.scatter_qkv(q, k, v)?;
+        let given = |which| -> Result<Tensor> {
+            Ok(match which {
+                Operand::Q => q.clone(),
+                Operand::K => k.clone(),
+                Operand::V => v.clone(),
+            })
+        };
+        self.attend_chunk_staged(&mut { given })
+    }
+
+    fn attend_chunk_staged(&self, operand: &mut StagedOperand<'_>) -> Result<Tensor> {
+        let [q, k, v] = if self.overlap {
+            let v = operand(Operand::V)?;
+            by_dtype!(v.dtype(), scatter_posted::<C>(self.comm, v, operand))?
+        } else {
+            let (q, k, v) = (
+                operand(Operand::Q)?,
+                operand(Operand::K)?,
+                operand(Operand::V)?,
+            );
+            let mut given = |which| {
+                Ok(if which == Operand::Q {
+                    q.clone()
+                } else {
+                    k.clone()
+                })
+            };
+            by_dtype!(v.dtype(), scatter_posted::<C>(self.comm, v, &mut given))?
+        };
+        // The exchanges on a rank's timeline, as the collectives of `wire` mark theirs: with async
+        // Ulysses this interval is what the projections did not hide.
+        ditstream_kernels::timeline::mark("all-to-all");
         let out = self.inner.attend_chunk(&q, &k, &v)?;
         self.gather_out(&out)
     }
 }
 
-/// Which way a Ulysses exchange goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum UlyssesWay {
-    /// [B, S/P, G, H, D] → [B, S, G, H/P, D].
-    SeqToHeads,
-    /// [B, S, G, H/P, D] → [B, S/P, G, H, D].
-    HeadsToSeq,
+/// The three sequence → heads exchanges, posted in the order V, Q, K: `v` [B, S/P, H, D] is
+/// posted first, then `next(Q)` and `next(K)` are asked for (they must have v's shape) and each
+/// posted as soon as it is there; one wait at the end. Returns [q, k, v], each [B, S, H/P, D].
+fn scatter_posted<C: TensorWire, T: WireElement>(
+    comm: &C,
+    v: Tensor,
+    next: &mut StagedOperand<'_>,
+) -> Result<[Tensor; 3]> {
+    let &[b, s, h, d] = v.shape() else {
+        return Err(shape_error(&v));
+    };
+    let p = comm.size();
+    let shape = UlyssesShape::bshd(b, s, h, d);
+    let (n, device) = (v.numel(), v.device());
+    // Every buffer first: the pending exchanges borrow them until the wait.
+    let mut outputs = [
+        comm.receive::<T>(n, device)?,
+        comm.receive::<T>(n, device)?,
+        comm.receive::<T>(n, device)?,
+    ];
+    let mut scratch = [
+        comm.alloc::<T>(n)?,
+        comm.alloc::<T>(n)?,
+        comm.alloc::<T>(n)?,
+    ];
+    let [out_v, out_q, out_k] = &mut outputs;
+    let [scratch_v, scratch_q, scratch_k] = &mut scratch;
+    let same = |t: Tensor| {
+        if t.shape() == v.shape() {
+            Ok(t)
+        } else {
+            Err(shape_error(&t))
+        }
+    };
+
+    // The staged inputs live until the end, after the wait (on NCCL they hold the operands'
+    // storage, which the communicator's stream reads until the exchange is done).
+    let staged_v = comm.stage::<T>(&v)?;
+    let sent_v = comm.seq_to_heads_posted(
+        staged_v.borrow(),
+        out_v.borrow_mut(),
+        scratch_v.borrow_mut(),
+        shape,
+    )?;
+    let q = same(next(Operand::Q)?)?;
+    let staged_q = comm.stage::<T>(&q)?;
+    let sent_q = comm.seq_to_heads_posted(
+        staged_q.borrow(),
+        out_q.borrow_mut(),
+        scratch_q.borrow_mut(),
+        shape,
+    )?;
+    let k = same(next(Operand::K)?)?;
+    let staged_k = comm.stage::<T>(&k)?;
+    let sent_k = comm.seq_to_heads_posted(
+        staged_k.borrow(),
+        out_k.borrow_mut(),
+        scratch_k.borrow_mut(),
+        shape,
+    )?;
+    // Waited in the order posted, as the contract asks (on NCCL the first wait already covers
+    // all three: the communicator's stream runs them in order).
+    sent_v.wait()?;
+    sent_q.wait()?;
+    sent_k.wait()?;
+
+    let by_heads = [b, s * p, h / p, d];
+    let take = |out: &mut C::Held<T>, scratch: &mut C::Owned<T>| -> Result<Tensor> {
+        comm.seq_to_heads_finish(out.borrow_mut(), scratch.borrow_mut(), shape)?;
+        Ok(comm.tensor::<T>(out, &by_heads, device)?)
+    };
+    Ok([
+        take(out_q, scratch_q)?,
+        take(out_k, scratch_k)?,
+        take(out_v, scratch_v)?,
+    ])
 }
 
-/// One Ulysses exchange of a 5-D tensor (see [`UlyssesExt`]) in its own dtype; `t` is in the input
-/// layout of `way`. The tensor crosses the communicator as every other does ([`TensorWire`]: on
-/// NCCL its device storage, in place).
-fn exchange<C: TensorWire>(comm: &C, way: UlyssesWay, t: &Tensor) -> Result<Tensor> {
-    let out = by_dtype!(t.dtype(), exchange_as::<C>(comm, way, t))?;
+/// The heads → sequence exchange of a 5-D tensor (see [`UlyssesExt`]) in its own dtype:
+/// `t` [B, S, G, H/P, D] → [B, S/P, G, H, D]. The tensor crosses the communicator as every other
+/// does ([`TensorWire`]: on NCCL its device storage, in place).
+fn heads_to_seq<C: TensorWire>(comm: &C, t: &Tensor) -> Result<Tensor> {
+    let out = by_dtype!(t.dtype(), heads_to_seq_as::<C>(comm, t))?;
     // The Ulysses all-to-all on a rank's timeline, as the collectives of `wire` mark theirs.
     ditstream_kernels::timeline::mark("all-to-all");
     Ok(out)
 }
 
-fn exchange_as<C: TensorWire, T: WireElement>(
-    comm: &C,
-    way: UlyssesWay,
-    t: &Tensor,
-) -> Result<Tensor> {
+fn heads_to_seq_as<C: TensorWire, T: WireElement>(comm: &C, t: &Tensor) -> Result<Tensor> {
     let p = comm.size();
     let &[b, s, g, h, d] = t.shape() else {
         return Err(ParallelError::Shape {
@@ -129,44 +216,21 @@ fn exchange_as<C: TensorWire, T: WireElement>(
         });
     };
     // UlyssesShape speaks in the sequence-sharded layout: s_local = S/P and all H heads.
-    let (shape, out_shape) = match way {
-        UlyssesWay::SeqToHeads => (
-            UlyssesShape {
-                b,
-                s_local: s,
-                stack: g,
-                h,
-                d,
-            },
-            [b, s * p, g, h / p.max(1), d],
-        ),
-        UlyssesWay::HeadsToSeq => (
-            UlyssesShape {
-                b,
-                s_local: s / p.max(1),
-                stack: g,
-                h: h * p,
-                d,
-            },
-            [b, s / p.max(1), g, h * p, d],
-        ),
+    let shape = UlyssesShape {
+        b,
+        s_local: s / p,
+        stack: g,
+        h: h * p,
+        d,
     };
     let input = comm.stage::<T>(t)?;
     let mut output = comm.receive::<T>(t.numel(), t.device())?;
     let mut scratch = comm.alloc::<T>(t.numel())?;
-    match way {
-        UlyssesWay::SeqToHeads => comm.seq_to_heads(
-            input.borrow(),
-            output.borrow_mut(),
-            scratch.borrow_mut(),
-            shape,
-        )?,
-        UlyssesWay::HeadsToSeq => comm.heads_to_seq(
-            input.borrow(),
-            output.borrow_mut(),
-            scratch.borrow_mut(),
-            shape,
-        )?,
-    }
-    Ok(comm.tensor::<T>(&output, &out_shape, t.device())?)
+    comm.heads_to_seq(
+        input.borrow(),
+        output.borrow_mut(),
+        scratch.borrow_mut(),
+        shape,
+    )?;
+    Ok(comm.tensor::<T>(&output, &[b, s / p, g, h * p, d], t.device())?)
 }

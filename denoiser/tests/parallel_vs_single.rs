@@ -441,7 +441,8 @@ fn async_ulysses_is_the_same_computation() {
     );
 }
 
-/// An inner attention whose operand Q fails on one rank, after V's exchange was posted.
+/// An attention whose operand Q fails on one rank (after the exchanges of V, or of K and V,
+/// were posted).
 struct FailsAtQ<A> {
     inner: A,
     fail: bool,
@@ -469,41 +470,52 @@ impl<A: parallel::ChunkAttention> parallel::ChunkAttention for FailsAtQ<A> {
 }
 
 #[test]
-fn a_rank_failing_between_async_exchanges_fails_every_rank_without_hanging() {
+fn a_rank_failing_between_posted_exchanges_fails_every_rank_without_hanging() {
+    // Rank 1's Q fails after it posted V's all-to-all (async Ulysses 4) or the K/V gather over
+    // its column (Attention2D 2×1): every rank must fail, and none may hang on the posted transfer.
     let model = eight_heads(12);
     let inp = inputs(&model, 1, GRID_105, false);
-    let mesh = Mesh::new(1, 1, CpLayout::None, 4);
-    let (out, took) = run_raw(mesh, Duration::from_secs(30), |comms| {
-        let comms_async = comms.ulysses.as_ref().expect("a Ulysses group of 4");
-        parallel::forward_with(&model, comms, &inp.x, &inp.t, &inp.ctx, |tokens| {
-            let local = parallel::LocalChunk { tokens, fp8: false };
-            let uly = parallel::UlyssesAttention::new(comms_async, local).with_async(true);
-            Box::new(FailsAtQ {
-                inner: uly,
-                fail: comms.rank() == 1,
+    let ulysses = Mesh::new(1, 1, CpLayout::None, 4);
+    let attn2d = Mesh::new(1, 1, CpLayout::Attn2d { rows: 2, cols: 1 }, 1);
+    for mesh in [ulysses, attn2d] {
+        let (out, took) = run_raw(mesh, Duration::from_secs(30), |comms| {
+            parallel::forward_with(&model, comms, &inp.x, &inp.t, &inp.ctx, |tokens| {
+                let fail = comms.rank() == 1;
+                let inner: Box<dyn parallel::ChunkAttention + '_> = match &comms.ulysses {
+                    Some(uly) => {
+                        let local = parallel::LocalChunk { tokens, fp8: false };
+                        Box::new(parallel::UlyssesAttention::new(uly, local).with_async(true))
+                    }
+                    None => Box::new(parallel::Attention2d::new(
+                        comms.row.as_ref(),
+                        comms.col.as_ref(),
+                        tokens,
+                    )),
+                };
+                Box::new(FailsAtQ { inner, fail })
             })
-        })
-    });
-    assert!(took < Duration::from_secs(20), "took {took:?}");
-    for (r, res) in out.iter().enumerate() {
-        match res {
-            Ok(Err(e)) => eprintln!("rank {r}: {e}"),
-            other => panic!(
-                "rank {r} should have failed: {:?}",
-                other.as_ref().map(|r| r.is_ok())
-            ),
+        });
+        assert!(took < Duration::from_secs(20), "{mesh}: took {took:?}");
+        for (r, res) in out.iter().enumerate() {
+            match res {
+                Ok(Err(e)) => eprintln!("{mesh}: rank {r}: {e}"),
+                other => panic!(
+                    "{mesh}: rank {r} should have failed: {:?}",
+                    other.as_ref().map(|r| r.is_ok())
+                ),
+            }
         }
+        assert!(
+            matches!(
+                &out[1],
+                Ok(Err(ParallelError::Shape {
+                    what: "test operand",
+                    ..
+                }))
+            ),
+            "{mesh}: rank 1 must report its own failure"
+        );
     }
-    assert!(
-        matches!(
-            &out[1],
-            Ok(Err(ParallelError::Shape {
-                what: "test operand",
-                ..
-            }))
-        ),
-        "rank 1 must report its own failure"
-    );
 }
 
 /// Each rank's outcome in the failure tests.

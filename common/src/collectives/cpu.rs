@@ -733,6 +733,24 @@ impl Communicator for CpuComm {
         })
     }
 
+    fn all_gather_posted<'a, T: Element>(
+        &'a self,
+        send: &'a [T],
+        recv: &'a mut [T],
+    ) -> Result<CpuPending<'a>> {
+        let p = self.size_();
+        self.guarded("all_gather_posted", || {
+            check::len("all_gather_posted", "recv", send.len() * p, recv.len())?;
+            self.post((0..p).map(|j| (j, bytemuck::cast_slice::<T, u8>(send))))
+        })?;
+        Ok(CpuPending {
+            comm: self,
+            op: "all_gather_posted",
+            recv: Some(bytemuck::cast_slice_mut::<T, u8>(recv)),
+            sources: (0..p).collect(),
+        })
+    }
+
     fn all_to_all_posted<'a, T: Element>(
         &'a self,
         send: &'a [T],
@@ -781,7 +799,7 @@ impl Communicator for CpuComm {
 }
 
 /// A posted operation of the CPU backend ([`Communicator::send_recv`],
-/// [`Communicator::all_to_all_posted`]): the sends were deposited when posted; the receive, one
+/// [`Communicator::all_gather_posted`], [`Communicator::all_to_all_posted`]): the sends were deposited when posted; the receive, one
 /// equal chunk of `recv` from each of `sources` in order, happens in [`Pending::wait`] (or on
 /// drop).
 #[derive(Debug)]

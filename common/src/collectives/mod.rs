@@ -380,6 +380,13 @@ pub trait Communicator {
     /// send: `[n]` → recv: `[P·n]`, concatenated along the leading (outermost) axis in group-rank
     /// order: `recv[i·n .. (i+1)·n]` is rank i's `send`.
     fn all_gather<T: Element>(&self, send: &Self::Buf<T>, recv: &mut Self::Buf<T>) -> Result<()>;
+    /// [`Communicator::all_gather`], posted as [`Communicator::all_to_all_posted`] is (same
+    /// contract: the result is in `recv` once the handle is waited).
+    fn all_gather_posted<'a, T: Element>(
+        &'a self,
+        send: &'a Self::Buf<T>,
+        recv: &'a mut Self::Buf<T>,
+    ) -> Result<Self::Pending<'a>>;
     /// Uneven all-gather: send: `[counts[r]]` → recv: `[Σ counts]`, rank i's part at offset
     /// `Σ_{j<i} counts[j]`. Every rank passes the same `counts`.
     fn all_gather_v<T: Element>(

@@ -846,6 +846,17 @@ impl NcclComm {
         recv: &mut CudaSlice<T>,
         counts: &[usize],
     ) -> Result<()> {
+        self.queue_gather_v(send, recv, counts)?;
+        self.sync(op)
+    }
+
+    /// The grouped send/recv of [`Self::gather_v`], queued on the communicator's stream.
+    fn queue_gather_v<T: Element>(
+        &self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+        counts: &[usize],
+    ) -> Result<()> {
         let p = self.size();
         let off = prefix_offsets(counts);
         let (s, _gs) = send.device_ptr(&self.stream);
@@ -855,8 +866,7 @@ impl NcclComm {
         let recvs: Vec<_> = (0..p)
             .map(|i| (r + off[i] as u64 * el, counts[i], i))
             .collect();
-        self.grouped_p2p(dtype(T::DTYPE), &sends, &recvs)?;
-        self.sync(op)
+        self.grouped_p2p(dtype(T::DTYPE), &sends, &recvs)
     }
 
     /// The transfer of [`Communicator::all_to_all`], lengths checked here (`op` names it in
@@ -971,6 +981,25 @@ impl Communicator for NcclComm {
             let n = send.len();
             check::len("all_gather", "recv", n * self.size(), recv.len())?;
             self.gather_v("all_gather", send, recv, &vec![n; self.size()])
+        })
+    }
+
+    /// Queued as [`Communicator::all_gather`] is, not waited (see `all_to_all_posted`).
+    fn all_gather_posted<'a, T: Element>(
+        &'a self,
+        send: &'a CudaSlice<T>,
+        recv: &'a mut CudaSlice<T>,
+    ) -> Result<NcclPending<'a>> {
+        self.guarded("all_gather_posted", || {
+            let n = send.len();
+            check::len("all_gather_posted", "recv", n * self.size(), recv.len())?;
+            self.queue_gather_v(send, recv, &vec![n; self.size()])
+        })?;
+        Ok(NcclPending {
+            comm: self,
+            op: "all_gather_posted",
+            done: false,
+            _buffers: PhantomData,
         })
     }
 
@@ -1264,7 +1293,7 @@ impl Communicator for NcclComm {
 }
 
 /// A posted operation of the NCCL backend ([`Communicator::send_recv`],
-/// [`Communicator::all_to_all_posted`]), queued on the communicator's stream; its buffers stay
+/// [`Communicator::all_gather_posted`], [`Communicator::all_to_all_posted`]), queued on the communicator's stream; its buffers stay
 /// borrowed until it completes. Waiting is the stream's timed wait, so it also waits for
 /// everything queued on that stream before it.
 #[derive(Debug)]

@@ -1,7 +1,7 @@
 //! Tensors through a communicator: the one place that turns a kernels [`Tensor`] into a backend's
 //! buffers and back ([`TensorWire`], with its point-to-point [`TensorWire::transfer`]), and the
-//! tensor-level operations built on it ([`all_gather`], [`all_gather_v`], [`all_to_all`],
-//! [`send_recv`], [`send`], [`recv`]). The denoiser's parallel
+//! tensor-level operations built on it ([`all_gather`], [`all_gather_during`], [`all_gather_v`],
+//! [`all_to_all`], [`send_recv`], [`send`], [`recv`]). The denoiser's parallel
 //! attention and CFG loop, the parallel VAE's halos and gathers, and the NCCL latent link all move
 //! tensors through here. A tensor travels in its own dtype: bf16 halves the traffic and adds no
 //! rounding a bf16 model would not do anyway (the denoiser moves its LSE as f32 tensors).
@@ -591,6 +591,41 @@ fn all_gather_as<C: TensorWire, T: WireElement>(comm: &C, t: &Tensor) -> Result<
     let mut recv = comm.receive::<T>(t.numel() * comm.size(), t.device())?;
     comm.all_gather(send.borrow(), recv.borrow_mut())?;
     comm.tensor::<T>(&recv, &stacked(comm.size(), t.shape()), t.device())
+}
+
+/// [`all_gather`] with work under it: the gather of `t` is posted
+/// ([`Communicator::all_gather_posted`]), `meanwhile` runs while it travels (whatever it queues
+/// overlaps the transfer), and the gather is waited: (gathered `[P, ..]`, `meanwhile`'s value).
+/// Attention2D projects and gathers Q under the column's K/V gather this way.
+pub fn all_gather_during<C: TensorWire, R, E: From<WireError>>(
+    comm: &C,
+    t: &Tensor,
+    meanwhile: impl FnOnce() -> std::result::Result<R, E>,
+) -> std::result::Result<(Tensor, R), E> {
+    let out = match t.dtype() {
+        TensorDType::F32 => all_gather_during_as::<C, f32, R, E>(comm, t, meanwhile),
+        TensorDType::BF16 => all_gather_during_as::<C, bf16, R, E>(comm, t, meanwhile),
+    }?;
+    mark("all-gather");
+    Ok(out)
+}
+
+fn all_gather_during_as<C: TensorWire, T: WireElement, R, E: From<WireError>>(
+    comm: &C,
+    t: &Tensor,
+    meanwhile: impl FnOnce() -> std::result::Result<R, E>,
+) -> std::result::Result<(Tensor, R), E> {
+    let send = comm.stage::<T>(t)?;
+    let mut recv = comm.receive::<T>(t.numel() * comm.size(), t.device())?;
+    let posted = comm
+        .all_gather_posted(send.borrow(), recv.borrow_mut())
+        .map_err(WireError::from)?;
+    let done = meanwhile();
+    // Waited (or, if `meanwhile` failed, waited by the drop) before the buffers go.
+    posted.wait().map_err(WireError::from)?;
+    let value = done?;
+    let gathered = comm.tensor::<T>(&recv, &stacked(comm.size(), t.shape()), t.device())?;
+    Ok((gathered, value))
 }
 
 /// Uneven all-gather: `t` (this rank's `counts[rank]` elements, any shape) → `[Σ counts]` flat, rank

@@ -102,6 +102,8 @@ pub fn check_group<C: Communicator>(comm: &C, seed: u64) -> Res {
     all_to_all::<C, half::f16>(comm, seed, 1)?;
     all_to_all_posted::<C, f32>(comm, seed, 3)?;
     all_to_all_posted::<C, half::bf16>(comm, seed, 0)?;
+    all_gather_posted::<C, f32>(comm, seed, 5)?;
+    all_gather_posted::<C, half::bf16>(comm, seed, 0)?;
     all_to_all_v::<C, f32>(comm, seed)?;
     all_to_all_v::<C, u8>(comm, seed + 1)?;
     for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
@@ -239,6 +241,51 @@ fn all_to_all_posted<C: Communicator, T: TestElem>(comm: &C, seed: u64, n: usize
         )?;
     }
     Ok(())
+}
+
+/// A posted all-gather with a posted all-to-all behind it, both in flight, waited in order.
+fn all_gather_posted<C: Communicator, T: TestElem>(comm: &C, seed: u64, n: usize) -> Res {
+    let (p, r, ranks) = (comm.size(), comm.rank(), comm.ranks().to_vec());
+    let send = comm
+        .upload(&input::<T>(seed, 6, ranks[r], n))
+        .map_err(err("upload"))?;
+    let send_b = comm
+        .upload(&input::<T>(seed, 7, ranks[r], p * n))
+        .map_err(err("upload"))?;
+    let mut recv = comm.alloc::<T>(p * n).map_err(err("alloc"))?;
+    let mut recv_b = comm.alloc::<T>(p * n).map_err(err("alloc"))?;
+    let gather = comm
+        .all_gather_posted(send.borrow(), recv.borrow_mut())
+        .map_err(err("all_gather_posted"))?;
+    let behind = comm
+        .all_to_all_posted(send_b.borrow(), recv_b.borrow_mut())
+        .map_err(err("all_to_all_posted"))?;
+    gather.wait().map_err(err("wait"))?;
+    behind.wait().map_err(err("wait"))?;
+    let want: Vec<T> = ranks
+        .iter()
+        .flat_map(|&g| input::<T>(seed, 6, g, n))
+        .collect();
+    let got = comm.download(recv.borrow()).map_err(err("download"))?;
+    expect_eq(
+        &format!("all_gather_posted<{:?}>", T::DTYPE),
+        &ranks,
+        r,
+        &got,
+        &want,
+    )?;
+    let want_b: Vec<T> = ranks
+        .iter()
+        .flat_map(|&g| input::<T>(seed, 7, g, p * n)[r * n..(r + 1) * n].to_vec())
+        .collect();
+    let got_b = comm.download(recv_b.borrow()).map_err(err("download"))?;
+    expect_eq(
+        "all_to_all_posted behind a gather",
+        &ranks,
+        r,
+        &got_b,
+        &want_b,
+    )
 }
 
 /// Elements group rank i sends to group rank j (zero for some pairs).

@@ -10,7 +10,11 @@
 //!    the whole sequence,
 //! 5. merged with the LSE combine.
 //!
-//! Communication per rank is O(N/√P) against Ring's O(N), with no overlap (as in TensorRT-LLM).
+//! Communication per rank is O(N/√P) against Ring's O(N). Overlap: the model's projections run
+//! when asked ([`ChunkAttention::attend_chunk_staged`]), V and K first, so the K/V gather over the
+//! column group is posted before Q exists and travels while Q is projected and gathered over the
+//! row group (on NCCL both gathers share the communicators' stream, so they overlap Q's
+//! projection, not each other). The values are those of the unstaged order.
 //!
 //! Padding: the gathered key chunks are strided (`r·C + col`), so their real keys are not one
 //! prefix; the real prefix of each chunk is packed to the front before the attention (keys carry
@@ -20,8 +24,9 @@
 use ditstream_common::collectives::wire::{self, TensorWire};
 use ditstream_kernels::{AttentionOptions, DType, Tensor, lse_combine};
 
-use super::attention::{ChunkAttention, local_attention};
+use super::attention::{ChunkAttention, StagedOperand, local_attention};
 use super::{ParallelError, Result, valid_in_chunk};
+use crate::model::Operand;
 
 /// Attention2D over `row` (fixed row; group rank = col) and `col` (fixed col; group rank = row).
 /// A group of one rank is `None`.
@@ -56,6 +61,14 @@ impl<'c, C: TensorWire> Attention2d<'c, C> {
     }
 }
 
+fn shape_error(t: &Tensor) -> ParallelError {
+    ParallelError::Shape {
+        what: "attention2d input",
+        shape: t.shape().to_vec(),
+        rule: "q, k and v must be [B, S, H, D] of one shape",
+    }
+}
+
 /// t [G, B, S, ..] (G gathered pieces of consecutive sequence chunks) → [B, G·S, ..].
 fn join_gathered(t: &Tensor) -> Result<Tensor> {
     let s = t.shape();
@@ -71,29 +84,49 @@ fn join_gathered(t: &Tensor) -> Result<Tensor> {
 
 impl<C: TensorWire> ChunkAttention for Attention2d<'_, C> {
     fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        let &[b, s, h, d] = q.shape() else {
-            return Err(ParallelError::Shape {
-                what: "attention2d q",
-                shape: q.shape().to_vec(),
-                rule: "must be [B, S, H, D]",
-            });
+        self.attend_chunk_staged(&mut |which| {
+            Ok(match which {
+                Operand::Q => q.clone(),
+                Operand::K => k.clone(),
+                Operand::V => v.clone(),
+            })
+        })
+    }
+
+    /// V and K first: their gather over the column group is posted, and Q is projected and
+    /// gathered over the row group while it travels.
+    fn attend_chunk_staged(&self, operand: &mut StagedOperand<'_>) -> Result<Tensor> {
+        let v = operand(Operand::V)?;
+        let k = operand(Operand::K)?;
+        let &[b, s, h, d] = k.shape() else {
+            return Err(shape_error(&k));
         };
+        if v.shape() != k.shape() {
+            return Err(shape_error(&v));
+        }
         let (rows, cols, _, col) = self.grid();
 
         // 1. The row's queries, [B, C·S, H, D].
-        let q_row = match self.row {
-            Some(row) => join_gathered(&wire::all_gather(row, q)?)?,
-            None => q.clone(),
+        let mut row_queries = || -> Result<Tensor> {
+            let q = operand(Operand::Q)?;
+            if q.shape() != k.shape() {
+                return Err(shape_error(&q));
+            }
+            match self.row {
+                Some(row) => join_gathered(&wire::all_gather(row, &q)?),
+                None => Ok(q),
+            }
         };
 
-        // 2. The column's keys and values, real prefixes first: [B, Σ valid, H, D].
+        // 2. The column's keys and values (gathered under step 1), real prefixes first:
+        // [B, Σ valid, H, D].
         let kv = Tensor::concat(
             &[&k.reshape(&[1, b, s, h, d])?, &v.reshape(&[1, b, s, h, d])?],
             0,
         )?;
-        let kv_col = match self.col {
-            Some(c) => wire::all_gather(c, &kv)?,
-            None => kv.reshape(&[1, 2, b, s, h, d])?,
+        let (kv_col, q_row) = match self.col {
+            Some(c) => wire::all_gather_during(c, &kv, row_queries)?,
+            None => (kv.reshape(&[1, 2, b, s, h, d])?, row_queries()?),
         };
         let mut keys = Vec::new();
         let mut values = Vec::new();
@@ -110,8 +143,13 @@ impl<C: TensorWire> ChunkAttention for Attention2d<'_, C> {
         // 3. One pass: the row's queries over the column's keys.
         let (out, lse) = if keys.is_empty() {
             (
-                Tensor::zeros(q_row.shape(), q.dtype(), q.device())?,
-                Tensor::full(&[b, h, cols * s], f32::NEG_INFINITY, DType::F32, q.device())?,
+                Tensor::zeros(q_row.shape(), q_row.dtype(), q_row.device())?,
+                Tensor::full(
+                    &[b, h, cols * s],
+                    f32::NEG_INFINITY,
+                    DType::F32,
+                    q_row.device(),
+                )?,
             )
         } else {
             let keys = Tensor::concat(&keys.iter().collect::<Vec<_>>(), 1)?;

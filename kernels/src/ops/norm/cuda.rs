@@ -43,11 +43,6 @@ fn ptr_or_null(op: &'static str, t: Option<&Tensor>) -> Result<u64> {
     })
 }
 
-/// `<x>_<param>`: a kernel's type suffixes.
-fn types(x: DType, param: DType) -> String {
-    format!("{}_{}", suffix(x), suffix(param))
-}
-
 /// A block per row (grid-stride beyond 2²⁰ rows) of `threads`.
 fn row_grid(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
@@ -57,48 +52,19 @@ fn row_grid(rows: usize, threads: u32) -> LaunchConfig {
     }
 }
 
-/// Which row-wise kernel runs, and with how many threads per block.
-struct RowKernel {
-    /// norm.cu's register-held `_rows` kernel with this many 16-byte words per thread (1, 2 or 4),
-    /// or None for the element-wise kernel.
-    words: Option<usize>,
-    threads: u32,
-}
-
-impl RowKernel {
-    /// The kernel of `base` for the types `types` (`bf16_f32`, …): `<base>_rows_<types>_w<W>`, or
-    /// the element-wise `<base>_<types>`.
-    fn name(&self, base: &str, types: &str) -> String {
-        match self.words {
-            Some(w) => format!("{base}_rows_{types}_w{w}"),
-            None => format!("{base}_{types}"),
-        }
-    }
-}
-
-/// The row-wise kernel for rows of `d` elements of `dtype` in the buffers at `ptrs` (the rows and
-/// the per-element parameters; a null pointer, an absent one, passes): norm.cu's register-held
-/// `_rows` kernel where it applies (d whole 16-byte words, every buffer 16-byte aligned, the row in
-/// at most 4 words per thread of a 1,024-thread block), with the fewest words per thread that fit,
-/// so short rows spread over more threads (norm.cu says why); else the element-wise kernel with
-/// ROW_BLOCK threads.
-fn row_kernel(dtype: DType, d: usize, ptrs: &[u64]) -> RowKernel {
+/// The row-wise kernel `base` for rows of `d` elements of `dtype` in the buffers at `ptrs` (the rows
+/// and the per-element parameters; a null pointer, an absent one, passes), and its threads per
+/// block: norm.cu's register-held `<base>_rows` where it applies (d whole 16-byte words, every
+/// buffer 16-byte aligned, at most ROW_WORDS words per thread of a 1,024-thread block), else
+/// the element-wise `<base>` with ROW_BLOCK threads.
+fn row_kernel(base: &str, dtype: DType, d: usize, ptrs: &[u64]) -> (String, u32) {
+    const ROW_WORDS: usize = 4; // norm.cu
     let per_word = 16 / dtype.size_in_bytes();
-    let words = d / per_word;
-    let fits = d > 0 && d.is_multiple_of(per_word) && ptrs.iter().all(|p| p % 16 == 0);
-    let held = [1, 2, 4]
-        .into_iter()
-        .map(|w| (w, words.div_ceil(w).next_multiple_of(32)))
-        .find(|&(_, threads)| threads <= 1024);
-    match held {
-        Some((w, threads)) if fits => RowKernel {
-            words: Some(w),
-            threads: threads as u32,
-        },
-        _ => RowKernel {
-            words: None,
-            threads: ROW_BLOCK,
-        },
+    let threads = (d / per_word).div_ceil(ROW_WORDS).next_multiple_of(32);
+    if d > 0 && d.is_multiple_of(per_word) && threads <= 1024 && ptrs.iter().all(|p| p % 16 == 0) {
+        (format!("{base}_rows"), threads as u32)
+    } else {
+        (base.to_string(), ROW_BLOCK)
     }
 }
 
@@ -123,8 +89,8 @@ pub(super) fn layer_norm(
             ptr_or_null(op, params[1].as_ref())?,
             out.ptr(),
         );
-        let kernel = row_kernel(x.dtype(), d, &[xp, outp, wp, bp]);
-        let name = kernel.name("layer_norm", &types(x.dtype(), wdtype));
+        let (kernel, threads) = row_kernel("layer_norm", x.dtype(), d, &[xp, outp, wp, bp]);
+        let name = format!("{kernel}_{}_{}", suffix(x.dtype()), suffix(wdtype));
         let f = backend.function(&SOURCE, &name)?;
         let (rows_i, d_i) = (rows as i64, int(op, "d", d)?);
         let (has_w, has_b) = (i32::from(weight.is_some()), i32::from(bias.is_some()));
@@ -138,7 +104,7 @@ pub(super) fn layer_norm(
             .arg(&has_b);
         // SAFETY: x/out hold rows·d elements; weight/bias hold d (checked by the caller) or are unused;
         // the _rows variant's conditions were checked by row_kernel.
-        unsafe { launch.launch(row_grid(rows, kernel.threads)) }
+        unsafe { launch.launch(row_grid(rows, threads)) }
             .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok(Tensor::from_cuda(out, x.shape()))
@@ -170,8 +136,9 @@ pub(super) fn layer_norm_modulate(
         );
         // The rows kernel stores a word of x's elements in out's dtype: 16 or 8 bytes, or element by
         // element for f32 out of bf16 x; out is aligned as x is (a fresh allocation).
-        let kernel = row_kernel(x.dtype(), d, &[xp, outp, shp, scp]);
-        let name = kernel.name("layer_norm_modulate", &types(x.dtype(), out_dtype));
+        let (kernel, threads) =
+            row_kernel("layer_norm_modulate", x.dtype(), d, &[xp, outp, shp, scp]);
+        let name = format!("{kernel}_{}_{}", suffix(x.dtype()), suffix(out_dtype));
         let f = backend.function(&SOURCE, &name)?;
         let (rows_i, d_i, per_i) = (rows as i64, int(op, "d", d)?, rows_per_mod as i64);
         let mut launch = backend.stream.launch_builder(&f);
@@ -179,7 +146,7 @@ pub(super) fn layer_norm_modulate(
         launch.arg(&rows_i).arg(&d_i).arg(&per_i).arg(&eps);
         // SAFETY: x/out hold rows·d elements; shift/scale hold (rows / rows_per_mod)·d f32 (the caller
         // checked their shape against x's); the _rows variant's conditions were checked by row_kernel.
-        unsafe { launch.launch(row_grid(rows, kernel.threads)) }
+        unsafe { launch.launch(row_grid(rows, threads)) }
             .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok(Tensor::from_cuda(out, x.shape()))
@@ -187,17 +154,17 @@ pub(super) fn layer_norm_modulate(
 
 /// Which fused e4m3 map, with its own kernel arguments.
 enum E4m3Norm {
-    /// `quantize_rows_e4m3_rows_bf16_w<W>`: none (and no per-element params).
+    /// `quantize_rows_e4m3_rows_bf16`: none (and no per-element params).
     Identity,
-    /// `layer_norm_rows_e4m3_bf16_<param type>_w<W>`: (eps, has_w, has_b).
+    /// `layer_norm_rows_e4m3_bf16_<W>`: (eps, has_w, has_b).
     LayerNorm(f32, i32, i32),
-    /// `layer_norm_modulate_rows_e4m3_bf16_w<W>`: (rows_per_mod, eps).
+    /// `layer_norm_modulate_rows_e4m3_bf16`: (rows_per_mod, eps).
     Modulate(i64, f32),
 }
 
-/// Runs norm.cu's fused e4m3 kernel `name` (`name_w<W>`) on x's rows of `d` where it applies, or
-/// returns None: bf16 rows on a GPU with FP8 that `row_kernel` holds in registers (with its words
-/// per thread and threads, hence the unfused kernel's reduction order). The kernel's arguments are x, the per-element `params`
+/// Runs norm.cu's fused e4m3 kernel `name` on x's rows of `d` where it applies, or returns None:
+/// bf16 rows on a GPU with FP8 that `row_kernel` holds in registers (with its threads, hence the
+/// unfused kernel's reduction order). The kernel's arguments are x, the per-element `params`
 /// (device pointers, 0 for an absent one; none for the identity), the codes, the scales, rows and
 /// d, then `norm`'s.
 fn norm_e4m3(
@@ -216,18 +183,15 @@ fn norm_e4m3(
     let xp = sx.ptr();
     let mut ptrs = vec![xp];
     ptrs.extend(params);
-    let kernel = row_kernel(x.dtype(), d, &ptrs);
-    let Some(words) = kernel.words else {
-        return Ok(None);
-    };
-    if rows == 0 || x.dtype() != DType::BF16 || backend.capability < (8, 9) {
+    let (kernel, threads) = row_kernel("", x.dtype(), d, &ptrs);
+    if rows == 0 || x.dtype() != DType::BF16 || kernel != "_rows" || backend.capability < (8, 9) {
         return Ok(None);
     }
     let codes = Codes::alloc(&backend, op, rows * d)?;
     let scales = backend.alloc(DType::F32, rows)?;
     let (qp, sp) = (codes.ptr(), scales.ptr());
     let (rows_i, d_i) = (rows as i64, int(op, "d", d)?);
-    let f = backend.function(&SOURCE, &format!("{name}_w{words}"))?;
+    let f = backend.function(&SOURCE, name)?;
     let mut launch = backend.stream.launch_builder(&f);
     launch.arg(&xp);
     for p in params {
@@ -242,7 +206,7 @@ fn norm_e4m3(
     // SAFETY: x holds rows·d bf16, codes rows·d bytes (8-byte words: d is a multiple of 8), scales
     // rows f32; the params hold what the caller's kernel reads (checked by the caller); the rows
     // kernel's conditions and the GPU's FP8 support were checked above.
-    unsafe { launch.launch(row_grid(rows, kernel.threads)) }
+    unsafe { launch.launch(row_grid(rows, threads)) }
         .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     Ok(Some(Fp8Tensor::from_cuda(
         x.shape(),
@@ -322,8 +286,8 @@ pub(super) fn rms_norm(
     let rows = x.numel().checked_div(d).unwrap_or(0);
     if rows > 0 {
         let (xp, wp, outp) = (sx.ptr(), weight.cuda_storage(op)?.ptr(), out.ptr());
-        let kernel = row_kernel(x.dtype(), d, &[xp, outp, wp]);
-        let name = kernel.name("rms_norm", &types(x.dtype(), weight.dtype()));
+        let (kernel, threads) = row_kernel("rms_norm", x.dtype(), d, &[xp, outp, wp]);
+        let name = format!("{kernel}_{}_{}", suffix(x.dtype()), suffix(weight.dtype()));
         let f = backend.function(&SOURCE, &name)?;
         let (rows_i, d_i) = (rows as i64, int(op, "d", d)?);
         let mut launch = backend.stream.launch_builder(&f);
@@ -336,7 +300,7 @@ pub(super) fn rms_norm(
             .arg(&eps);
         // SAFETY: x/out hold rows·d elements, weight d (checked by the caller); the _rows variant's
         // conditions were checked by row_kernel.
-        unsafe { launch.launch(row_grid(rows, kernel.threads)) }
+        unsafe { launch.launch(row_grid(rows, threads)) }
             .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok(Tensor::from_cuda(out, x.shape()))
@@ -367,13 +331,13 @@ pub(super) fn rms_norm_rope(
         sin.cuda_storage(op)?.ptr(),
         out.ptr(),
     );
-    let kernel = row_kernel(x.dtype(), d, &[xp, outp, wp, cp, sp]);
-    if kernel.words.is_none() {
+    let (kernel, threads) = row_kernel("rms_norm_rope", x.dtype(), d, &[xp, outp, wp, cp, sp]);
+    if kernel == "rms_norm_rope" {
         let normed = rms_norm(op, x, weight, d, eps)?.reshape(out_shape)?;
         return crate::apply_rope(&normed, &cos, &sin);
     }
     if rows > 0 {
-        let name = kernel.name("rms_norm_rope", &types(x.dtype(), weight.dtype()));
+        let name = format!("{kernel}_{}_{}", suffix(x.dtype()), suffix(weight.dtype()));
         let f = backend.function(&SOURCE, &name)?;
         let (rows_i, seq_i, d_i, hd_i) = (
             rows as i64,
@@ -391,7 +355,7 @@ pub(super) fn rms_norm_rope(
             .arg(&eps);
         // SAFETY: x/out hold rows·d elements, weight d, the tables seq·head_dim/2 f32 (checked by the
         // caller, with head_dim even and dividing d); row_kernel checked the _rows conditions.
-        unsafe { launch.launch(row_grid(rows, kernel.threads)) }
+        unsafe { launch.launch(row_grid(rows, threads)) }
             .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
     }
     Ok(Tensor::from_cuda(out, out_shape))

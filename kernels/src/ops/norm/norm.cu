@@ -83,30 +83,28 @@ __device__ void rms_norm(const T* x, const W* w, T* out, i64 rows, int d, float 
     }
 }
 
-// Rows held in registers (the DiT's rows of D = 1,536 … 13,824): a block per row, each thread loads
-// W 16-byte words of the row (V = 16 / sizeof(T) elements each, words strided by the block, so a
-// warp's loads are contiguous) once, and the reductions and the output come from those registers:
-// the row is read from memory once and written once, in 16-byte accesses, where the kernels above
-// read it two or three times element by element. The maths and its order per element are theirs.
-// W (1, 2 or 4: the kernels' `_w1`, `_w2`, `_w4`) is the fewest words per thread for which the row
-// fits a block of ≤ 1,024 threads (the host picks it): a short row then spreads over more threads,
-// each holding fewer registers, so more rows are in flight per SM (at D = 1,536, 192 threads of one
-// word instead of 64 of three). Needs d a multiple of V, 16-byte aligned rows (x and out) and
-// d / V ≤ W · blockDim (the host checks, and otherwise runs the kernels above).
-template <typename T, int W = 1>
+// Rows held in registers (the DiT's rows of D = 1,536 … 5,120): a block per row, each thread loads
+// up to ROW_WORDS 16-byte words of the row (V = 16 / sizeof(T) elements each, words strided by the
+// block, so a warp's loads are contiguous) once, and the reductions and the output come from those
+// registers: the row is read from memory once and written once, in 16-byte accesses, where the kernels
+// above read it two or three times element by element. The maths and its order per element are
+// theirs. Needs d a multiple of V, 16-byte aligned rows (x and out) and d / V ≤ ROW_WORDS · blockDim
+// (the host checks, and otherwise runs the kernels above).
+constexpr int ROW_WORDS = 4;
+
+template <typename T>
 struct Row {
     static constexpr int V = 16 / sizeof(T);
-    static constexpr int WORDS = W;
-    float v[W][V];
+    float v[ROW_WORDS][V];
 };
 
 // Word j of this thread: index threadIdx.x + j·blockDim.x of the row's words, if < words.
 __device__ __forceinline__ int row_word(int j) { return threadIdx.x + j * blockDim.x; }
 
-template <typename T, int W>
-__device__ __forceinline__ void load_row(const T* xr, int words, Row<T, W>& r) {
+template <typename T>
+__device__ __forceinline__ void load_row(const T* xr, int words, Row<T>& r) {
 #pragma unroll
-    for (int j = 0; j < W; ++j) {
+    for (int j = 0; j < ROW_WORDS; ++j) {
         const int w = row_word(j);
         uint4 word = make_uint4(0, 0, 0, 0);
         if (w < words) word = reinterpret_cast<const uint4*>(xr)[w];
@@ -117,11 +115,11 @@ __device__ __forceinline__ void load_row(const T* xr, int words, Row<T, W>& r) {
 }
 
 // Sum over the row of v (one pass over the registers), to every thread of the block.
-template <typename T, int W>
-__device__ __forceinline__ float row_sum(const Row<T, W>& r, int words, float centre, bool square) {
+template <typename T>
+__device__ __forceinline__ float row_sum(const Row<T>& r, int words, float centre, bool square) {
     float s = 0.0f;
 #pragma unroll
-    for (int j = 0; j < W; ++j) {
+    for (int j = 0; j < ROW_WORDS; ++j) {
         if (row_word(j) >= words) continue;
 #pragma unroll
         for (int k = 0; k < Row<T>::V; ++k) {
@@ -133,8 +131,8 @@ __device__ __forceinline__ float row_sum(const Row<T, W>& r, int words, float ce
 }
 
 // LayerNorm statistics of a held row: (mean, 1 / sqrt(var + eps)), two passes as layer_norm above.
-template <typename T, int W>
-__device__ __forceinline__ float2 row_mean_inv_std(const Row<T, W>& r, int words, int d, float eps) {
+template <typename T>
+__device__ __forceinline__ float2 row_mean_inv_std(const Row<T>& r, int words, int d, float eps) {
     const float mean = row_sum(r, words, 0.0f, false) / d;
     const float var = row_sum(r, words, mean, true) / d;
     return make_float2(mean, 1.0f / sqrtf(var + eps));
@@ -143,16 +141,16 @@ __device__ __forceinline__ float2 row_mean_inv_std(const Row<T, W>& r, int words
 // The walk every rows kernel shares: each row of this block is held (load_row), `prepare(row, r,
 // words)` computes the row's statistics and returns the per-word map, and each word the thread holds
 // is written as `map(i, v, y)`: the word's V values v, starting at element i of the row → V outputs y.
-template <int W, typename T, typename O, typename Prepare>
+template <typename T, typename O, typename Prepare>
 __device__ __forceinline__ void map_rows(const T* x, O* out, i64 rows, int d, Prepare prepare) {
     constexpr int V = Row<T>::V;
     const int words = d / V;
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        Row<T, W> r;
+        Row<T> r;
         load_row(x + row * d, words, r);
         const auto map = prepare(row, r, words);
 #pragma unroll
-        for (int j = 0; j < W; ++j) {
+        for (int j = 0; j < ROW_WORDS; ++j) {
             const int wd = row_word(j);
             if (wd >= words) continue;
             float y[V];
@@ -165,9 +163,9 @@ __device__ __forceinline__ void map_rows(const T* x, O* out, i64 rows, int d, Pr
 // The per-row maps of the LayerNorms below, shared by their bf16/f32 stores (map_rows) and their
 // e4m3 ones (map_rows_e4m3), so that both do the same maths in the same order.
 // LayerNorm with optional affine (parameters of type W).
-template <typename T, typename W, int WPT>
+template <typename T, typename W>
 __device__ __forceinline__ auto layer_norm_map(const W* w, const W* b, int d, float eps, int has_w, int has_b) {
-    return [=](i64, const Row<T, WPT>& r, int words) {
+    return [=](i64, const Row<T>& r, int words) {
         const float2 s = row_mean_inv_std(r, words, d, eps);
         return [=](int i, const float* v, float* y) {
             constexpr int V = Row<T>::V;
@@ -185,10 +183,10 @@ __device__ __forceinline__ auto layer_norm_map(const W* w, const W* b, int d, fl
 }
 
 // LayerNorm without affine, then · (1 + scale) + shift with row r's modulation row r / rows_per_mod.
-template <typename T, int WPT>
+template <typename T>
 __device__ __forceinline__ auto layer_norm_modulate_map(const float* shift, const float* scale, int d,
                                                         i64 rows_per_mod, float eps) {
-    return [=](i64 row, const Row<T, WPT>& r, int words) {
+    return [=](i64 row, const Row<T>& r, int words) {
         const float2 s = row_mean_inv_std(r, words, d, eps);
         const float* sh = shift + (row / rows_per_mod) * d;
         const float* sc = scale + (row / rows_per_mod) * d;
@@ -203,21 +201,21 @@ __device__ __forceinline__ auto layer_norm_modulate_map(const float* shift, cons
     };
 }
 
-template <int WPT, typename T, typename W>
+template <typename T, typename W>
 __device__ void layer_norm_rows(const T* x, const W* w, const W* b, T* out, i64 rows, int d, float eps,
                                 int has_w, int has_b) {
-    map_rows<WPT>(x, out, rows, d, layer_norm_map<T, W, WPT>(w, b, d, eps, has_w, has_b));
+    map_rows(x, out, rows, d, layer_norm_map<T, W>(w, b, d, eps, has_w, has_b));
 }
 
-template <int WPT, typename T, typename O>
+template <typename T, typename O>
 __device__ void layer_norm_modulate_rows(const T* x, const float* shift, const float* scale, O* out,
                                          i64 rows, int d, i64 rows_per_mod, float eps) {
-    map_rows<WPT>(x, out, rows, d, layer_norm_modulate_map<T, WPT>(shift, scale, d, rows_per_mod, eps));
+    map_rows(x, out, rows, d, layer_norm_modulate_map<T>(shift, scale, d, rows_per_mod, eps));
 }
 
-template <int WPT, typename T, typename W>
+template <typename T, typename W>
 __device__ void rms_norm_rows(const T* x, const W* w, T* out, i64 rows, int d, float eps) {
-    map_rows<WPT>(x, out, rows, d, [=](i64, const Row<T, WPT>& r, int words) {
+    map_rows(x, out, rows, d, [=](i64, const Row<T>& r, int words) {
         const float inv_rms = 1.0f / sqrtf(row_sum(r, words, 0.0f, true) / d + eps);
         return [=](int i, const float* v, float* y) {
             constexpr int V = Row<T>::V;
@@ -233,11 +231,11 @@ __device__ void rms_norm_rows(const T* x, const W* w, T* out, i64 rows, int d, f
 // T (as rms_norm stores it), then RoPE on interleaved pairs as rope.cu's apply_rope, with row r at
 // sequence position r % seq of the f32 cos/sin tables [seq, head_dim / 2]. A word never splits a
 // pair (V is even); head_dim must be even.
-template <int WPT, typename T, typename W>
+template <typename T, typename W>
 __device__ void rms_norm_rope_rows(const T* x, const W* w, const float* cos_t, const float* sin_t, T* out,
                                    i64 rows, i64 seq, int d, int head_dim, float eps) {
     const int pairs = head_dim / 2;
-    map_rows<WPT>(x, out, rows, d, [=](i64 row, const Row<T, WPT>& r, int words) {
+    map_rows(x, out, rows, d, [=](i64 row, const Row<T>& r, int words) {
         const float inv_rms = 1.0f / sqrtf(row_sum(r, words, 0.0f, true) / d + eps);
         const float* cs = cos_t + (row % seq) * pairs;
         const float* sn = sin_t + (row % seq) * pairs;
@@ -281,18 +279,18 @@ __device__ void rms_norm_rope_rows(const T* x, const W* w, const float* cos_t, c
 // then quantised per row as quant.cu's quantize_rows_v8 quantises the stored row: s = e4m3_scale of
 // the row's largest magnitude, codes e4m3(y / s), one 8-byte store per word. Codes and scales are
 // the unfused pair's bit for bit, without the bf16 row's write and read back. bf16 rows only (V = 8).
-template <int W, typename Prepare>
+template <typename Prepare>
 __device__ __forceinline__ void map_rows_e4m3(const bf16* x, unsigned char* q, float* scales, i64 rows,
                                               int d, Prepare prepare) {
     constexpr int V = Row<bf16>::V;
     const int words = d / V;
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        Row<bf16, W> r;
+        Row<bf16> r;
         load_row(x + row * d, words, r);
         const auto map = prepare(row, r, words);
         float m = 0.0f;
 #pragma unroll
-        for (int j = 0; j < W; ++j) {
+        for (int j = 0; j < ROW_WORDS; ++j) {
             const int wd = row_word(j);
             if (wd >= words) continue;
             float y[V];
@@ -305,7 +303,7 @@ __device__ __forceinline__ void map_rows_e4m3(const bf16* x, unsigned char* q, f
         }
         const float s = e4m3_scale(block_max(m));
 #pragma unroll
-        for (int j = 0; j < W; ++j) {
+        for (int j = 0; j < ROW_WORDS; ++j) {
             const int wd = row_word(j);
             if (wd >= words) continue;
             const float* v = r.v[j];
@@ -319,52 +317,46 @@ __device__ __forceinline__ void map_rows_e4m3(const bf16* x, unsigned char* q, f
 }
 
 // layer_norm_rows and layer_norm_modulate_rows, quantised.
-template <int WPT, typename W>
+template <typename W>
 __device__ void layer_norm_rows_e4m3(const bf16* x, const W* w, const W* b, unsigned char* q, float* scales,
                                      i64 rows, int d, float eps, int has_w, int has_b) {
-    map_rows_e4m3<WPT>(x, q, scales, rows, d, layer_norm_map<bf16, W, WPT>(w, b, d, eps, has_w, has_b));
+    map_rows_e4m3(x, q, scales, rows, d, layer_norm_map<bf16, W>(w, b, d, eps, has_w, has_b));
 }
 
-template <int WPT>
 __device__ void layer_norm_modulate_rows_e4m3(const bf16* x, const float* shift, const float* scale,
                                               unsigned char* q, float* scales, i64 rows, int d,
                                               i64 rows_per_mod, float eps) {
-    map_rows_e4m3<WPT>(x, q, scales, rows, d,
-                       layer_norm_modulate_map<bf16, WPT>(shift, scale, d, rows_per_mod, eps));
+    map_rows_e4m3(x, q, scales, rows, d, layer_norm_modulate_map<bf16>(shift, scale, d, rows_per_mod, eps));
+}
+
+#define NORMS_E4M3(WN, W) \
+    extern "C" __global__ void layer_norm_rows_e4m3_bf16_##WN(const bf16* x, const W* w, const W* b, unsigned char* q, \
+                                                         float* scales, i64 rows, int d, float eps, int has_w, \
+                                                         int has_b) { \
+        layer_norm_rows_e4m3(x, w, b, q, scales, rows, d, eps, has_w, has_b); \
+    }
+NORMS_E4M3(f32, float)
+NORMS_E4M3(bf16, bf16)
+
+extern "C" __global__ void layer_norm_modulate_rows_e4m3_bf16(const bf16* x, const float* shift,
+                                                              const float* scale, unsigned char* q,
+                                                              float* scales, i64 rows, int d, i64 rows_per_mod,
+                                                              float eps) {
+    layer_norm_modulate_rows_e4m3(x, shift, scale, q, scales, rows, d, rows_per_mod, eps);
 }
 
 // The walk with no map: quant.cu's quantize_rows_v8 on bf16 rows (the same codes and scales: a bf16
 // value rounds to itself), reading each row once instead of twice. `Fp8Tensor::quantize` runs it
 // wherever the rows fit the registers (the inputs of the FP8 output projections and FFN-down).
-template <int WPT>
-__device__ void quantize_rows_e4m3_rows(const bf16* x, unsigned char* q, float* scales, i64 rows, int d) {
-    map_rows_e4m3<WPT>(x, q, scales, rows, d, [](i64, const Row<bf16, WPT>&, int) {
+extern "C" __global__ void quantize_rows_e4m3_rows_bf16(const bf16* x, unsigned char* q, float* scales,
+                                                        i64 rows, int d) {
+    map_rows_e4m3(x, q, scales, rows, d, [](i64, const Row<bf16>&, int) {
         return [](int, const float* v, float* y) {
 #pragma unroll
             for (int k = 0; k < Row<bf16>::V; ++k) y[k] = v[k];
         };
     });
 }
-
-#define NORMS_E4M3(WN, W, WPT) \
-    extern "C" __global__ void layer_norm_rows_e4m3_bf16_##WN##_w##WPT(const bf16* x, const W* w, const W* b, \
-            unsigned char* q, float* scales, i64 rows, int d, float eps, int has_w, int has_b) { \
-        layer_norm_rows_e4m3<WPT>(x, w, b, q, scales, rows, d, eps, has_w, has_b); \
-    }
-#define E4M3_ROWS(WPT) \
-    NORMS_E4M3(f32, float, WPT) \
-    NORMS_E4M3(bf16, bf16, WPT) \
-    extern "C" __global__ void layer_norm_modulate_rows_e4m3_bf16_w##WPT(const bf16* x, const float* shift, \
-            const float* scale, unsigned char* q, float* scales, i64 rows, int d, i64 rows_per_mod, float eps) { \
-        layer_norm_modulate_rows_e4m3<WPT>(x, shift, scale, q, scales, rows, d, rows_per_mod, eps); \
-    } \
-    extern "C" __global__ void quantize_rows_e4m3_rows_bf16_w##WPT(const bf16* x, unsigned char* q, \
-            float* scales, i64 rows, int d) { \
-        quantize_rows_e4m3_rows<WPT>(x, q, scales, rows, d); \
-    }
-E4M3_ROWS(1)
-E4M3_ROWS(2)
-E4M3_ROWS(4)
 #endif
 
 // x [batch, channels, positions]: y = x / max(||x[b, :, p]||, 1e-12) * sqrt(C) * gamma[c] + bias[c].
@@ -468,40 +460,31 @@ __device__ void rms_norm_channels(const T* x, const W* gamma, const W* bias, T* 
                                                     float eps) { \
         rms_norm(x, w, out, rows, d, eps); \
     } \
-    NORM_ROWS(TN, T, WN, W, 1) \
-    NORM_ROWS(TN, T, WN, W, 2) \
-    NORM_ROWS(TN, T, WN, W, 4) \
+    extern "C" __global__ void layer_norm_rows_##TN##_##WN(const T* x, const W* w, const W* b, T* out, \
+                                                           i64 rows, int d, float eps, int has_w, int has_b) { \
+        layer_norm_rows(x, w, b, out, rows, d, eps, has_w, has_b); \
+    } \
+    extern "C" __global__ void rms_norm_rows_##TN##_##WN(const T* x, const W* w, T* out, i64 rows, int d, \
+                                                         float eps) { \
+        rms_norm_rows(x, w, out, rows, d, eps); \
+    } \
+    extern "C" __global__ void rms_norm_rope_rows_##TN##_##WN(const T* x, const W* w, const float* cos_t, \
+            const float* sin_t, T* out, i64 rows, i64 seq, int d, int head_dim, float eps) { \
+        rms_norm_rope_rows(x, w, cos_t, sin_t, out, rows, seq, d, head_dim, eps); \
+    } \
     RMS_CHANNELS(rms_norm_channels_##TN##_##WN, false, T, W) \
     RMS_CHANNELS(rms_norm_channels_silu_##TN##_##WN, true, T, W)
-
-// The register-held row kernels of one type pair, W words per thread.
-#define NORM_ROWS(TN, T, WN, W, WPT) \
-    extern "C" __global__ void layer_norm_rows_##TN##_##WN##_w##WPT(const T* x, const W* w, const W* b, \
-            T* out, i64 rows, int d, float eps, int has_w, int has_b) { \
-        layer_norm_rows<WPT>(x, w, b, out, rows, d, eps, has_w, has_b); \
-    } \
-    extern "C" __global__ void rms_norm_rows_##TN##_##WN##_w##WPT(const T* x, const W* w, T* out, i64 rows, \
-            int d, float eps) { \
-        rms_norm_rows<WPT>(x, w, out, rows, d, eps); \
-    } \
-    extern "C" __global__ void rms_norm_rope_rows_##TN##_##WN##_w##WPT(const T* x, const W* w, \
-            const float* cos_t, const float* sin_t, T* out, i64 rows, i64 seq, int d, int head_dim, float eps) { \
-        rms_norm_rope_rows<WPT>(x, w, cos_t, sin_t, out, rows, seq, d, head_dim, eps); \
-    }
 FOR_TYPES2(NORMS)
 
-#define NORM_MODULATE_ROWS(TN, T, ON, O, WPT) \
-    extern "C" __global__ void layer_norm_modulate_rows_##TN##_##ON##_w##WPT(const T* x, const float* shift, \
-            const float* scale, O* out, i64 rows, int d, i64 rows_per_mod, float eps) { \
-        layer_norm_modulate_rows<WPT>(x, shift, scale, out, rows, d, rows_per_mod, eps); \
-    }
 #define NORM_MODULATE(TN, T, ON, O) \
     extern "C" __global__ void layer_norm_modulate_##TN##_##ON(const T* x, const float* shift, \
                                                               const float* scale, O* out, i64 rows, \
                                                               int d, i64 rows_per_mod, float eps) { \
         layer_norm_modulate(x, shift, scale, out, rows, d, rows_per_mod, eps); \
     } \
-    NORM_MODULATE_ROWS(TN, T, ON, O, 1) \
-    NORM_MODULATE_ROWS(TN, T, ON, O, 2) \
-    NORM_MODULATE_ROWS(TN, T, ON, O, 4)
+    extern "C" __global__ void layer_norm_modulate_rows_##TN##_##ON(const T* x, const float* shift, \
+                                                                   const float* scale, O* out, i64 rows, \
+                                                                   int d, i64 rows_per_mod, float eps) { \
+        layer_norm_modulate_rows(x, shift, scale, out, rows, d, rows_per_mod, eps); \
+    }
 FOR_TYPES2(NORM_MODULATE)

@@ -95,7 +95,8 @@ pub trait UlyssesExt: Communicator {
     ) -> Result<()> {
         self.seq_to_heads_posted(input, output, scratch, shape)?
             .wait()?;
-        self.seq_to_heads_finish(output, scratch, shape)
+        self.seq_to_heads_finish(output, scratch, shape)?;
+        self.synchronize()
     }
 
     /// The first half of [`UlyssesExt::seq_to_heads`]: packs `input` and posts the all-to-all
@@ -112,7 +113,8 @@ pub trait UlyssesExt: Communicator {
     ) -> Result<Self::Pending<'a>>;
 
     /// The second half: after the posted handle was waited, the received chunks in their final
-    /// layout in `output` (B = 1: already there, nothing to do; B > 1: one unpack copy).
+    /// layout in `output` (B = 1: already there, nothing to do; B > 1: one unpack copy), complete
+    /// once [`Communicator::synchronize`] returns (one call can follow several of these).
     fn seq_to_heads_finish<T: Element>(
         &self,
         output: &mut Self::Buf<T>,
@@ -222,7 +224,7 @@ impl<C: Communicator + ?Sized> UlyssesExt for C {
         for i in 0..p {
             self.copy_2d(scratch, i * chunk, run, output, i * run, p * run, run, b)?;
         }
-        self.synchronize()
+        Ok(())
     }
 
     fn heads_to_seq<T: Element>(

@@ -23,7 +23,8 @@
 //!
 //! On NCCL the exchanges run on the communicator's stream, ordered after the kernels that
 //! produced each operand by an event (common's `wire`), so V's all-to-all overlaps Q's GEMM on the
-//! GPU; the host waits once, for the last exchange, before it queues the attention.
+//! GPU; before it queues the attention, the host waits for the exchanges (the first wait covers
+//! all three), queues the unpacks (batch > 1) and synchronises once more.
 
 use std::borrow::{Borrow, BorrowMut};
 
@@ -184,15 +185,21 @@ fn scatter_posted<C: TensorWire, T: WireElement>(
     sent_q.wait()?;
     sent_k.wait()?;
 
-    let by_heads = [b, s * p, h / p, d];
-    let take = |out: &mut C::Held<T>, scratch: &mut C::Owned<T>| -> Result<Tensor> {
+    // The three unpacks (batch > 1) queued, then one synchronisation for all of them.
+    for (out, scratch) in [
+        (&mut *out_v, &mut *scratch_v),
+        (out_q, scratch_q),
+        (out_k, scratch_k),
+    ] {
         comm.seq_to_heads_finish(out.borrow_mut(), scratch.borrow_mut(), shape)?;
-        Ok(comm.tensor::<T>(out, &by_heads, device)?)
-    };
+    }
+    comm.synchronize()?;
+    let by_heads = [b, s * p, h / p, d];
+    let [v, q, k] = &outputs;
     Ok([
-        take(out_q, scratch_q)?,
-        take(out_k, scratch_k)?,
-        take(out_v, scratch_v)?,
+        comm.tensor::<T>(q, &by_heads, device)?,
+        comm.tensor::<T>(k, &by_heads, device)?,
+        comm.tensor::<T>(v, &by_heads, device)?,
     ])
 }
 

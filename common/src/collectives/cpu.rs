@@ -799,9 +799,9 @@ impl Communicator for CpuComm {
 }
 
 /// A posted operation of the CPU backend ([`Communicator::send_recv`],
-/// [`Communicator::all_gather_posted`], [`Communicator::all_to_all_posted`]): the sends were deposited when posted; the receive, one
-/// equal chunk of `recv` from each of `sources` in order, happens in [`Pending::wait`] (or on
-/// drop).
+/// [`Communicator::all_gather_posted`], [`Communicator::all_to_all_posted`]): the sends were
+/// deposited when posted; the receive, one equal chunk of `recv` from each of `sources` in order,
+/// happens in [`Pending::wait`] (or on drop).
 #[derive(Debug)]
 pub struct CpuPending<'a> {
     comm: &'a CpuComm,

@@ -1293,9 +1293,9 @@ impl Communicator for NcclComm {
 }
 
 /// A posted operation of the NCCL backend ([`Communicator::send_recv`],
-/// [`Communicator::all_gather_posted`], [`Communicator::all_to_all_posted`]), queued on the communicator's stream; its buffers stay
-/// borrowed until it completes. Waiting is the stream's timed wait, so it also waits for
-/// everything queued on that stream before it.
+/// [`Communicator::all_gather_posted`], [`Communicator::all_to_all_posted`]), queued on the
+/// communicator's stream; its buffers stay borrowed until it completes. Waiting is the stream's
+/// timed wait, so it also waits for everything queued on that stream before it.
 #[derive(Debug)]
 pub struct NcclPending<'a> {
     comm: &'a NcclComm,

@@ -621,7 +621,7 @@ fn all_gather_during_as<C: TensorWire, T: WireElement, R, E: From<WireError>>(
         .all_gather_posted(send.borrow(), recv.borrow_mut())
         .map_err(WireError::from)?;
     let done = meanwhile();
-    // Waited (or, if `meanwhile` failed, waited by the drop) before the buffers go.
+    // Waited whether or not `meanwhile` succeeded, before the buffers go.
     posted.wait().map_err(WireError::from)?;
     let value = done?;
     let gathered = comm.tensor::<T>(&recv, &stacked(comm.size(), t.shape()), t.device())?;

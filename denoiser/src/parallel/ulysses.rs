@@ -82,14 +82,13 @@ fn shape_error(t: &Tensor) -> ParallelError {
 
 impl<C: TensorWire, I: ChunkAttention> ChunkAttention for UlyssesAttention<'_, C, I> {
     fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        let given = |which| -> Result<Tensor> {
+        self.attend_chunk_staged(&mut |which| {
             Ok(match which {
                 Operand::Q => q.clone(),
                 Operand::K => k.clone(),
                 Operand::V => v.clone(),
             })
-        };
-        self.attend_chunk_staged(&mut { given })
+        })
     }
 
     fn attend_chunk_staged(&self, operand: &mut StagedOperand<'_>) -> Result<Tensor> {
@@ -121,7 +120,8 @@ impl<C: TensorWire, I: ChunkAttention> ChunkAttention for UlyssesAttention<'_, C
 
 /// The three sequence → heads exchanges, posted in the order V, Q, K: `v` [B, S/P, H, D] is
 /// posted first, then `next(Q)` and `next(K)` are asked for (they must have v's shape) and each
-/// posted as soon as it is there; one wait at the end. Returns [q, k, v], each [B, S, H/P, D].
+/// posted as soon as it is there; all are waited at the end. Returns [q, k, v], each
+/// [B, S, H/P, D].
 fn scatter_posted<C: TensorWire, T: WireElement>(
     comm: &C,
     v: Tensor,
@@ -186,11 +186,7 @@ fn scatter_posted<C: TensorWire, T: WireElement>(
     sent_k.wait()?;
 
     // The three unpacks (batch > 1) queued, then one synchronisation for all of them.
-    for (out, scratch) in [
-        (&mut *out_v, &mut *scratch_v),
-        (out_q, scratch_q),
-        (out_k, scratch_k),
-    ] {
+    for (out, scratch) in [(out_v, scratch_v), (out_q, scratch_q), (out_k, scratch_k)] {
         comm.seq_to_heads_finish(out.borrow_mut(), scratch.borrow_mut(), shape)?;
     }
     comm.synchronize()?;

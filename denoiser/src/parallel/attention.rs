@@ -30,6 +30,22 @@ pub trait ChunkAttention {
 /// What [`ChunkAttention::attend_chunk_staged`] calls to produce an operand ([B, S_c, H, D]).
 pub type StagedOperand<'o> = dyn FnMut(Operand) -> Result<Tensor> + 'o;
 
+/// Operands that are already there, as a [`StagedOperand`]: how a wrapper whose staged form is
+/// its only one runs `attend_chunk`.
+pub(crate) fn given<'t>(
+    q: &'t Tensor,
+    k: &'t Tensor,
+    v: &'t Tensor,
+) -> impl FnMut(Operand) -> Result<Tensor> + 't {
+    move |which| {
+        Ok(match which {
+            Operand::Q => q.clone(),
+            Operand::K => k.clone(),
+            Operand::V => v.clone(),
+        })
+    }
+}
+
 impl<A: ChunkAttention + ?Sized> ChunkAttention for Box<A> {
     fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         (**self).attend_chunk(q, k, v)

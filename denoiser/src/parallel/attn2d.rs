@@ -24,7 +24,7 @@
 use ditstream_common::collectives::wire::{self, TensorWire};
 use ditstream_kernels::{AttentionOptions, DType, Tensor, lse_combine};
 
-use super::attention::{ChunkAttention, StagedOperand, local_attention};
+use super::attention::{ChunkAttention, StagedOperand, given, local_attention};
 use super::{ParallelError, Result, valid_in_chunk};
 use crate::model::Operand;
 
@@ -84,13 +84,7 @@ fn join_gathered(t: &Tensor) -> Result<Tensor> {
 
 impl<C: TensorWire> ChunkAttention for Attention2d<'_, C> {
     fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        self.attend_chunk_staged(&mut |which| {
-            Ok(match which {
-                Operand::Q => q.clone(),
-                Operand::K => k.clone(),
-                Operand::V => v.clone(),
-            })
-        })
+        self.attend_chunk_staged(&mut given(q, k, v))
     }
 
     /// V and K first: their gather over the column group is posted, and Q is projected and

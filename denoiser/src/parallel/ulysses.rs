@@ -33,7 +33,7 @@ use ditstream_common::collectives::wire::{TensorWire, WireElement};
 use ditstream_common::collectives::{Pending, UlyssesExt, UlyssesShape};
 use ditstream_kernels::Tensor;
 
-use super::attention::{ChunkAttention, StagedOperand};
+use super::attention::{ChunkAttention, StagedOperand, given};
 use super::{ParallelError, Result};
 use crate::model::Operand;
 
@@ -82,13 +82,7 @@ fn shape_error(t: &Tensor) -> ParallelError {
 
 impl<C: TensorWire, I: ChunkAttention> ChunkAttention for UlyssesAttention<'_, C, I> {
     fn attend_chunk(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        self.attend_chunk_staged(&mut |which| {
-            Ok(match which {
-                Operand::Q => q.clone(),
-                Operand::K => k.clone(),
-                Operand::V => v.clone(),
-            })
-        })
+        self.attend_chunk_staged(&mut given(q, k, v))
     }
 
     fn attend_chunk_staged(&self, operand: &mut StagedOperand<'_>) -> Result<Tensor> {
@@ -101,14 +95,10 @@ impl<C: TensorWire, I: ChunkAttention> ChunkAttention for UlyssesAttention<'_, C
                 operand(Operand::K)?,
                 operand(Operand::V)?,
             );
-            let mut given = |which| {
-                Ok(if which == Operand::Q {
-                    q.clone()
-                } else {
-                    k.clone()
-                })
-            };
-            by_dtype!(v.dtype(), scatter_posted::<C>(self.comm, v, &mut given))?
+            by_dtype!(
+                v.dtype(),
+                scatter_posted::<C>(self.comm, v.clone(), &mut given(&q, &k, &v))
+            )?
         };
         // The exchanges on a rank's timeline, as the collectives of `wire` mark theirs: with async
         // Ulysses this interval is what the projections did not hide.
@@ -144,49 +134,39 @@ fn scatter_posted<C: TensorWire, T: WireElement>(
         comm.alloc::<T>(n)?,
         comm.alloc::<T>(n)?,
     ];
-    let [out_v, out_q, out_k] = &mut outputs;
-    let [scratch_v, scratch_q, scratch_k] = &mut scratch;
-    let same = |t: Tensor| {
-        if t.shape() == v.shape() {
-            Ok(t)
-        } else {
-            Err(shape_error(&t))
-        }
-    };
-
     // The staged inputs live until the end, after the wait (on NCCL they hold the operands'
     // storage, which the communicator's stream reads until the exchange is done).
-    let staged_v = comm.stage::<T>(&v)?;
-    let sent_v = comm.seq_to_heads_posted(
-        staged_v.borrow(),
-        out_v.borrow_mut(),
-        scratch_v.borrow_mut(),
-        shape,
-    )?;
-    let q = same(next(Operand::Q)?)?;
-    let staged_q = comm.stage::<T>(&q)?;
-    let sent_q = comm.seq_to_heads_posted(
-        staged_q.borrow(),
-        out_q.borrow_mut(),
-        scratch_q.borrow_mut(),
-        shape,
-    )?;
-    let k = same(next(Operand::K)?)?;
-    let staged_k = comm.stage::<T>(&k)?;
-    let sent_k = comm.seq_to_heads_posted(
-        staged_k.borrow(),
-        out_k.borrow_mut(),
-        scratch_k.borrow_mut(),
-        shape,
-    )?;
+    let mut staged: [Option<C::Held<T>>; 3] = [None, None, None];
+    let mut first = Some(v.clone());
+    let mut sent = Vec::with_capacity(3);
+    let slots = staged
+        .iter_mut()
+        .zip(outputs.iter_mut())
+        .zip(scratch.iter_mut());
+    for (((slot, out), scratch), which) in slots.zip([Operand::V, Operand::Q, Operand::K]) {
+        let t = match first.take() {
+            Some(v) => v,
+            None => next(which)?,
+        };
+        if t.shape() != v.shape() {
+            return Err(shape_error(&t));
+        }
+        let input = slot.insert(comm.stage::<T>(&t)?);
+        sent.push(comm.seq_to_heads_posted(
+            (*input).borrow(),
+            out.borrow_mut(),
+            scratch.borrow_mut(),
+            shape,
+        )?);
+    }
     // Waited in the order posted, as the contract asks (on NCCL the first wait already covers
     // all three: the communicator's stream runs them in order).
-    sent_v.wait()?;
-    sent_q.wait()?;
-    sent_k.wait()?;
+    for posted in sent {
+        posted.wait()?;
+    }
 
     // The three unpacks (batch > 1) queued, then one synchronisation for all of them.
-    for (out, scratch) in [(out_v, scratch_v), (out_q, scratch_q), (out_k, scratch_k)] {
+    for (out, scratch) in outputs.iter_mut().zip(scratch.iter_mut()) {
         comm.seq_to_heads_finish(out.borrow_mut(), scratch.borrow_mut(), shape)?;
     }
     comm.synchronize()?;

@@ -208,6 +208,17 @@ fn prompts(model: &WanTransformer) -> (Tensor, Tensor) {
 
 /// The parallel denoise on every rank equals the single-rank loop; returns the worst error.
 fn check_denoise(experts: Experts<'_>, mesh: Mesh, grid: [usize; 3], steps: usize) -> f32 {
+    check_denoise_with(experts, mesh, false, grid, steps).0
+}
+
+/// [`check_denoise`] with async Ulysses on or off; also returns every rank's latent.
+fn check_denoise_with(
+    experts: Experts<'_>,
+    mesh: Mesh,
+    async_ulysses: bool,
+    grid: [usize; 3],
+    steps: usize,
+) -> (f32, Vec<Tensor>) {
     let cfg = experts.high.config();
     let [f, h, w] = grid;
     let shape = [1, cfg.in_channels, f, 2 * h, 2 * w];
@@ -218,7 +229,7 @@ fn check_denoise(experts: Experts<'_>, mesh: Mesh, grid: [usize; 3], steps: usiz
         Control::Continue
     })
     .unwrap();
-    let outs = run(mesh, |comms| {
+    let outs = run_with(mesh, async_ulysses, |comms| {
         parallel::denoise(
             experts,
             comms,
@@ -244,7 +255,7 @@ fn check_denoise(experts: Experts<'_>, mesh: Mesh, grid: [usize; 3], steps: usiz
         );
         worst = worst.max(err);
     }
-    worst
+    (worst, outs)
 }
 
 /// 105 tokens (3·5·7): divisible by 3, 5 and 7 only, so most degrees pad.
@@ -412,33 +423,22 @@ fn async_ulysses_is_the_same_computation() {
             assert!(err <= FORWARD_TOL, "{mesh}: async forward off by {err:e}");
         }
     }
-    // And through the CFG denoise loop, on a mesh of both branches and a Ring inside Ulysses.
+    // And through the CFG denoise loop, on a mesh of both branches and a Ring inside Ulysses:
+    // within the bound of the single rank, and bitwise the synchronous schedule on every rank.
     let experts = Experts {
         high: &model,
         low: None,
     };
     let mesh = Mesh::new(2, 1, CpLayout::Ring(2), 2);
-    let (cond, uncond) = prompts(&model);
-    let latents = denoise::initial_noise([1, 4, 3, 10, 14], 5).unwrap();
-    let p = params(2, GUIDANCE);
-    let denoised = |async_ulysses| {
-        run_with(mesh, async_ulysses, |comms| {
-            parallel::denoise(
-                experts,
-                comms,
-                &p,
-                latents.clone(),
-                &cond,
-                Some(&uncond),
-                |_| Control::Continue,
-            )
-        })
-    };
-    assert_eq!(
-        denoised(false)[0].to_vec_f32().unwrap(),
-        denoised(true)[0].to_vec_f32().unwrap(),
-        "{mesh}: the async denoise differs"
-    );
+    let (_, sync) = check_denoise_with(experts, mesh, false, GRID_105, 2);
+    let (_, overlapped) = check_denoise_with(experts, mesh, true, GRID_105, 2);
+    for (r, (a, b)) in sync.iter().zip(&overlapped).enumerate() {
+        assert_eq!(
+            a.to_vec_f32().unwrap(),
+            b.to_vec_f32().unwrap(),
+            "{mesh}: rank {r}'s async denoise differs from the synchronous one"
+        );
+    }
 }
 
 /// An attention whose operand Q fails on one rank (after the exchanges of V, or of K and V,

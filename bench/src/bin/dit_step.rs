@@ -29,6 +29,7 @@ use ditstream_bench::{median, median_per_call, random_input, rel_rms, time_on};
 use ditstream_common::config::Preset;
 use ditstream_decoder::vae::{VaeConfig, WanVaeDecoder};
 use ditstream_denoiser::model::{WanConfig, WanTransformer};
+use ditstream_kernels::cuda::{AttentionKernel, HOPPER_FP8_VARIANTS, with_attention_kernel};
 use ditstream_kernels::weights::{DrawnWeights, RandomWeights};
 use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, linear};
 
@@ -73,6 +74,11 @@ struct Args {
     /// (random weights, bf16) with the videos' PSNR (0: none).
     #[arg(long, default_value_t = 0)]
     steps: usize,
+    /// With `--fp8`: also the FP8 forward with each of these FP8 attention kernels (names of
+    /// `HOPPER_FP8_VARIANTS`, comma-separated) in place of the default, each timed right after the
+    /// default again (alternating, so clock drift shows), with its error against the bf16 forward.
+    #[arg(long, value_delimiter = ',')]
+    fp8_attention: Vec<String>,
 }
 
 /// One block's linear operands at the forward's shapes (seeded, bf16; the gate f32), which the
@@ -295,6 +301,30 @@ fn fp8_forward(
             forward * 1e3,
             flops / forward / 1e12,
             forward / bf16_forward
+        );
+    }
+    for name in &args.fp8_attention {
+        let Some(i) = HOPPER_FP8_VARIANTS.iter().position(|v| v.name == name) else {
+            bail!(
+                "--fp8-attention {name}: no such FP8 attention kernel (there are: {})",
+                HOPPER_FP8_VARIANTS
+                    .iter()
+                    .map(|v| v.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        };
+        let kernel = AttentionKernel::HopperFp8(i);
+        let with = || with_attention_kernel(kernel, || fp8.forward(x, t, ctx));
+        let base = median_per_call(device, args.warmup, args.iters, 1, || {
+            Ok(fp8.forward(x, t, ctx)?)
+        })?;
+        let other = median_per_call(device, args.warmup, args.iters, 1, || Ok(with()?))?;
+        let err = rel_rms(&with()?, &model.forward(x, t, ctx)?)?;
+        println!(
+            "RESULT\tours\tforward fp8, attention {name}\t{:.3}\tms\t(default again {:.3} ms)\t{err:.3e}\trel rms vs bf16",
+            other * 1e3,
+            base * 1e3
         );
     }
     if !args.no_split {

@@ -130,14 +130,17 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
 ];
 
 /// One compiled configuration of the FP8 Hopper kernel
-/// (`hopper_fp8_fwd_d128_br128_bc128_s{STAGES}_e{EMULATED}`, namespace `fp8` of
-/// `ops/attention/hopper.cu`): the warp-specialised layout with e4m3 tiles of [128 × 128] bytes,
-/// `stages` deep K and Vᵀ rings, and `emulated` of every 16 score columns a thread holds
-/// exponentiated on the FMA pipes (`ex2_fma`) instead of the MUFU.
+/// (`hopper_fp8_fwd_d128_br128_bc{KEYS}_s{STAGES}_e{EMULATED}`, namespace `fp8` of
+/// `ops/attention/hopper.cu`): the warp-specialised layout with e4m3 Q tiles of [128 × 128] bytes,
+/// K/V blocks of `keys` keys (also the online softmax's step, which the CPU reference takes the
+/// same: `crate::attention_fp8_reference`), `stages` deep K and Vᵀ rings, and `emulated` of every
+/// 16 score columns a thread holds exponentiated on the FMA pipes (`ex2_fma`) instead of the MUFU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HopperFp8Variant {
     /// Kernel name in hopper.cu.
     pub name: &'static str,
+    /// Keys per K/V block and softmax step (128 or 192).
+    pub keys: usize,
     /// K and Vᵀ stages.
     pub stages: usize,
     /// Column groups (of 16) whose exponentials are computed in software.
@@ -145,16 +148,22 @@ pub struct HopperFp8Variant {
 }
 
 impl HopperFp8Variant {
-    /// Dynamic shared memory: Q and `stages` × (K, Vᵀ), 16 KiB each, plus the 1 KiB of alignment
-    /// slack.
+    /// Dynamic shared memory: Q (16 KiB) and `stages` × (K, Vᵀ) of `keys` × 128 bytes each, plus
+    /// the 1 KiB of alignment slack.
     pub fn shared_bytes(&self) -> usize {
-        (1 + 2 * self.stages) * 128 * 128 + 1024
+        128 * 128 + 2 * self.stages * self.keys * 128 + 1024
     }
 }
 
-const fn fp8_variant(name: &'static str, stages: usize, emulated: usize) -> HopperFp8Variant {
+const fn fp8_variant(
+    name: &'static str,
+    keys: usize,
+    stages: usize,
+    emulated: usize,
+) -> HopperFp8Variant {
     HopperFp8Variant {
         name,
+        keys,
         stages,
         emulated,
     }
@@ -162,9 +171,12 @@ const fn fp8_variant(name: &'static str, stages: usize, emulated: usize) -> Hopp
 
 /// Every compiled FP8 Hopper variant (keep in step with `HOPPER_FP8_KERNEL(...)` in hopper.cu).
 pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0", 2, 0),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0", 3, 0),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e2", 3, 2),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0", 128, 2, 0),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0", 128, 3, 0),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e2", 128, 3, 2),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s2_e0", 192, 2, 0),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_e0", 192, 3, 0),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s4_e0", 192, 4, 0),
 ];
 
 /// One compiled tile configuration of the tensor-core kernel
@@ -320,8 +332,9 @@ mod tests {
         }
         assert!(default_flash_variant(96).is_none());
         for v in HOPPER_FP8_VARIANTS {
-            let tail = format!("_s{}_e{}", v.stages, v.emulated);
+            let tail = format!("_bc{}_s{}_e{}", v.keys, v.stages, v.emulated);
             assert!(v.name.ends_with(&tail), "{}", v.name);
+            assert!(v.keys == 128 || v.keys == 192, "{}", v.name);
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);
         }
         for v in HOPPER_VARIANTS {

@@ -96,6 +96,12 @@ __device__ __forceinline__ u64 desc(unsigned addr, unsigned lbo, unsigned sbo) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
            ((u64)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
+// The same with the 64B swizzle (mode 2): rows of 64 bytes, the pattern repeating every 8 rows
+// (512-aligned), as TMA's CU_TENSOR_MAP_SWIZZLE_64B writes them.
+__device__ __forceinline__ u64 desc64(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
+           ((u64)((sbo >> 4) & 0x3FFF) << 32) | (2ull << 62);
+}
 
 // d (+)= A·B over one k16 step, m64n128: A and B from shared memory through descriptors, both K-major
 // (trans 0/0). `accumulate` = 0 gives d = A·B (scale-d false), so the accumulator needs no zeroing.
@@ -142,6 +148,15 @@ __device__ __forceinline__ void wgmma_ss_e4m3(float* d, u64 da, u64 db, int accu
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// As wgmma_ss_e4m3, m64n192k32 (96 accumulators): the FP8 Q·Kᵀ over K blocks of 192 keys.
+__device__ __forceinline__ void wgmma_ss192_e4m3(float* d, u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
@@ -736,17 +751,21 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // [B, S, H, 128] with one f32 scale per (batch, head, 128 tokens); V e4m3 transposed, Vᵀ [B, H,
 // 128, S_pad] (S_pad = kv_len rounded up to 128, zero past kv_len), with one scale per (batch, head,
 // channel), and its keys permuted within each run of 32 (below).
-// Tiles are [128 × 128] bytes, each one 128B-swizzle region (a row of 128 e4m3 is one 128-byte
-// line), by TMA, one box per tile. K/V blocks are 128 keys, the reference's scale block and softmax
-// step, taken first to last as the reference takes them, so the running max (which sets how each P
-// rounds to e4m3) follows the same sequence; the partial last block is masked where it comes. No
-// split of the last wave (the merge would change that sequence too).
-// GEMMs: wgmma m64n128k32 e4m3 (8-bit operands are K-major only): S = Q·Kᵀ as 4 SS k-steps of 32
-// bytes into each 128-byte row; O += P·V as 4 RS k-steps with P in registers and Vᵀ K-major (keys
-// contiguous), the same descriptors as Q and K.
-// Softmax in base 2 on descaled scores: block j's raw scores (integer-valued products of codes,
-// summed in f32) times c_j = (s_q·s_k,j)·scale·log2 e; m is the running max of those; p·448 =
-// 2^(s·c_j − m + log2 448) straight from ex2 (the ×448 of the reference folded into the exponent),
+// Q tiles are [128 × 128] bytes, one 128B-swizzle region (a row of 128 e4m3 is one 128-byte line),
+// by TMA. K/V blocks are KB = 128 or 192 keys (FlashAttention-3 takes 224 for FP8: fewer turns and
+// block-wise costs per key), each the reference's softmax step (`attention_fp8_reference` at
+// step KB), taken first to last as the reference takes them, so the running max (which sets how
+// each P rounds to e4m3) follows the same sequence; the partial last block is masked where it comes.
+// No split of the last wave (the merge would change that sequence too). A K block is KB rows of
+// 128 bytes, one box; a Vᵀ block is [128 channels × 128 keys] (128B swizzle) and, at KB = 192, a
+// second box of [128 × 64 keys] in the 64B swizzle (`pv`).
+// GEMMs: wgmma m64nKBk32 e4m3 (8-bit operands are K-major only): S = Q·Kᵀ as 4 SS k-steps of 32
+// bytes into each 128-byte row; O += P·V (m64n128k32) as KB/32 RS k-steps with P in registers and
+// Vᵀ K-major (keys contiguous), the same descriptors as Q and K.
+// Softmax in base 2 on descaled scores: a segment g of 64 keys of block j (each inside one of K's
+// 128-token scale blocks) has raw scores (integer-valued products of codes, summed in f32) times
+// c_jg = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 =
+// 2^(s·c_jg − m + log2 448) straight from ex2 (the ×448 of the reference folded into the exponent),
 // rounded to e4m3 for P·V and summed unrounded into l (which is then 448·Σp).
 // P's registers: the S accumulator gives a thread, in each 32 keys, rows g and g + 8 of keys
 // {2t, 2t+1, 8+2t, 9+2t} and the same + 16 (g = lane/4, t = lane%4), while an 8-bit A fragment
@@ -757,7 +776,8 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // End: O·(s_v[col] / l), lse = m·ln 2 + ln l − ln 448 (the reference's m + ln Σp).
 namespace fp8 {
 
-constexpr int KB = 128;                            // keys per block
+constexpr int SCALE_BLOCK = 128;                   // tokens per K scale (the recipe's block)
+constexpr int SEG = 64;                            // keys per descale segment of a K/V block
 constexpr int TILE8 = 128 * 128;                   // bytes of a [128 × 128] e4m3 tile
 constexpr float LOG2_448 = 8.8073549220576041f;    // log2 448
 constexpr float LN_448 = 6.1047932324149849f;      // ln 448
@@ -770,17 +790,27 @@ __device__ __forceinline__ void tma_box(unsigned dst, const TmaMap& map, unsigne
         : "memory");
 }
 
-// S = Q·Kᵀ over D = 128 bytes: 4 k-steps of 32.
+// S = Q·Kᵀ over D = 128 bytes for a K block of KB keys (KB rows of 128 bytes): 4 k-steps of 32.
+template <int KB>
 __device__ __forceinline__ void qk(float* s, unsigned q_wg, unsigned kt) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-        wgmma_ss_e4m3(s, desc(q_wg + kk * 32, 16, 1024), desc(kt + kk * 32, 16, 1024), kk > 0);
+    for (int kk = 0; kk < 4; ++kk) {
+        if constexpr (KB == 128) wgmma_ss_e4m3(s, desc(q_wg + kk * 32, 16, 1024), desc(kt + kk * 32, 16, 1024), kk > 0);
+        else wgmma_ss192_e4m3(s, desc(q_wg + kk * 32, 16, 1024), desc(kt + kk * 32, 16, 1024), kk > 0);
+    }
 }
 
-// O += P·V over 128 keys: 4 k-steps of 32 (Vᵀ K-major, 32 bytes into each channel's row per step).
+// O += P·V over KB keys: k-steps of 32 (Vᵀ K-major, 32 bytes into each channel's row per step). A
+// Vᵀ stage holds keys 0–127 as a [128 × 128] tile in the 128B swizzle and, for KB = 192, keys
+// 128–191 after it as [128 channels × 64 bytes] in the 64B swizzle (no swizzle fits a 64-byte row
+// but that one; the two boxes come from two tensor maps of the same Vᵀ).
+template <int KB>
 __device__ __forceinline__ void pv(float* o, unsigned (*p)[4], unsigned vt) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_rs_e4m3(o, p[kk], desc(vt + kk * 32, 16, 1024));
+    for (int kk = 0; kk < KB / 32; ++kk) {
+        if (kk < 4) wgmma_rs_e4m3(o, p[kk], desc(vt + kk * 32, 16, 1024));
+        else wgmma_rs_e4m3(o, p[kk], desc64(vt + TILE8 + (kk - 4) * 32, 16, 512));
+    }
 }
 
 // Four e4m3 codes in one word, `a` in the low byte.
@@ -791,10 +821,11 @@ __device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {
     return (unsigned)lo | ((unsigned)hi << 16);
 }
 
-// P (s = p·448) as the A fragments of the 4 k-steps (see the namespace comment).
+// P (s = p·448) as the A fragments of the KB/32 k-steps (see the namespace comment).
+template <int KB>
 __device__ __forceinline__ void pack_p(const float* s, unsigned (*p)[4]) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < KB / 32; ++kk) {
         const float* g = s + 16 * kk;
         p[kk][0] = e4m3x4(g[0], g[1], g[4], g[5]);
         p[kk][1] = e4m3x4(g[2], g[3], g[6], g[7]);
@@ -821,25 +852,31 @@ __device__ __forceinline__ float ex2_fma(float x) {
     return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
 
-// One block's online softmax for this thread's rows r0 and r0 + 8, with this block's descale c:
-// m ← max(m, rowmax(s)·c) (c > 0, so the max of the rounded products is the rounded max), α =
-// 2^(m_old − m) (0 on the first block), s ← 2^(s·c − m + log2 448), l ← l·α + Σ s. Needs a finite
-// score per row. Returns whether some row of the warp has a new max. Column groups nt with
-// (nt·EMU) mod 16 < EMU (EMU of each thread's 16, spread evenly) exponentiate by `ex2_fma`, the
-// rest on the MUFU.
-template <int EMU>
-__device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, float* alpha, float c) {
+// One block's online softmax for this thread's rows r0 and r0 + 8, with the descale c[g] of each
+// segment g of SEG keys (a K/V block of KB keys spans KB/SEG segments, each inside one K scale
+// block): m ← max(m, max_g rowmax_g(s)·c[g]) (c > 0, so the max of the rounded products is the
+// rounded max; with one descale for the block this is rowmax(s)·c), α = 2^(m_old − m) (0 on the
+// first block), s ← 2^(s·c[g] − m + log2 448), l ← l·α + Σ s. Needs a finite score per row. Returns
+// whether some row of the warp has a new max. Column groups nt with (nt·EMU) mod 16 < EMU (EMU of
+// each thread's 16, spread evenly) exponentiate by `ex2_fma`, the rest on the MUFU.
+template <int KB, int EMU>
+__device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, float* alpha, const float* c) {
+    constexpr int GROUPS = SEG / 8;  // column groups of 8 keys per segment
     bool rescale = false;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        float mx = -INFINITY;
 #pragma unroll
-        for (int nt = 0; nt < KB / 8; ++nt)
-            part[nt % 4] = fmaxf(part[nt % 4], fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
-        float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+        for (int g = 0; g < KB / SEG; ++g) {
+            float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+            for (int nt = g * GROUPS; nt < (g + 1) * GROUPS; ++nt)
+                part[nt % 4] = fmaxf(part[nt % 4], fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+            mx = fmaxf(mx, fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])) * c[g]);
+        }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        mx = fmaxf(m[hf], mx * c);
+        mx = fmaxf(m[hf], mx);
         alpha[hf] = ex2(m[hf] - mx);
         rescale |= mx != m[hf];
         m[hf] = mx;
@@ -851,7 +888,8 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, flo
 #pragma unroll
         for (int nt = 0; nt < KB / 8; ++nt) {
             const bool emu = EMU > 0 && (nt * EMU) % 16 < EMU;
-            const float x0 = fmaf(s[4 * nt + 2 * hf], c, -off), x1 = fmaf(s[4 * nt + 2 * hf + 1], c, -off);
+            const float cg = c[nt / GROUPS];
+            const float x0 = fmaf(s[4 * nt + 2 * hf], cg, -off), x1 = fmaf(s[4 * nt + 2 * hf + 1], cg, -off);
             s[4 * nt + 2 * hf] = emu ? ex2_fma(x0) : ex2(x0);
             s[4 * nt + 2 * hf + 1] = emu ? ex2_fma(x1) : ex2(x1);
             rs[nt % 4] += s[4 * nt + 2 * hf] + s[4 * nt + 2 * hf + 1];
@@ -861,18 +899,29 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, flo
     return __any_sync(0xffffffffu, rescale);
 }
 
-template <int STAGES, int EMU>
-__device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const float* __restrict__ q_scales,
-                                    const float* __restrict__ k_scales, const float* __restrict__ v_scales,
-                                    bf16* __restrict__ out, float* __restrict__ lse, int seq_q, int heads, int kv_len,
-                                    float scale, int tiles_x) {
-    static_assert((1 + 2 * STAGES) * TILE8 + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024, "shared memory");
+// The descales of block i's segments: c[g] = (s_q·s_k)·scale·log2 e with s_k the scale of the K
+// block holding keys i·KB + g·SEG on (the last one for segments wholly past kv_len: their keys are
+// masked, but their descale must stay finite and > 0).
+template <int KB>
+__device__ __forceinline__ void descales(float* c, const float* ks, int i, int k_blocks, float cq, float cs) {
+#pragma unroll
+    for (int g = 0; g < KB / SEG; ++g) c[g] = (cq * __ldg(ks + min((i * KB + g * SEG) / SCALE_BLOCK, k_blocks - 1))) * cs;
+}
+
+template <int STAGES, int EMU, int KB>
+__device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tv_tail,
+                                    const float* __restrict__ q_scales, const float* __restrict__ k_scales,
+                                    const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
+                                    int seq_q, int heads, int kv_len, float scale, int tiles_x) {
+    static_assert(KB == 128 || KB == 192, "K/V blocks of 128 or 192 keys");
+    constexpr int STAGE = KB * 128;  // bytes of a K stage, and of a Vᵀ stage
+    static_assert(TILE8 + 2 * STAGES * STAGE + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024, "shared memory");
     using namespace ws;
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) u64 bars[1 + 4 * STAGES];  // full Q, full K[], full V[], empty K[], empty V[]
     __shared__ float pin[256];
     const unsigned base = (smem_addr(smem) + 1023u) & ~1023u;
-    const unsigned sq = base, sk = base + TILE8, sv = base + TILE8 + STAGES * TILE8;
+    const unsigned sq = base, sk = base + TILE8, sv = base + TILE8 + STAGES * STAGE;
     const unsigned full_q = smem_addr(&bars[0]);
     const unsigned full_k = full_q + 8, full_v = full_k + 8 * STAGES;
     const unsigned empty_k = full_v + 8 * STAGES, empty_v = empty_k + 8 * STAGES;
@@ -880,6 +929,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     const int tile = blockIdx.x;
     const int q0 = (tile % tiles_x) * BR, h = (tile / tiles_x) % heads, b = tile / (tiles_x * heads);
     const int nblk = (kv_len + KB - 1) / KB;
+    const int k_blocks = (kv_len + SCALE_BLOCK - 1) / SCALE_BLOCK;  // K scales per head
     const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
     const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     if (nblk <= 0) {  // no valid key: out = 0, lse = −∞
@@ -913,11 +963,12 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             const int s = i % STAGES;
             const unsigned phase = (i / STAGES) & 1;
             mbar_wait(empty_k + 8 * s, phase ^ 1);
-            mbar_expect_tx(full_k + 8 * s, TILE8);
-            tma_box(sk + s * TILE8, tk, full_k + 8 * s, 0, i * KB, h, b);
+            mbar_expect_tx(full_k + 8 * s, STAGE);
+            tma_box(sk + s * STAGE, tk, full_k + 8 * s, 0, i * KB, h, b);
             mbar_wait(empty_v + 8 * s, phase ^ 1);
-            mbar_expect_tx(full_v + 8 * s, TILE8);
-            tma_box(sv + s * TILE8, tv, full_v + 8 * s, i * KB, 0, h, b);
+            mbar_expect_tx(full_v + 8 * s, STAGE);
+            tma_box(sv + s * STAGE, tv, full_v + 8 * s, i * KB, 0, h, b);
+            if constexpr (KB == 192) tma_box(sv + s * STAGE + TILE8, tv_tail, full_v + 8 * s, i * KB + 128, 0, h, b);
         }
         return;
     }
@@ -925,9 +976,9 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
     const int w = wg;
     const i64 head = (i64)b * heads + h;
-    const float* ks = k_scales + head * nblk;
-    // scale·log2 e·s_q; block j's descale is this times s_k,j (the reference's (s_q·s_k)·scale,
-    // associated differently: a rounding apart).
+    const float* ks = k_scales + head * k_blocks;
+    // cq = s_q, cs = scale·log2 e; a segment's descale is (cq·s_k)·cs (`descales`: the reference's
+    // (s_q·s_k)·scale in base 2, a rounding apart).
     const float cq = q_scales[head * tiles_x + q0 / BR];
     const float cs = scale * 1.4426950408889634f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
@@ -942,13 +993,14 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     if (w == 1) bar_arrive(TURN + 0);
 
     // Prologue: block 0.
-    float c = (cq * __ldg(ks)) * cs;
+    float c[KB / SEG];
+    descales<KB>(c, ks, 0, k_blocks, cq, cs);
     mbar_wait(full_q, 0);
     mbar_wait(full_k, 0);
     bar_sync(TURN + w);
     fence_regs<KB / 2>(s);
     wgmma_fence();
-    qk(s, q_wg, sk);
+    qk<KB>(s, q_wg, sk);
     wgmma_commit();
     bar_arrive(TURN + (1 - w));
     wgmma_wait0();
@@ -957,14 +1009,14 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     if (KB > kv_len) mask_keys<KB>(s, kv_len, lane);
     {
         float alpha[2];
-        online_softmax<EMU>(s, m, l, alpha, c);  // O = 0: nothing to rescale
+        online_softmax<KB, EMU>(s, m, l, alpha, c);  // O = 0: nothing to rescale
     }
-    pack_p(s, p);
+    pack_p<KB>(s, p);
 
     for (int i = 1; i < nblk; ++i) {
         const int st = i % STAGES, prev = (i - 1) % STAGES;
         const unsigned phase = (i / STAGES) & 1, prev_phase = ((i - 1) / STAGES) & 1;
-        c = (cq * __ldg(ks + i)) * cs;
+        descales<KB>(c, ks, i, k_blocks, cq, cs);
         mbar_wait(full_k + 8 * st, phase);
         mbar_wait(full_v + 8 * prev, prev_phase);
         bar_sync(TURN + w);
@@ -972,9 +1024,9 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         fence_regs(o);
         fence_regs(&p[0][0], KB / 8);
         wgmma_fence();
-        qk(s, q_wg, sk + st * TILE8);
+        qk<KB>(s, q_wg, sk + st * STAGE);
         wgmma_commit();
-        pv(o, p, sv + prev * TILE8);
+        pv<KB>(o, p, sv + prev * STAGE);
         wgmma_commit();
         bar_arrive(TURN + (1 - w));
         wgmma_wait1();  // S is in; P·V of block i − 1 may still run
@@ -982,7 +1034,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         if (leader) mbar_arrive(empty_k + 8 * st);
         if ((i + 1) * KB > kv_len) mask_keys<KB>(s, kv_len - i * KB, lane);
         float alpha[2];
-        const bool rescale = online_softmax<EMU>(s, m, l, alpha, c);
+        const bool rescale = online_softmax<KB, EMU>(s, m, l, alpha, c);
         // Keeps the P·V wait below the exponentials (see ws::fwd).
         asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(l[0] + l[1]) : "memory");
         wgmma_wait0();
@@ -990,7 +1042,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         fence_regs(&p[0][0], KB / 8);
         if (leader) mbar_arrive(empty_v + 8 * prev);
         rescale_o(o, alpha, rescale);
-        pack_p(s, p);
+        pack_p<KB>(s, p);
     }
 
     const int last_stage = (nblk - 1) % STAGES;
@@ -998,7 +1050,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     fence_regs(o);
     fence_regs(&p[0][0], KB / 8);
     wgmma_fence();
-    pv(o, p, sv + last_stage * TILE8);
+    pv<KB>(o, p, sv + last_stage * STAGE);
     wgmma_commit();
     wgmma_wait0();
     fence_regs(o);
@@ -1071,25 +1123,29 @@ HOPPER_WS_KERNEL(3, 128)
 HOPPER_WS_KERNEL(2, 176)
 HOPPER_WS_KERNEL(2, 192)
 
-// hopper_fp8_fwd_d128_br128_bc128_s<STAGES>_e<EMU> (the FP8 forward, namespace fp8; launched by
+// hopper_fp8_fwd_d128_br128_bc<KB>_s<STAGES>_e<EMU> (the FP8 forward, namespace fp8; launched by
 // ops/attention/hopper.rs's `attention_fp8`): 384 threads, one CTA per tile of 128 query rows of one
-// (batch, head) (tile = q-tile + tiles_x·(h + heads·b)), dynamic shared memory (1 + 2·STAGES) tiles of
-// 16 KiB + 1 KiB alignment slack; the tensor maps of the codes of q and k ([B, S, H, 128] u8, box 128 ×
-// 128; k's S = kv_len) and of vᵀ ([B, H, 128, S_pad] u8, box 128 × 128), their scales (q, k [B, H,
-// blocks], v [B, H, 128]).
+// (batch, head) (tile = q-tile + tiles_x·(h + heads·b)), dynamic shared memory Q (16 KiB) + 2·STAGES
+// stages of KB·128 bytes + 1 KiB alignment slack; the tensor maps of the codes of q and k ([B, S, H,
+// 128] u8, boxes 128 × 128 and 128 × KB; k's S = kv_len) and twice of vᵀ ([B, H, 128, S_pad] u8, box
+// 128 × 128 in the 128B swizzle, and 64 × 128 in the 64B swizzle, read at KB = 192 only), their
+// scales (q, k [B, H, ⌈S/128⌉], v [B, H, 128]).
 #ifdef HOPPER_WGMMA
-#define HOPPER_FP8_BODY(STAGES, EMU) \
-    hopper::fp8::fwd<STAGES, EMU>(tq, tk, tv, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
+#define HOPPER_FP8_BODY(STAGES, EMU, KB) \
+    hopper::fp8::fwd<STAGES, EMU, KB>(tq, tk, tv, tv_tail, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
 #else
-#define HOPPER_FP8_BODY(STAGES, EMU)
+#define HOPPER_FP8_BODY(STAGES, EMU, KB)
 #endif
-#define HOPPER_FP8_KERNEL(STAGES, EMU)                                                                     \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc128_s##STAGES##_e##EMU( \
+#define HOPPER_FP8_KERNEL(KB, STAGES, EMU)                                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES##_e##EMU( \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
-        const float* q_scales, const float* k_scales, const float* v_scales, bf16* out, float* lse, int seq_q, \
-        int heads, int kv_len, float scale, int tiles_x) {                                                 \
-        HOPPER_FP8_BODY(STAGES, EMU)                                                                       \
+        const __grid_constant__ TmaMap tv_tail, const float* q_scales, const float* k_scales, const float* v_scales, \
+        bf16* out, float* lse, int seq_q, int heads, int kv_len, float scale, int tiles_x) {               \
+        HOPPER_FP8_BODY(STAGES, EMU, KB)                                                                   \
     }
-HOPPER_FP8_KERNEL(2, 0)
-HOPPER_FP8_KERNEL(3, 0)
-HOPPER_FP8_KERNEL(3, 2)
+HOPPER_FP8_KERNEL(128, 2, 0)
+HOPPER_FP8_KERNEL(128, 3, 0)
+HOPPER_FP8_KERNEL(128, 3, 2)
+HOPPER_FP8_KERNEL(192, 2, 0)
+HOPPER_FP8_KERNEL(192, 3, 0)
+HOPPER_FP8_KERNEL(192, 4, 0)

@@ -210,6 +210,7 @@ fn tensor_map(
         dims,
         strides,
         boxes: [64, box_rows as u32],
+        swizzle_64: false,
     };
     // SAFETY: `t` is a live allocation of B·S·H·128 bf16 (256-byte aligned), which the dims and
     // strides above stay within.
@@ -218,12 +219,13 @@ fn tensor_map(
 
 /// A 4-D tensor map over a contiguous buffer: element type (bf16 or u8), dims (innermost first),
 /// the byte strides of the outer three, and the box of the inner two (the outer two boxed by 1),
-/// with the 128-byte swizzle the wgmma operands use.
+/// with the 128-byte swizzle the wgmma operands use (or the 64-byte one, for boxes of 64-byte rows).
 struct MapSpec {
     bf16: bool,
     dims: [u64; 4],
     strides: [u64; 3],
     boxes: [u32; 2],
+    swizzle_64: bool,
 }
 
 /// Encodes `map` over the buffer at `ptr`.
@@ -231,7 +233,8 @@ struct MapSpec {
 /// # Safety
 /// `ptr` is the start of a live allocation (256-byte aligned) that every element the dims and
 /// strides address lies in; strides are multiples of 16 below 2⁴⁰, no dim is 0, and the box's
-/// inner extent is at most 128 bytes (the swizzle span) and both are at most 256.
+/// inner extent is at most the swizzle span (128 bytes, 64 with `swizzle_64`) and both are at
+/// most 256.
 unsafe fn encode(
     op: &'static str,
     backend: &CudaBackend,
@@ -259,7 +262,11 @@ unsafe fn encode(
             boxes.as_ptr(),
             elem_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            if map.swizzle_64 {
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B
+            } else {
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
+            },
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
@@ -438,7 +445,7 @@ pub(crate) unsafe fn attention_fp8(
         return Ok(tensors(out, lse));
     }
     let row = (heads * HEAD_DIM) as u64;
-    let qk_map = |ptr: u64, seq: usize, rows: usize| {
+    let qk_map = |ptr: u64, seq: usize, rows: usize, box_rows: usize| {
         let map = MapSpec {
             bf16: false,
             dims: [
@@ -448,13 +455,16 @@ pub(crate) unsafe fn attention_fp8(
                 batch as u64,
             ],
             strides: [row, HEAD_DIM as u64, seq.max(1) as u64 * row],
-            boxes: [128, BLOCK_Q as u32],
+            boxes: [128, box_rows as u32],
+            swizzle_64: false,
         };
         // SAFETY: the caller's contract: [B, seq, H, 128] bytes at ptr, rows ≤ seq.
         unsafe { encode(op, backend, ptr, map) }
     };
     let s_pad = ops.s_pad as u64;
-    let vt_map = MapSpec {
+    // Vᵀ by keys 0–127 of each block (128B swizzle) and, for 192-key blocks, keys 128–191 (64B
+    // swizzle: hopper.cu's `fp8::pv`). Boxes past s_pad read zeros.
+    let vt_map = |keys: u32, swizzle_64| MapSpec {
         bf16: false,
         dims: [s_pad, HEAD_DIM as u64, heads as u64, batch as u64],
         strides: [
@@ -462,13 +472,16 @@ pub(crate) unsafe fn attention_fp8(
             HEAD_DIM as u64 * s_pad,
             (heads * HEAD_DIM) as u64 * s_pad,
         ],
-        boxes: [128, HEAD_DIM as u32],
+        boxes: [keys, HEAD_DIM as u32],
+        swizzle_64,
     };
     let maps = [
-        qk_map(ops.q, seq_q, seq_q)?,
-        qk_map(ops.k, seq_k, kv_len)?,
+        qk_map(ops.q, seq_q, seq_q, BLOCK_Q)?,
+        qk_map(ops.k, seq_k, kv_len, variant.keys)?,
         // SAFETY: the caller's contract: [B, H, 128, s_pad] bytes at vt.
-        unsafe { encode(op, backend, ops.vt, vt_map) }?,
+        unsafe { encode(op, backend, ops.vt, vt_map(128, false)) }?,
+        // SAFETY: as above.
+        unsafe { encode(op, backend, ops.vt, vt_map(64, true)) }?,
     ];
     let f = backend.function(&SOURCE, variant.name)?;
     let smem = variant.shared_bytes();
@@ -490,7 +503,9 @@ pub(crate) unsafe fn attention_fp8(
     };
     let (op_ptr, lp) = (out.ptr(), lse.ptr());
     let mut launch = backend.stream.launch_builder(&f);
-    launch.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]);
+    for map in &maps {
+        launch.arg(map);
+    }
     for s in &ops.scales {
         launch.arg(s);
     }
@@ -499,7 +514,7 @@ pub(crate) unsafe fn attention_fp8(
         launch.arg(i);
     }
     launch.arg(&scale).arg(&tiles_x);
-    // SAFETY: hopper_fp8_fwd_* takes (tq, tk, tv, q_scales, k_scales, v_scales, out, lse, seq_q,
+    // SAFETY: hopper_fp8_fwd_* takes (tq, tk, tv, tv_tail, q_scales, k_scales, v_scales, out, lse, seq_q,
     // heads, kv_len, scale, tiles_x), one CTA of 384 threads per tile, the variant's dynamic shared
     // memory (opted into above, ≤ 227 KiB: a unit test); the maps and scales cover the buffers the
     // caller vouched for; out and lse were allocated here with the sizes the kernel writes.

@@ -10,8 +10,8 @@
 //!   / 448, as the linears' rows (`super`), so each block spans the format's range;
 //! - V in e4m3 with one scale per (sample, head, channel) over the valid keys, which folds into
 //!   the output (out[:, d] = (Σⱼ P·q_v[j, d])·s_v[d]);
-//! - S = (q_Q·q_Kᵀ)·s_q·s_k·scale summed in f32; the softmax online over key blocks of [`BLOCK`],
-//!   in f32, as a flash kernel runs it: per block m ← max(m, rowmax S), the accumulator and the
+//! - S = (q_Q·q_Kᵀ)·s_q·s_k·scale summed in f32; the softmax online over key blocks of [`STEP`]
+//!   (the GPU kernel's K/V block), in f32, as a flash kernel runs it: per block m ← max(m, rowmax S), the accumulator and the
 //!   row sum l rescaled by exp(m_old − m), p = exp(S − m), l += Σ p (unquantised);
 //! - P·V on e4m3 operands: p scaled by 448 (so p ∈ [0, 1] uses the format's whole range) and
 //!   rounded, the products summed in f32; out = acc·s_v / (448·l), rounded once to q's dtype;
@@ -22,8 +22,13 @@ use super::cpu::e4m3;
 use super::{E4M3_MAX, same_device};
 use crate::{AttentionOptions, DType, Device, KernelError, Result, Tensor};
 
-/// Tokens per Q and K scale block, and keys per online-softmax step: the Hopper kernel's tiles.
+/// Tokens per Q and K scale block: the Hopper kernel's query tile.
 pub const BLOCK: usize = 128;
+
+/// Keys per online-softmax step: the K/V block of the GPU's default FP8 kernel. The running max
+/// moves once per step and sets the scale at which each p rounds to e4m3, so the reference takes
+/// the kernel's steps to be held to it code for code.
+pub const STEP: usize = 128;
 
 /// FP8 scaled-dot-product attention by the recipe of the module docs: q [B, S_q, H, D], k and v
 /// [B, S_k, H, D] (f32 or bf16, one dtype) → out [B, S_q, H, D] in q's dtype and lse [B, H, S_q]
@@ -36,11 +41,51 @@ pub fn attention_fp8(
     options: AttentionOptions,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "attention_fp8";
+    let (dims, args) = check(OP, (q, k, v), options)?;
+    match same_device(OP, &[q, k, v])? {
+        Device::Cpu => reference(OP, (q, k, v), dims, args, STEP),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => super::cuda::attention(OP, (q, k, v), dims, args.0, args.1),
+        #[cfg(not(feature = "cuda"))]
+        device @ Device::Cuda(_) => Err(KernelError::UnsupportedDevice { op: OP, device }),
+    }
+}
+
+/// The CPU recipe of [`attention_fp8`] with online-softmax steps of `step` keys (a multiple of
+/// 64, so that each step's 64-key segments lie in one K scale block, as the kernels take them):
+/// the reference each GPU kernel variant is held to, whatever its K/V block. Takes
+/// [`attention_fp8`]'s arguments (tensors anywhere, read on the host) and checks them the same.
+pub fn attention_fp8_reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    options: AttentionOptions,
+    step: usize,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "attention_fp8_reference";
+    if step == 0 || !step.is_multiple_of(64) {
+        return Err(KernelError::arg(
+            OP,
+            "step",
+            step,
+            "it must be a positive multiple of 64",
+        ));
+    }
+    let (dims, args) = check(OP, (q, k, v), options)?;
+    reference(OP, (q, k, v), dims, args, step)
+}
+
+/// The shapes' rule → ([B, S_q, S_k, H, D], (scale, kv_len)).
+fn check(
+    op: &'static str,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    options: AttentionOptions,
+) -> Result<([usize; 5], (f32, usize))> {
     let (qs, ks) = (q.shape(), k.shape());
     let ok = qs.len() == 4 && ks.len() == 4 && ks[0] == qs[0] && ks[2..] == qs[2..];
     if !ok || v.shape() != ks {
         return Err(KernelError::shape(
-            OP,
+            op,
             "q [B, S_q, H, D], k and v [B, S_k, H, D]",
             &[qs, ks, v.shape()],
         ));
@@ -50,25 +95,26 @@ pub fn attention_fp8(
     let kv_len = options.kv_len.unwrap_or(sk);
     if kv_len > sk {
         return Err(KernelError::arg(
-            OP,
+            op,
             "kv_len",
             kv_len,
             format!("it must be at most S_k = {sk}"),
         ));
     }
     let scale = options.scale.unwrap_or(1.0 / (d as f32).sqrt());
-    match same_device(OP, &[q, k, v])? {
-        Device::Cpu => {}
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => {
-            return super::cuda::attention(OP, (q, k, v), [b, sq, sk, h, d], scale, kv_len);
-        }
-        #[cfg(not(feature = "cuda"))]
-        device @ Device::Cuda(_) => {
-            return Err(KernelError::UnsupportedDevice { op: OP, device });
-        }
-    }
-    let (qv, kv, vv) = (q.cpu_f32(OP)?, k.cpu_f32(OP)?, v.cpu_f32(OP)?);
+    Ok(([b, sq, sk, h, d], (scale, kv_len)))
+}
+
+/// The recipe on the host, over checked arguments.
+fn reference(
+    op: &'static str,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    [b, sq, sk, h, d]: [usize; 5],
+    (scale, kv_len): (f32, usize),
+    step: usize,
+) -> Result<(Tensor, Tensor)> {
+    let qs = q.shape();
+    let (qv, kv, vv) = (q.cpu_f32(op)?, k.cpu_f32(op)?, v.cpu_f32(op)?);
     let at = |s: usize, bi: usize, t: usize, hi: usize| ((bi * s + t) * h + hi) * d;
     let mut out = vec![0f32; b * sq * h * d];
     let mut lse = vec![f32::NEG_INFINITY; b * h * sq];
@@ -118,8 +164,8 @@ pub fn attention_fp8(
                 let sqk = q_scales[i / BLOCK];
                 let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
                 let mut acc = vec![0f32; d];
-                for start in (0..kv_len).step_by(BLOCK) {
-                    let keys = start..(start + BLOCK).min(kv_len);
+                for start in (0..kv_len).step_by(step) {
+                    let keys = start..(start + step).min(kv_len);
                     let s_ij: Vec<f32> = keys
                         .clone()
                         .map(|j| {

@@ -431,3 +431,19 @@ pub(super) fn quantize_attention(
 /// 7.53 for 2 stages and 7.63 with 2 of 16 column groups in software (which had been 3 % ahead
 /// before the row sums were split); 131.9 ms at (1,40,75600,128) against 135.9 and 137.2.
 const DEFAULT_FP8_ATTENTION: usize = 1;
+
+#[cfg(test)]
+mod tests {
+    use super::DEFAULT_FP8_ATTENTION;
+    use crate::cuda::HOPPER_FP8_VARIANTS;
+
+    /// The CPU's `attention_fp8` takes the default kernel's softmax steps: a model run in FP8 on
+    /// the CPU and on the GPU rounds P at the same running maxima.
+    #[test]
+    fn the_reference_steps_as_the_default_kernel() {
+        assert_eq!(
+            HOPPER_FP8_VARIANTS[DEFAULT_FP8_ATTENTION].keys,
+            super::super::attention::STEP
+        );
+    }
+}

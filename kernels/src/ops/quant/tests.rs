@@ -407,8 +407,9 @@ fn fp8_attention_checks_its_inputs() -> crate::Result<()> {
     Ok(())
 }
 
-/// The FP8 attention's online schedule in closed form: with M_b the running max after key block
-/// b and M the final one, the recipe computes out = Σⱼ e4m3(448·exp(S_j − M_b(j)))·exp(M_b(j) −
+/// The FP8 attention's online schedule in closed form, at the default step and at the steps of
+/// every GPU kernel (192 keys straddle the 128-token K scale blocks): with M_b the running max
+/// after softmax step b and M the final one, the recipe computes out = Σⱼ e4m3(448·exp(S_j − M_b(j)))·exp(M_b(j) −
 /// M)·q_v[j]·s_v / (448·Σⱼ exp(S_j − M)). Evaluated here in f64 from the same f32 scores (so no
 /// e4m3 rounding can flip), it must equal the reference to f32 rounding: this pins P's scaling,
 /// the rescaling by the running max and V's scales, which the bounds above are too loose to.
@@ -421,7 +422,38 @@ fn fp8_attention_follows_its_online_schedule() -> crate::Result<()> {
     )?;
     let k = Tensor::randn(&[1, sk, h, d], DType::F32, 32, Device::Cpu)?;
     let v = Tensor::randn(&[1, sk, h, d], DType::F32, 33, Device::Cpu)?;
-    let (out, _) = attention_fp8(&q, &k, &v, crate::AttentionOptions::default())?;
+    let options = crate::AttentionOptions::default();
+    let (default, _) = attention_fp8(&q, &k, &v, options)?;
+    let (at_step, _) = attention_fp8_reference(&q, &k, &v, options, super::attention::STEP)?;
+    assert_eq!(default.to_vec_f32()?, at_step.to_vec_f32()?);
+    let mut outs = Vec::new();
+    for step in [64, 128, 192] {
+        let (out, _) = attention_fp8_reference(&q, &k, &v, options, step)?;
+        check_online_schedule(&q, &k, &v, &out, step)?;
+        outs.push(out.to_vec_f32()?);
+    }
+    // The step is seen: P rounds at another running max.
+    assert!(outs[0] != outs[1] && outs[1] != outs[2]);
+    let e = attention_fp8_reference(&q, &k, &v, options, 96).unwrap_err();
+    assert!(
+        e.to_string().contains("step") && e.to_string().contains("96"),
+        "{e}"
+    );
+    Ok(())
+}
+
+/// `fp8_attention_follows_its_online_schedule`'s closed form for one step.
+fn check_online_schedule(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    step: usize,
+) -> crate::Result<()> {
+    let [_, sq, _, d] = q.shape()[..] else {
+        unreachable!()
+    };
+    let sk = k.shape()[1];
     let (qv, kv, vv, ov) = (
         q.to_vec_f32()?,
         k.to_vec_f32()?,
@@ -450,7 +482,7 @@ fn fp8_attention_follows_its_online_schedule() -> crate::Result<()> {
             .collect();
         let mut running = Vec::new();
         let mut m = f32::NEG_INFINITY;
-        for block in s.chunks(FP8_ATTENTION_BLOCK) {
+        for block in s.chunks(step) {
             m = block.iter().fold(m, |a, &b| a.max(b));
             running.push(m);
         }
@@ -459,7 +491,7 @@ fn fp8_attention_follows_its_online_schedule() -> crate::Result<()> {
         for c in 0..d {
             let acc: f64 = (0..sk)
                 .map(|j| {
-                    let mb = running[j / FP8_ATTENTION_BLOCK];
+                    let mb = running[j / step];
                     let p8 = e4m3((f64::from(s[j] - mb).exp() as f32) * E4M3_MAX);
                     let v8 = e4m3(vv[j * d + c] / sv[c]);
                     f64::from(p8) * (f64::from(mb) - total).exp() * f64::from(v8)
@@ -469,7 +501,7 @@ fn fp8_attention_follows_its_online_schedule() -> crate::Result<()> {
             let got = f64::from(ov[i * d + c]);
             assert!(
                 (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                "({i}, {c}): {got} vs {want}"
+                "step {step}, ({i}, {c}): {got} vs {want}"
             );
         }
     }

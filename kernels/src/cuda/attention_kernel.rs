@@ -139,7 +139,7 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
 pub struct HopperFp8Variant {
     /// Kernel name in hopper.cu.
     pub name: &'static str,
-    /// Keys per K/V block and softmax step (128 or 192).
+    /// Keys per K/V block and softmax step (128, 192 or 224).
     pub keys: usize,
     /// K and Vᵀ stages.
     pub stages: usize,
@@ -177,6 +177,8 @@ pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
     fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s2_e0", 192, 2, 0),
     fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_e0", 192, 3, 0),
     fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s4_e0", 192, 4, 0),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc224_s2_e0", 224, 2, 0),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc224_s3_e0", 224, 3, 0),
 ];
 
 /// One compiled tile configuration of the tensor-core kernel
@@ -334,7 +336,7 @@ mod tests {
         for v in HOPPER_FP8_VARIANTS {
             let tail = format!("_bc{}_s{}_e{}", v.keys, v.stages, v.emulated);
             assert!(v.name.ends_with(&tail), "{}", v.name);
-            assert!(v.keys == 128 || v.keys == 192, "{}", v.name);
+            assert!([128, 192, 224].contains(&v.keys), "{}", v.name);
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);
         }
         for v in HOPPER_VARIANTS {

@@ -96,11 +96,16 @@ __device__ __forceinline__ u64 desc(unsigned addr, unsigned lbo, unsigned sbo) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
            ((u64)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
-// The same with the 64B swizzle (mode 2): rows of 64 bytes, the pattern repeating every 8 rows
-// (512-aligned), as TMA's CU_TENSOR_MAP_SWIZZLE_64B writes them.
+// The same with the 64B swizzle (mode 2: rows of 64 bytes, the pattern repeating every 8 rows,
+// 512-aligned) or the 32B one (mode 3: rows of 32 bytes, 256-aligned), as TMA's
+// CU_TENSOR_MAP_SWIZZLE_64B / _32B write them.
 __device__ __forceinline__ u64 desc64(unsigned addr, unsigned lbo, unsigned sbo) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
            ((u64)((sbo >> 4) & 0x3FFF) << 32) | (2ull << 62);
+}
+__device__ __forceinline__ u64 desc32(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
+           ((u64)((sbo >> 4) & 0x3FFF) << 32) | (3ull << 62);
 }
 
 // d (+)= A·B over one k16 step, m64n128: A and B from shared memory through descriptors, both K-major
@@ -157,6 +162,15 @@ __device__ __forceinline__ void wgmma_ss192_e4m3(float* d, u64 da, u64 db, int a
         "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// As wgmma_ss_e4m3, m64n224k32 (112 accumulators): the FP8 Q·Kᵀ over K blocks of 224 keys.
+__device__ __forceinline__ void wgmma_ss224_e4m3(float* d, u64 da, u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %114, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n224k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111}, %112, %113, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111])
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
@@ -752,18 +766,19 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // 128, S_pad] (S_pad = kv_len rounded up to 128, zero past kv_len), with one scale per (batch, head,
 // channel), and its keys permuted within each run of 32 (below).
 // Q tiles are [128 × 128] bytes, one 128B-swizzle region (a row of 128 e4m3 is one 128-byte line),
-// by TMA. K/V blocks are KB = 128 or 192 keys (FlashAttention-3 takes 224 for FP8: fewer turns and
-// block-wise costs per key), each the reference's softmax step (`attention_fp8_reference` at
-// step KB), taken first to last as the reference takes them, so the running max (which sets how
-// each P rounds to e4m3) follows the same sequence; the partial last block is masked where it comes.
+// by TMA. K/V blocks are KB = 128, 192 or 224 keys (FlashAttention-3 takes 224 for FP8: fewer
+// turns and block-wise costs per key; at 256 ptxas spills and serialises the wgmma), each the
+// reference's softmax step (`attention_fp8_reference` at step KB), taken first to last as the
+// reference takes them, so the running max (which sets how each P rounds to e4m3) follows the
+// same sequence; the partial last block is masked where it comes.
 // No split of the last wave (the merge would change that sequence too). A K block is KB rows of
-// 128 bytes, one box; a Vᵀ block is [128 channels × 128 keys] (128B swizzle) and, at KB = 192, a
-// second box of [128 × 64 keys] in the 64B swizzle (`pv`).
+// 128 bytes, one box; a Vᵀ block is [128 channels × 128 keys] (128B swizzle), then [128 × 64 keys]
+// (64B swizzle) at KB ≥ 192 and [128 × 32 keys] (32B swizzle) at KB = 224, one box each (`pv`).
 // GEMMs: wgmma m64nKBk32 e4m3 (8-bit operands are K-major only): S = Q·Kᵀ as 4 SS k-steps of 32
 // bytes into each 128-byte row; O += P·V (m64n128k32) as KB/32 RS k-steps with P in registers and
 // Vᵀ K-major (keys contiguous), the same descriptors as Q and K.
-// Softmax in base 2 on descaled scores: a segment g of 64 keys of block j (each inside one of K's
-// 128-token scale blocks) has raw scores (integer-valued products of codes, summed in f32) times
+// Softmax in base 2 on descaled scores: a segment g of 64 keys (32 at KB = 224) of block j (each
+// inside one of K's 128-token scale blocks) has raw scores (integer-valued products of codes, summed in f32) times
 // c_jg = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 =
 // 2^(s·c_jg − m + log2 448) straight from ex2 (the ×448 of the reference folded into the exponent),
 // rounded to e4m3 for P·V and summed unrounded into l (which is then 448·Σp).
@@ -777,8 +792,13 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 namespace fp8 {
 
 constexpr int SCALE_BLOCK = 128;                   // tokens per K scale (the recipe's block)
-constexpr int SEG = 64;                            // keys per descale segment of a K/V block
+// Keys per descale segment of a K/V block of KB keys: runs of SEG keys from a multiple of SEG lie
+// in one K scale block (blocks of 224 keys start 32 keys off a scale block's start).
+template <int KB>
+__host__ __device__ constexpr int seg() { return KB % 64 == 0 ? 64 : 32; }
 constexpr int TILE8 = 128 * 128;                   // bytes of a [128 × 128] e4m3 tile
+constexpr int VT_64 = TILE8;                       // a Vᵀ stage's keys 128–191 (64B swizzle)
+constexpr int VT_32 = TILE8 + 128 * 64;            // its keys 192–223 (32B swizzle)
 constexpr float LOG2_448 = 8.8073549220576041f;    // log2 448
 constexpr float LN_448 = 6.1047932324149849f;      // ln 448
 
@@ -795,21 +815,25 @@ template <int KB>
 __device__ __forceinline__ void qk(float* s, unsigned q_wg, unsigned kt) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-        if constexpr (KB == 128) wgmma_ss_e4m3(s, desc(q_wg + kk * 32, 16, 1024), desc(kt + kk * 32, 16, 1024), kk > 0);
-        else wgmma_ss192_e4m3(s, desc(q_wg + kk * 32, 16, 1024), desc(kt + kk * 32, 16, 1024), kk > 0);
+        const u64 da = desc(q_wg + kk * 32, 16, 1024), db = desc(kt + kk * 32, 16, 1024);
+        if constexpr (KB == 128) wgmma_ss_e4m3(s, da, db, kk > 0);
+        else if constexpr (KB == 192) wgmma_ss192_e4m3(s, da, db, kk > 0);
+        else wgmma_ss224_e4m3(s, da, db, kk > 0);
     }
 }
 
 // O += P·V over KB keys: k-steps of 32 (Vᵀ K-major, 32 bytes into each channel's row per step). A
-// Vᵀ stage holds keys 0–127 as a [128 × 128] tile in the 128B swizzle and, for KB = 192, keys
-// 128–191 after it as [128 channels × 64 bytes] in the 64B swizzle (no swizzle fits a 64-byte row
-// but that one; the two boxes come from two tensor maps of the same Vᵀ).
+// Vᵀ stage holds keys 0–127 as a [128 × 128] tile in the 128B swizzle, then (KB ≥ 192) keys
+// 128–191 as [128 channels × 64 bytes] in the 64B swizzle, then (KB = 224) keys 192–223 as [128 ×
+// 32 bytes] in the 32B swizzle: a swizzle's rows are as long as its span, so each part is its own
+// box, from its own tensor map of the same Vᵀ.
 template <int KB>
 __device__ __forceinline__ void pv(float* o, unsigned (*p)[4], unsigned vt) {
 #pragma unroll
     for (int kk = 0; kk < KB / 32; ++kk) {
         if (kk < 4) wgmma_rs_e4m3(o, p[kk], desc(vt + kk * 32, 16, 1024));
-        else wgmma_rs_e4m3(o, p[kk], desc64(vt + TILE8 + (kk - 4) * 32, 16, 512));
+        else if (kk < 6) wgmma_rs_e4m3(o, p[kk], desc64(vt + VT_64 + (kk - 4) * 32, 16, 512));
+        else wgmma_rs_e4m3(o, p[kk], desc32(vt + VT_32, 16, 256));
     }
 }
 
@@ -853,27 +877,30 @@ __device__ __forceinline__ float ex2_fma(float x) {
 }
 
 // One block's online softmax for this thread's rows r0 and r0 + 8, with the descale c[g] of each
-// segment g of SEG keys (a K/V block of KB keys spans KB/SEG segments, each inside one K scale
-// block): m ← max(m, max_g rowmax_g(s)·c[g]) (c > 0, so the max of the rounded products is the
-// rounded max; with one descale for the block this is rowmax(s)·c), α = 2^(m_old − m) (0 on the
-// first block), s ← 2^(s·c[g] − m + log2 448), l ← l·α + Σ s. Needs a finite score per row. Returns
-// whether some row of the warp has a new max. Column groups nt with (nt·EMU) mod 16 < EMU (EMU of
-// each thread's 16, spread evenly) exponentiate by `ex2_fma`, the rest on the MUFU.
+// segment g of SEG = seg<KB>() keys (each inside one K scale block): m ← max(m, max_g
+// rowmax_g(s)·c[g]) (c > 0, so the max of the rounded products is the rounded max; with one
+// descale for the block this is rowmax(s)·c), α = 2^(m_old − m) (0 on the first block), s ←
+// 2^(s·c[g] − m + log2 448), l ← l·α + Σ s. Needs a finite score per row. Returns whether some row
+// of the warp has a new max. Column groups nt with (nt·EMU) mod 16 < EMU (EMU of each thread's 16,
+// spread evenly) exponentiate by `ex2_fma`, the rest on the MUFU.
 template <int KB, int EMU>
 __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, float* alpha, const float* c) {
-    constexpr int GROUPS = SEG / 8;  // column groups of 8 keys per segment
+    constexpr int GROUPS = seg<KB>() / 8;  // column groups of 8 keys per segment
     bool rescale = false;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        float mx = -INFINITY;
+        // The row max as four interleaved chains (within a segment, then across them): the
+        // exponentials wait for it.
+        float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-        for (int g = 0; g < KB / SEG; ++g) {
-            float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        for (int g = 0; g < KB / (8 * GROUPS); ++g) {
+            float sp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
             for (int nt = g * GROUPS; nt < (g + 1) * GROUPS; ++nt)
-                part[nt % 4] = fmaxf(part[nt % 4], fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
-            mx = fmaxf(mx, fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])) * c[g]);
+                sp[nt % 4] = fmaxf(sp[nt % 4], fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+            part[g % 4] = fmaxf(part[g % 4], fmaxf(fmaxf(sp[0], sp[1]), fmaxf(sp[2], sp[3])) * c[g]);
         }
+        float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         mx = fmaxf(m[hf], mx);
@@ -905,15 +932,16 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, flo
 template <int KB>
 __device__ __forceinline__ void descales(float* c, const float* ks, int i, int k_blocks, float cq, float cs) {
 #pragma unroll
-    for (int g = 0; g < KB / SEG; ++g) c[g] = (cq * __ldg(ks + min((i * KB + g * SEG) / SCALE_BLOCK, k_blocks - 1))) * cs;
+    for (int g = 0; g < KB / seg<KB>(); ++g)
+        c[g] = (cq * __ldg(ks + min((i * KB + g * seg<KB>()) / SCALE_BLOCK, k_blocks - 1))) * cs;
 }
 
 template <int STAGES, int EMU, int KB>
-__device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tv_tail,
+__device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tv64, const TmaMap& tv32,
                                     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
                                     const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
                                     int seq_q, int heads, int kv_len, float scale, int tiles_x) {
-    static_assert(KB == 128 || KB == 192, "K/V blocks of 128 or 192 keys");
+    static_assert(KB == 128 || KB == 192 || KB == 224, "K/V blocks of 128, 192 or 224 keys");
     constexpr int STAGE = KB * 128;  // bytes of a K stage, and of a Vᵀ stage
     static_assert(TILE8 + 2 * STAGES * STAGE + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024, "shared memory");
     using namespace ws;
@@ -968,7 +996,8 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             mbar_wait(empty_v + 8 * s, phase ^ 1);
             mbar_expect_tx(full_v + 8 * s, STAGE);
             tma_box(sv + s * STAGE, tv, full_v + 8 * s, i * KB, 0, h, b);
-            if constexpr (KB == 192) tma_box(sv + s * STAGE + TILE8, tv_tail, full_v + 8 * s, i * KB + 128, 0, h, b);
+            if constexpr (KB >= 192) tma_box(sv + s * STAGE + VT_64, tv64, full_v + 8 * s, i * KB + 128, 0, h, b);
+            if constexpr (KB == 224) tma_box(sv + s * STAGE + VT_32, tv32, full_v + 8 * s, i * KB + 192, 0, h, b);
         }
         return;
     }
@@ -993,7 +1022,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     if (w == 1) bar_arrive(TURN + 0);
 
     // Prologue: block 0.
-    float c[KB / SEG];
+    float c[KB / seg<KB>()];
     descales<KB>(c, ks, 0, k_blocks, cq, cs);
     mbar_wait(full_q, 0);
     mbar_wait(full_k, 0);
@@ -1127,19 +1156,19 @@ HOPPER_WS_KERNEL(2, 192)
 // ops/attention/hopper.rs's `attention_fp8`): 384 threads, one CTA per tile of 128 query rows of one
 // (batch, head) (tile = q-tile + tiles_x·(h + heads·b)), dynamic shared memory Q (16 KiB) + 2·STAGES
 // stages of KB·128 bytes + 1 KiB alignment slack; the tensor maps of the codes of q and k ([B, S, H,
-// 128] u8, boxes 128 × 128 and 128 × KB; k's S = kv_len) and twice of vᵀ ([B, H, 128, S_pad] u8, box
-// 128 × 128 in the 128B swizzle, and 64 × 128 in the 64B swizzle, read at KB = 192 only), their
-// scales (q, k [B, H, ⌈S/128⌉], v [B, H, 128]).
+// 128] u8, boxes 128 × 128 and 128 × KB; k's S = kv_len) and three of vᵀ ([B, H, 128, S_pad] u8,
+// boxes of 128, 64 and 32 keys × 128 channels in the 128B, 64B and 32B swizzles, the last two read
+// at KB ≥ 192 and KB = 224 only), their scales (q, k [B, H, ⌈S/128⌉], v [B, H, 128]).
 #ifdef HOPPER_WGMMA
 #define HOPPER_FP8_BODY(STAGES, EMU, KB) \
-    hopper::fp8::fwd<STAGES, EMU, KB>(tq, tk, tv, tv_tail, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
+    hopper::fp8::fwd<STAGES, EMU, KB>(tq, tk, tv, tv64, tv32, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
 #else
 #define HOPPER_FP8_BODY(STAGES, EMU, KB)
 #endif
 #define HOPPER_FP8_KERNEL(KB, STAGES, EMU)                                                                 \
     extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES##_e##EMU( \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
-        const __grid_constant__ TmaMap tv_tail, const float* q_scales, const float* k_scales, const float* v_scales, \
+        const __grid_constant__ TmaMap tv64, const __grid_constant__ TmaMap tv32, const float* q_scales, const float* k_scales, const float* v_scales, \
         bf16* out, float* lse, int seq_q, int heads, int kv_len, float scale, int tiles_x) {               \
         HOPPER_FP8_BODY(STAGES, EMU, KB)                                                                   \
     }
@@ -1149,3 +1178,5 @@ HOPPER_FP8_KERNEL(128, 3, 2)
 HOPPER_FP8_KERNEL(192, 2, 0)
 HOPPER_FP8_KERNEL(192, 3, 0)
 HOPPER_FP8_KERNEL(192, 4, 0)
+HOPPER_FP8_KERNEL(224, 2, 0)
+HOPPER_FP8_KERNEL(224, 3, 0)

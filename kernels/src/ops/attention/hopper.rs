@@ -12,6 +12,7 @@
 //! source is even compiled).
 
 use cudarc::driver::sys;
+use cudarc::driver::sys::CUtensorMapSwizzle as Swizzle;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, PushKernelArg};
 
 use super::cuda::{int, launch};
@@ -210,7 +211,7 @@ fn tensor_map(
         dims,
         strides,
         boxes: [64, box_rows as u32],
-        swizzle_64: false,
+        swizzle: Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
     };
     // SAFETY: `t` is a live allocation of B·S·H·128 bf16 (256-byte aligned), which the dims and
     // strides above stay within.
@@ -219,13 +220,14 @@ fn tensor_map(
 
 /// A 4-D tensor map over a contiguous buffer: element type (bf16 or u8), dims (innermost first),
 /// the byte strides of the outer three, and the box of the inner two (the outer two boxed by 1),
-/// with the 128-byte swizzle the wgmma operands use (or the 64-byte one, for boxes of 64-byte rows).
+/// and the swizzle (128 bytes, the span of the box's inner extent; 64 or 32 for boxes of rows that
+/// short) the wgmma operands' descriptors name.
 struct MapSpec {
     bf16: bool,
     dims: [u64; 4],
     strides: [u64; 3],
     boxes: [u32; 2],
-    swizzle_64: bool,
+    swizzle: Swizzle,
 }
 
 /// Encodes `map` over the buffer at `ptr`.
@@ -233,8 +235,7 @@ struct MapSpec {
 /// # Safety
 /// `ptr` is the start of a live allocation (256-byte aligned) that every element the dims and
 /// strides address lies in; strides are multiples of 16 below 2⁴⁰, no dim is 0, and the box's
-/// inner extent is at most the swizzle span (128 bytes, 64 with `swizzle_64`) and both are at
-/// most 256.
+/// inner extent is at most the swizzle's span and both are at most 256.
 unsafe fn encode(
     op: &'static str,
     backend: &CudaBackend,
@@ -262,11 +263,7 @@ unsafe fn encode(
             boxes.as_ptr(),
             elem_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            if map.swizzle_64 {
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B
-            } else {
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
-            },
+            map.swizzle,
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
@@ -456,32 +453,36 @@ pub(crate) unsafe fn attention_fp8(
             ],
             strides: [row, HEAD_DIM as u64, seq.max(1) as u64 * row],
             boxes: [128, box_rows as u32],
-            swizzle_64: false,
+            swizzle: Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
         };
         // SAFETY: the caller's contract: [B, seq, H, 128] bytes at ptr, rows ≤ seq.
         unsafe { encode(op, backend, ptr, map) }
     };
     let s_pad = ops.s_pad as u64;
-    // Vᵀ by keys 0–127 of each block (128B swizzle) and, for 192-key blocks, keys 128–191 (64B
-    // swizzle: hopper.cu's `fp8::pv`). Boxes past s_pad read zeros.
-    let vt_map = |keys: u32, swizzle_64| MapSpec {
-        bf16: false,
-        dims: [s_pad, HEAD_DIM as u64, heads as u64, batch as u64],
-        strides: [
-            s_pad,
-            HEAD_DIM as u64 * s_pad,
-            (heads * HEAD_DIM) as u64 * s_pad,
-        ],
-        boxes: [keys, HEAD_DIM as u32],
-        swizzle_64,
+    // Vᵀ by keys 0–127 of each block (128B swizzle), 128–191 (64B) and 192–223 (32B), the parts
+    // of a block of up to 224 keys (hopper.cu's `fp8::pv`); boxes past s_pad read zeros.
+    let vt_map = |keys: u32, swizzle| {
+        let map = MapSpec {
+            bf16: false,
+            dims: [s_pad, HEAD_DIM as u64, heads as u64, batch as u64],
+            strides: [
+                s_pad,
+                HEAD_DIM as u64 * s_pad,
+                (heads * HEAD_DIM) as u64 * s_pad,
+            ],
+            boxes: [keys, HEAD_DIM as u32],
+            swizzle,
+        };
+        // SAFETY: the caller's contract: [B, H, 128, s_pad] bytes at vt; the box's inner extent
+        // (keys bytes) is its swizzle's span.
+        unsafe { encode(op, backend, ops.vt, map) }
     };
     let maps = [
         qk_map(ops.q, seq_q, seq_q, BLOCK_Q)?,
         qk_map(ops.k, seq_k, kv_len, variant.keys)?,
-        // SAFETY: the caller's contract: [B, H, 128, s_pad] bytes at vt.
-        unsafe { encode(op, backend, ops.vt, vt_map(128, false)) }?,
-        // SAFETY: as above.
-        unsafe { encode(op, backend, ops.vt, vt_map(64, true)) }?,
+        vt_map(128, Swizzle::CU_TENSOR_MAP_SWIZZLE_128B)?,
+        vt_map(64, Swizzle::CU_TENSOR_MAP_SWIZZLE_64B)?,
+        vt_map(32, Swizzle::CU_TENSOR_MAP_SWIZZLE_32B)?,
     ];
     let f = backend.function(&SOURCE, variant.name)?;
     let smem = variant.shared_bytes();
@@ -514,7 +515,7 @@ pub(crate) unsafe fn attention_fp8(
         launch.arg(i);
     }
     launch.arg(&scale).arg(&tiles_x);
-    // SAFETY: hopper_fp8_fwd_* takes (tq, tk, tv, tv_tail, q_scales, k_scales, v_scales, out, lse, seq_q,
+    // SAFETY: hopper_fp8_fwd_* takes (tq, tk, tv, tv64, tv32, q_scales, k_scales, v_scales, out, lse, seq_q,
     // heads, kv_len, scale, tiles_x), one CTA of 384 threads per tile, the variant's dynamic shared
     // memory (opted into above, ≤ 227 KiB: a unit test); the maps and scales cover the buffers the
     // caller vouched for; out and lse were allocated here with the sizes the kernel writes.

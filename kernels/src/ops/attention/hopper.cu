@@ -931,9 +931,13 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, flo
 // masked, but their descale must stay finite and > 0).
 template <int KB>
 __device__ __forceinline__ void descales(float* c, const float* ks, int i, int k_blocks, float cq, float cs) {
+    if constexpr (KB == SCALE_BLOCK) {  // one scale block: one load
+        c[0] = c[1] = (cq * __ldg(ks + i)) * cs;
+    } else {
 #pragma unroll
-    for (int g = 0; g < KB / seg<KB>(); ++g)
-        c[g] = (cq * __ldg(ks + min((i * KB + g * seg<KB>()) / SCALE_BLOCK, k_blocks - 1))) * cs;
+        for (int g = 0; g < KB / seg<KB>(); ++g)
+            c[g] = (cq * __ldg(ks + min((i * KB + g * seg<KB>()) / SCALE_BLOCK, k_blocks - 1))) * cs;
+    }
 }
 
 template <int STAGES, int EMU, int KB>

@@ -21,7 +21,9 @@
 # --fp8`: the forward with FP8 linears and self-attention as `model.dtype: fp8` runs it, and with
 # FP8 linears only; the FP8 forward's error against bf16; the block's linears in FP8) to every pair,
 # and at 480p 81 frames a 20-step denoise with both (`--steps 20`); the summary then gives the FP8
-# forward against diffusers' bf16 one.
+# forward against diffusers' bf16 one. With FP8=1, FP8_ATTENTION=<kernel>[,<kernel>...] also times
+# the FP8 forward with those FP8 attention kernels in place of the default (`dit_step
+# --fp8-attention`).
 # Logs go to $OUT (the device runner's output folder) when set, else /tmp/ditstream-gpu.
 # Exits non-zero if any step failed (the table is printed anyway).
 set -uo pipefail
@@ -91,6 +93,7 @@ run_pair() { # $1: label, then the shared shape arguments; ours' iteration args 
 
 FP8_ARGS=""
 [ "${FP8:-0}" = 1 ] && FP8_ARGS="--fp8"
+[ "${FP8:-0}" = 1 ] && [ -n "${FP8_ATTENTION:-}" ] && FP8_ARGS="$FP8_ARGS --fp8-attention $FP8_ATTENTION"
 OURS_ITERS="--warmup 2 --iters 5 $FP8_ARGS"
 run_pair 480p5f --height 480 --width 832 --frames 5
 if [ "$full" -eq 1 ]; then

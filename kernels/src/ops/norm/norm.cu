@@ -277,7 +277,7 @@ __device__ void rms_norm_rope_rows(const T* x, const W* w, const float* cos_t, c
 // The norms whose every consumer is an FP8 linear (the DiT's, under `model.dtype: fp8`): map_rows'
 // walk, each output rounded to bf16 (what the unfused norm stores) and held in the row's registers,
 // then quantised per row as quant.cu's quantize_rows_v8 quantises the stored row: s = e4m3_scale of
-// the row's largest magnitude, codes e4m3(y / s), one 8-byte store per word. Codes and scales are
+// the row's largest magnitude, codes e4m3(y · (1/s)), one 8-byte store per word. Codes and scales are
 // the unfused pair's bit for bit, without the bf16 row's write and read back. bf16 rows only (V = 8).
 template <typename Prepare>
 __device__ __forceinline__ void map_rows_e4m3(const bf16* x, unsigned char* q, float* scales, i64 rows,
@@ -301,7 +301,7 @@ __device__ __forceinline__ void map_rows_e4m3(const bf16* x, unsigned char* q, f
                 m = fmaxf(m, fabsf(r.v[j][k]));
             }
         }
-        const float s = e4m3_scale(block_max(m));
+        const float s = e4m3_scale(block_max(m)), rs = e4m3_rcp(s);
 #pragma unroll
         for (int j = 0; j < ROW_WORDS; ++j) {
             const int wd = row_word(j);
@@ -309,7 +309,7 @@ __device__ __forceinline__ void map_rows_e4m3(const bf16* x, unsigned char* q, f
             const float* v = r.v[j];
             unsigned c[4];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) c[k] = e4m3x2(v[2 * k] / s, v[2 * k + 1] / s);
+            for (int k = 0; k < 4; ++k) c[k] = e4m3x2(v[2 * k] * rs, v[2 * k + 1] * rs);
             reinterpret_cast<uint2*>(q + row * d)[wd] = make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
         }
         if (threadIdx.x == 0) scales[row] = s;

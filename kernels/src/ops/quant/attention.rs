@@ -18,7 +18,7 @@
 //! - lse = m + ln l over the valid keys (natural log, with the scale), as the bf16 kernel
 //!   returns it, so Ring and Attention2D merge FP8 partials the same way.
 
-use super::cpu::e4m3;
+use super::cpu::{e4m3, rcp};
 use super::{E4M3_MAX, same_device};
 use crate::{AttentionOptions, DType, Device, KernelError, Result, Tensor};
 
@@ -128,11 +128,12 @@ fn reference(
                     });
                     let sc = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
                     scales.push(sc);
+                    let r = rcp(sc);
                     for t in block {
                         codes.push(
                             x[at(s, bi, t, hi)..][..d]
                                 .iter()
-                                .map(|v| e4m3(v / sc))
+                                .map(|v| e4m3(v * r))
                                 .collect(),
                         );
                     }
@@ -148,10 +149,11 @@ fn reference(
                     if amax > 0.0 { amax / E4M3_MAX } else { 1.0 }
                 })
                 .collect();
+            let v_rcp: Vec<f32> = v_scales.iter().map(|&s| rcp(s)).collect();
             let v8: Vec<Vec<f32>> = (0..kv_len)
                 .map(|t| {
                     (0..d)
-                        .map(|c| e4m3(vv[at(sk, bi, t, hi) + c] / v_scales[c]))
+                        .map(|c| e4m3(vv[at(sk, bi, t, hi) + c] * v_rcp[c]))
                         .collect()
                 })
                 .collect();

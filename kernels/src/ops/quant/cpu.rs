@@ -22,15 +22,23 @@ pub(super) fn e4m3(v: f32) -> f32 {
     ((a / step).round_ties_even() * step).copysign(v)
 }
 
+/// What codes are made with: e4m3(x · rcp(s)), the reciprocal rounded to f32 once per scale, as
+/// the GPU's kernels make them (`e4m3_rcp` in prelude.cuh: a division per element there cost more
+/// than the row's loads).
+pub(super) fn rcp(s: f32) -> f32 {
+    1.0 / s
+}
+
 /// Per-row scale and e4m3 values of `x` (rows of `k`): s = max|row| / 448 (1 if the row is all
-/// zeros), q = e4m3(x / s).
+/// zeros), q = e4m3(x · (1/s)).
 pub(super) fn quantize_rows(x: &[f32], k: usize) -> (Vec<f32>, Vec<f32>) {
     let mut q = Vec::with_capacity(x.len());
     let mut scales = Vec::with_capacity(x.len() / k);
     for row in x.chunks_exact(k) {
         let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
         let s = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
-        q.extend(row.iter().map(|v| e4m3(v / s)));
+        let r = rcp(s);
+        q.extend(row.iter().map(|v| e4m3(v * r)));
         scales.push(s);
     }
     (q, scales)

@@ -11,12 +11,12 @@
 //! serving wants: an outlier clips instead of becoming NaN); NaN stays NaN.
 //!
 //! Scales, one per row (a weight's output channel, an activation's token): s = max|row| / 448 (1 for
-//! an all-zero row) and q = e4m3(x / s), so every row spans the format's range and x ≈ q·s with a
+//! an all-zero row) and q = e4m3(x · (1/s)) (the reciprocal rounded once), so every row spans the format's range and x ≈ q·s with a
 //! relative error ≤ 2⁻⁴ (3 mantissa bits) down to |x/s| = 2⁻⁶, an absolute one ≤ 2⁻¹⁰·s below.
 //! The FP8 linear is then y = (Σₖ qxₖ·qwₖ)·s_x·s_w + bias with the products (exact in f32: 4 × 4
 //! significant bits) summed in f32, rounded once to the output's dtype.
 //!
-//! On the GPU the quantisation is the CPU's bit for bit (same divisions, same rounding); the GEMM
+//! On the GPU the quantisation is the CPU's bit for bit (same reciprocals, products and rounding); the GEMM
 //! differs from the reference only in its summation order and in how the tensor cores accumulate
 //! (`fp8_linears_match_cpu` in `kernels/tests/cuda_parity.rs` derives the bound), and needs bf16
 //! activations, `in` and `out` multiples of 16, and compute capability 8.9 or later

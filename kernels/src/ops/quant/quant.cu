@@ -1,7 +1,7 @@
 // FP8 (e4m3) per-row quantisation, the twin of cpu.rs's quantize_rows: one block per row (grid-stride
 // over rows), the row's largest magnitude by a block reduction, s = amax / 448 (1 for an all-zero
-// row), codes = e4m3(x / s) with x / s an IEEE division (NVRTC's default -prec-div) and the e4m3
-// rounding to nearest even, saturated to ±448 (cvt.rn.satfinite, sm_89 on): the CPU's arithmetic
+// row), codes = e4m3(x · r) with r = 1/s an IEEE division (NVRTC's default -prec-div) once per
+// scale (e4m3_rcp), x · r one f32 product, and the e4m3 rounding to nearest even, saturated to ±448 (cvt.rn.satfinite, sm_89 on): the CPU's arithmetic
 // step for step, so codes and scales agree bit for bit. block_max, e4m3_scale and e4m3x2 are the
 // prelude's (norm.cu's *_e4m3 kernels quantise with them too).
 
@@ -13,8 +13,8 @@ __device__ void quantize_rows(const T* x, unsigned char* q, float* scales, i64 r
         unsigned char* qr = q + row * k;
         float m = 0.0f;
         for (int i = threadIdx.x; i < k; i += blockDim.x) m = fmaxf(m, fabsf(ld(xr + i)));
-        const float s = e4m3_scale(block_max(m));
-        for (int i = threadIdx.x; i < k; i += blockDim.x) qr[i] = (unsigned char)(e4m3x2(ld(xr + i) / s, 0.0f) & 0xff);
+        const float s = e4m3_scale(block_max(m)), rs = e4m3_rcp(s);
+        for (int i = threadIdx.x; i < k; i += blockDim.x) qr[i] = (unsigned char)(e4m3x2(ld(xr + i) * rs, 0.0f) & 0xff);
         if (threadIdx.x == 0) scales[row] = s;
     }
 }
@@ -35,13 +35,13 @@ __device__ void quantize_rows_v8(const T* x, unsigned char* q, float* scales, i6
 #pragma unroll
             for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[j]));
         }
-        const float s = e4m3_scale(block_max(m));
+        const float s = e4m3_scale(block_max(m)), rs = e4m3_rcp(s);
         for (int w = threadIdx.x; w < words; w += blockDim.x) {
             float v[8];
             load_vec<T, 8>(xr + 8 * w, v);
             unsigned int c[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) c[j] = e4m3x2(v[2 * j] / s, v[2 * j + 1] / s);
+            for (int j = 0; j < 4; ++j) c[j] = e4m3x2(v[2 * j] * rs, v[2 * j + 1] * rs);
             qr[w] = make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
         }
         if (threadIdx.x == 0) scales[row] = s;
@@ -125,7 +125,7 @@ extern "C" __global__ void quantize_attention_qkv_bf16(const bf16* q, const bf16
 #pragma unroll
         for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(ld(e + j)));
     }
-    const float s = e4m3_scale(block_max(m));
+    const float s = e4m3_scale(block_max(m)), rs = e4m3_rcp(s);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const int c = threadIdx.x + 256 * i;
@@ -133,7 +133,7 @@ extern "C" __global__ void quantize_attention_qkv_bf16(const bf16* q, const bf16
         const bf16* e = reinterpret_cast<const bf16*>(&held[i]);
         unsigned int w[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) w[j] = e4m3x2(ld(e + 2 * j) / s, ld(e + 2 * j + 1) / s);
+        for (int j = 0; j < 4; ++j) w[j] = e4m3x2(ld(e + 2 * j) * rs, ld(e + 2 * j + 1) * rs);
         *reinterpret_cast<uint2*>(codes + at(c)) = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
     }
     if (threadIdx.x == 0) (is_q ? q_scales : k_scales)[((i64)b * heads + h) * n + blk] = s;
@@ -157,7 +157,7 @@ extern "C" __global__ void quantize_attention_v_e4m3_bf16(const bf16* v, const u
     __syncthreads();
     for (int c = threadIdx.x; c < 128 * 8; c += blockDim.x) {
         const int d = c / 8, col0 = 16 * (c % 8);
-        const float s = e4m3_scale(__uint_as_float(amax[head * 128 + d]));
+        const float s = e4m3_scale(__uint_as_float(amax[head * 128 + d])), rs = e4m3_rcp(s);
         unsigned int w[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -168,7 +168,7 @@ extern "C" __global__ void quantize_attention_v_e4m3_bf16(const bf16* v, const u
                 const int key = col - r + 16 * (r / 16) + 8 * ((r % 4) / 2) + 2 * ((r % 16) / 4) + r % 2;
                 x[i] = __bfloat162float(tile[key][d]);
             }
-            w[k] = e4m3x2(x[0] / s, x[1] / s) | ((unsigned int)e4m3x2(x[2] / s, x[3] / s) << 16);
+            w[k] = e4m3x2(x[0] * rs, x[1] * rs) | ((unsigned int)e4m3x2(x[2] * rs, x[3] * rs) << 16);
         }
         *reinterpret_cast<uint4*>(vt + (head * 128 + d) * s_pad + t0 + col0) = make_uint4(w[0], w[1], w[2], w[3]);
         if (blockIdx.x == 0 && c % 8 == 0) v_scales[head * 128 + d] = s;

@@ -303,10 +303,10 @@ fn fp8_attention_is_exact_attention_within_the_quantisation_bounds() -> crate::R
                 f64::from(amax / E4M3_MAX)
             })
             .collect();
+        // The recipe's codes (x times the f32 reciprocal of the f32 scale), dequantised in f64.
         let deq = |x: &[f32], s: f64| -> Vec<f64> {
-            x.iter()
-                .map(|v| f64::from(e4m3((f64::from(*v) / s) as f32)) * s)
-                .collect()
+            let r = 1.0 / s as f32;
+            x.iter().map(|v| f64::from(e4m3(v * r)) * s).collect()
         };
         for i in 0..sq {
             let qi = &qv[at(i, hi)..][..d];
@@ -468,11 +468,14 @@ fn check_online_schedule(
         .map(|c| (0..sk).fold(0f32, |m, j| m.max(vv[j * d + c].abs())) / E4M3_MAX)
         .collect();
     for i in 0..sq {
-        let q8: Vec<f32> = qv[i * d..][..d].iter().map(|x| e4m3(x / sqs)).collect();
+        let q8: Vec<f32> = qv[i * d..][..d]
+            .iter()
+            .map(|x| e4m3(x * (1.0 / sqs)))
+            .collect();
         let s: Vec<f32> = (0..sk)
             .map(|j| {
                 let kb = kblocks[j / FP8_ATTENTION_BLOCK];
-                let k8 = kv[j * d..][..d].iter().map(|x| e4m3(x / kb));
+                let k8 = kv[j * d..][..d].iter().map(|x| e4m3(x * (1.0 / kb)));
                 let dot: f32 = q8.iter().zip(k8).map(|(a, c)| a * c).sum();
                 dot * (sqs * kb) * scale
             })
@@ -490,7 +493,7 @@ fn check_online_schedule(
                 .map(|j| {
                     let mb = running[j / step];
                     let p8 = e4m3((f64::from(s[j] - mb).exp() as f32) * E4M3_MAX);
-                    let v8 = e4m3(vv[j * d + c] / sv[c]);
+                    let v8 = e4m3(vv[j * d + c] * (1.0 / sv[c]));
                     f64::from(p8) * (f64::from(mb) - total).exp() * f64::from(v8)
                 })
                 .sum();
@@ -538,7 +541,7 @@ fn quantised_activations_keep_their_dtype_and_the_e4m3_norms_check_their_operand
 
 /// The GPU's FP8 attention operands are the recipe's code for code (`attention_fp8`'s CPU branch:
 /// Q and K per head and 128-token block with s = amax/448, V per head and channel over the keys
-/// below kv_len; codes e4m3(x/s)), and Vᵀ holds key 32r + 16h + 8j + 2t + e at column
+/// below kv_len; codes e4m3(x · (1/s))), and Vᵀ holds key 32r + 16h + 8j + 2t + e at column
 /// 32r + 16h + 4t + 2j + e (the P fragments' order) with 0 from kv_len to s_pad. Exact: a max is
 /// exact in any order and both sides divide in IEEE f32, so a single differing code or scale is a
 /// bug (a wrong block, a missed token, a mis-ordered key), which the attention's tolerance could
@@ -613,7 +616,7 @@ fn gpu_attention_operands_are_the_recipes_code_for_code() -> crate::Result<()> {
                         for t in tokens {
                             for c in 0..D {
                                 let i = at(s, bi, t, hi) + c;
-                                let want = e4m3(x[i] / sc);
+                                let want = e4m3(x[i] * (1.0 / sc));
                                 assert_eq!(
                                     e4m3_value(codes[i]),
                                     want,
@@ -639,7 +642,7 @@ fn gpu_attention_operands_are_the_recipes_code_for_code() -> crate::Result<()> {
                         let (hh, tt, j, e) = (r / 16, (r % 16) / 4, (r % 4) / 2, r % 2);
                         let key = col - r + 16 * hh + 8 * j + 2 * tt + e;
                         let want = if key < kv_len {
-                            e4m3(vv[at(sk, bi, key, hi) + c] / sc)
+                            e4m3(vv[at(sk, bi, key, hi) + c] * (1.0 / sc))
                         } else {
                             0.0
                         };

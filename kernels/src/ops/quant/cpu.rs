@@ -23,8 +23,8 @@ pub(super) fn e4m3(v: f32) -> f32 {
 }
 
 /// What codes are made with: e4m3(x · rcp(s)), the reciprocal rounded to f32 once per scale, as
-/// the GPU's kernels make them (`e4m3_rcp` in prelude.cuh: a division per element there cost more
-/// than the row's loads).
+/// the GPU's kernels make them (`e4m3_rcp` in prelude.cuh: a division per element there made the
+/// row kernels' code 2.5× a plain norm's).
 pub(super) fn rcp(s: f32) -> f32 {
     1.0 / s
 }

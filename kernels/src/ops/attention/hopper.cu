@@ -770,16 +770,16 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // turns and block-wise costs per key; at 256 ptxas spills and serialises the wgmma), each the
 // reference's softmax step (`attention_fp8_reference` at step KB), taken first to last as the
 // reference takes them, so the running max (which sets how each P rounds to e4m3) follows the
-// same sequence; the partial last block is masked where it comes.
-// No split of the last wave (the merge would change that sequence too). A K block is KB rows of
-// 128 bytes, one box; a Vᵀ block is [128 channels × 128 keys] (128B swizzle), then [128 × 64 keys]
-// (64B swizzle) at KB ≥ 192 and [128 × 32 keys] (32B swizzle) at KB = 224, one box each (`pv`).
+// same sequence; the partial last block is masked where it comes. No split of the last wave (the
+// merge would change that sequence too). A K block is KB rows of 128 bytes, one box; a Vᵀ block
+// is [128 channels × 128 keys] (128B swizzle), then [128 × 64 keys] (64B swizzle) at KB ≥ 192 and
+// [128 × 32 keys] (32B swizzle) at KB = 224, one box each (`pv`).
 // GEMMs: wgmma m64nKBk32 e4m3 (8-bit operands are K-major only): S = Q·Kᵀ as 4 SS k-steps of 32
 // bytes into each 128-byte row; O += P·V (m64n128k32) as KB/32 RS k-steps with P in registers and
 // Vᵀ K-major (keys contiguous), the same descriptors as Q and K.
-// Softmax in base 2 on descaled scores: a segment g of 64 keys (32 at KB = 224) of block j (each
-// inside one of K's 128-token scale blocks) has raw scores (integer-valued products of codes, summed in f32) times
-// c_jg = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 =
+// Softmax in base 2 on descaled scores: a segment g of 64 keys (32 at KB = 224) of block j, each
+// inside one of K's 128-token scale blocks, has raw scores (integer-valued products of codes,
+// summed in f32) times c_jg = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 =
 // 2^(s·c_jg − m + log2 448) straight from ex2 (the ×448 of the reference folded into the exponent),
 // rounded to e4m3 for P·V and summed unrounded into l (which is then 448·Σp).
 // P's registers: the S accumulator gives a thread, in each 32 keys, rows g and g + 8 of keys

@@ -220,8 +220,8 @@ fn tensor_map(
 
 /// A 4-D tensor map over a contiguous buffer: element type (bf16 or u8), dims (innermost first),
 /// the byte strides of the outer three, and the box of the inner two (the outer two boxed by 1),
-/// and the swizzle (128 bytes, the span of the box's inner extent; 64 or 32 for boxes of rows that
-/// short) the wgmma operands' descriptors name.
+/// and the swizzle the wgmma operands' descriptors name (128 bytes; 64 or 32 for boxes whose inner
+/// extent is that many bytes).
 struct MapSpec {
     bf16: bool,
     dims: [u64; 4],

@@ -11,8 +11,9 @@
 //! - V in e4m3 with one scale per (sample, head, channel) over the valid keys, which folds into
 //!   the output (out[:, d] = (Σⱼ P·q_v[j, d])·s_v[d]);
 //! - S = (q_Q·q_Kᵀ)·s_q·s_k·scale summed in f32; the softmax online over key blocks of [`STEP`]
-//!   (the GPU kernel's K/V block), in f32, as a flash kernel runs it: per block m ← max(m, rowmax S), the accumulator and the
-//!   row sum l rescaled by exp(m_old − m), p = exp(S − m), l += Σ p (unquantised);
+//!   (the GPU kernel's K/V block), in f32, as a flash kernel runs it: per block m ← max(m, rowmax
+//!   S), the accumulator and the row sum l rescaled by exp(m_old − m), p = exp(S − m), l += Σ p
+//!   (unquantised);
 //! - P·V on e4m3 operands: p scaled by 448 (so p ∈ [0, 1] uses the format's whole range) and
 //!   rounded, the products summed in f32; out = acc·s_v / (448·l), rounded once to q's dtype;
 //! - lse = m + ln l over the valid keys (natural log, with the scale), as the bf16 kernel
@@ -27,7 +28,7 @@ pub const BLOCK: usize = 128;
 
 /// Keys per online-softmax step: the K/V block of the GPU's default FP8 kernel. The running max
 /// moves once per step and sets the scale at which each p rounds to e4m3, so the reference takes
-/// the kernel's steps to be held to it code for code.
+/// the kernel's steps: then only the summation order separates the two.
 pub const STEP: usize = 128;
 
 /// FP8 scaled-dot-product attention by the recipe of the module docs: q [B, S_q, H, D], k and v
@@ -53,8 +54,8 @@ pub fn attention_fp8(
 
 /// The CPU recipe of [`attention_fp8`] with online-softmax steps of `step` keys (≥ 1): the
 /// reference each GPU kernel variant is held to at its K/V block (128, 192 or 224 keys; K's scale
-/// blocks stay 128 tokens, which a step may straddle). Takes
-/// [`attention_fp8`]'s arguments (tensors anywhere, read on the host) and checks them the same.
+/// blocks stay 128 tokens, which a step may straddle). Takes [`attention_fp8`]'s arguments
+/// (tensors anywhere, read on the host) and checks them the same.
 pub fn attention_fp8_reference(
     q: &Tensor,
     k: &Tensor,

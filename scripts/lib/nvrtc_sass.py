@@ -29,6 +29,7 @@ def compile_cubin(nvrtc, source, arch, include):
     prog = ctypes.c_void_p()
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), text, f"{name}.cu".encode(), 0, None, None):
         sys.exit("nvrtcCreateProgram failed")
+    # kernels/src/cuda/nvrtc.rs `options`, by hand: change both together.
     opts = [f"--gpu-architecture={arch}", "--std=c++17", "--fmad=true", f"--include-path={include}",
             "--ptxas-options=-v"]
     arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])

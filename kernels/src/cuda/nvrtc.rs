@@ -221,7 +221,8 @@ fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-/// The options every kernel is compiled with (exact maths: the CPU twin is the reference).
+/// The options every kernel is compiled with (exact maths: the CPU twin is the reference);
+/// scripts/lib/nvrtc_sass.py repeats them to compile without a GPU: change both together.
 fn options(arch: &str, config: &CudaConfig) -> Vec<String> {
     let mut options = vec![
         format!("--gpu-architecture={arch}"),

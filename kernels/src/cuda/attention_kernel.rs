@@ -145,6 +145,9 @@ pub struct HopperFp8Variant {
     pub stages: usize,
     /// Column groups (of 16) whose exponentials are computed in software.
     pub emulated: usize,
+    /// The two consumer warpgroups take turns to issue their GEMMs (named barriers), so one's
+    /// softmax runs under the other's GEMMs; without (`_np`), each issues as soon as it is ready.
+    pub pingpong: bool,
 }
 
 impl HopperFp8Variant {
@@ -160,25 +163,29 @@ const fn fp8_variant(
     keys: usize,
     stages: usize,
     emulated: usize,
+    pingpong: bool,
 ) -> HopperFp8Variant {
     HopperFp8Variant {
         name,
         keys,
         stages,
         emulated,
+        pingpong,
     }
 }
 
 /// Every compiled FP8 Hopper variant (keep in step with `HOPPER_FP8_KERNEL(...)` in hopper.cu).
 pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0", 128, 2, 0),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0", 128, 3, 0),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e2", 128, 3, 2),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s2_e0", 192, 2, 0),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_e0", 192, 3, 0),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s4_e0", 192, 4, 0),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc224_s2_e0", 224, 2, 0),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc224_s3_e0", 224, 3, 0),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0", 128, 2, 0, true),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0", 128, 3, 0, true),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e2", 128, 3, 2, true),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s2_e0", 192, 2, 0, true),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_e0", 192, 3, 0, true),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s4_e0", 192, 4, 0, true),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc224_s2_e0", 224, 2, 0, true),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc224_s3_e0", 224, 3, 0, true),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0_np", 128, 2, 0, false),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0_np", 128, 3, 0, false),
 ];
 
 /// One compiled tile configuration of the tensor-core kernel
@@ -334,7 +341,8 @@ mod tests {
         }
         assert!(default_flash_variant(96).is_none());
         for v in HOPPER_FP8_VARIANTS {
-            let tail = format!("_bc{}_s{}_e{}", v.keys, v.stages, v.emulated);
+            let np = if v.pingpong { "" } else { "_np" };
+            let tail = format!("_bc{}_s{}_e{}{np}", v.keys, v.stages, v.emulated);
             assert!(v.name.ends_with(&tail), "{}", v.name);
             assert!([128, 192, 224].contains(&v.keys), "{}", v.name);
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);

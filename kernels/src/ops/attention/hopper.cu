@@ -789,6 +789,12 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // thread's accumulators are its A fragment as they stand (`pack_p`) and the sum over keys is
 // unchanged.
 // End: O·(s_v[col] / l), lse = m·ln 2 + ln l − ln 448 (the reference's m + ln Σp).
+// Turns (PINGPONG): with them the two consumers issue their GEMMs in strict alternation, as the bf16
+// kernel does, so one's softmax runs under the other's GEMMs; without (the `_np` variants) each
+// issues as soon as its operands are in. In FP8 a block's GEMMs take about as long as the
+// MUFU's share of its softmax, so waiting for the other consumer's turn costs more than the order
+// gives: 4 % faster without at both DiT shapes on an H100 (bench/RESULTS.md, 2026-12-06). The
+// values do not depend on it.
 namespace fp8 {
 
 constexpr int SCALE_BLOCK = 128;                   // tokens per K scale (the recipe's block)
@@ -940,7 +946,7 @@ __device__ __forceinline__ void descales(float* c, const float* ks, int i, int k
     }
 }
 
-template <int STAGES, int EMU, int KB>
+template <int STAGES, int EMU, int KB, bool PINGPONG>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tv64, const TmaMap& tv32,
                                     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
                                     const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
@@ -1023,19 +1029,19 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     const unsigned scratch = smem_addr(&pin[threadIdx.x]);
     float s[KB / 2];
     unsigned p[KB / 32][4];
-    if (w == 1) bar_arrive(TURN + 0);
+    if (PINGPONG && w == 1) bar_arrive(TURN + 0);
 
     // Prologue: block 0.
     float c[KB / seg<KB>()];
     descales<KB>(c, ks, 0, k_blocks, cq, cs);
     mbar_wait(full_q, 0);
     mbar_wait(full_k, 0);
-    bar_sync(TURN + w);
+    if constexpr (PINGPONG) bar_sync(TURN + w);
     fence_regs<KB / 2>(s);
     wgmma_fence();
     qk<KB>(s, q_wg, sk);
     wgmma_commit();
-    bar_arrive(TURN + (1 - w));
+    if constexpr (PINGPONG) bar_arrive(TURN + (1 - w));
     wgmma_wait0();
     fence_regs<KB / 2>(s);
     if (leader) mbar_arrive(empty_k);
@@ -1052,7 +1058,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         descales<KB>(c, ks, i, k_blocks, cq, cs);
         mbar_wait(full_k + 8 * st, phase);
         mbar_wait(full_v + 8 * prev, prev_phase);
-        bar_sync(TURN + w);
+        if constexpr (PINGPONG) bar_sync(TURN + w);
         fence_regs<KB / 2>(s);
         fence_regs(o);
         fence_regs(&p[0][0], KB / 8);
@@ -1061,7 +1067,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         wgmma_commit();
         pv<KB>(o, p, sv + prev * STAGE);
         wgmma_commit();
-        bar_arrive(TURN + (1 - w));
+        if constexpr (PINGPONG) bar_arrive(TURN + (1 - w));
         wgmma_wait1();  // S is in; P·V of block i − 1 may still run
         fence_regs<KB / 2>(s);
         if (leader) mbar_arrive(empty_k + 8 * st);
@@ -1087,7 +1093,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     wgmma_commit();
     wgmma_wait0();
     fence_regs(o);
-    if (w == 0) bar_sync(TURN + 0);
+    if (PINGPONG && w == 0) bar_sync(TURN + 0);
 
     // out = O·s_v / l, lse = m·ln 2 + ln l − ln 448; register 4·dt + 2·hf + e holds channel
     // 8·dt + 2·(lane % 4) + e.
@@ -1164,23 +1170,25 @@ HOPPER_WS_KERNEL(2, 192)
 // boxes of 128, 64 and 32 keys × 128 channels in the 128B, 64B and 32B swizzles, the last two read
 // at KB ≥ 192 and KB = 224 only), their scales (q, k [B, H, ⌈S/128⌉], v [B, H, 128]).
 #ifdef HOPPER_WGMMA
-#define HOPPER_FP8_BODY(STAGES, EMU, KB) \
-    hopper::fp8::fwd<STAGES, EMU, KB>(tq, tk, tv, tv64, tv32, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
+#define HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG) \
+    hopper::fp8::fwd<STAGES, EMU, KB, PINGPONG>(tq, tk, tv, tv64, tv32, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
 #else
-#define HOPPER_FP8_BODY(STAGES, EMU, KB)
+#define HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG)
 #endif
-#define HOPPER_FP8_KERNEL(KB, STAGES, EMU)                                                                 \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES##_e##EMU( \
+#define HOPPER_FP8_KERNEL(KB, STAGES, EMU, PINGPONG, TAIL)                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES##_e##EMU##TAIL( \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         const __grid_constant__ TmaMap tv64, const __grid_constant__ TmaMap tv32, const float* q_scales, const float* k_scales, const float* v_scales, \
         bf16* out, float* lse, int seq_q, int heads, int kv_len, float scale, int tiles_x) {               \
-        HOPPER_FP8_BODY(STAGES, EMU, KB)                                                                   \
+        HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG)                                                         \
     }
-HOPPER_FP8_KERNEL(128, 2, 0)
-HOPPER_FP8_KERNEL(128, 3, 0)
-HOPPER_FP8_KERNEL(128, 3, 2)
-HOPPER_FP8_KERNEL(192, 2, 0)
-HOPPER_FP8_KERNEL(192, 3, 0)
-HOPPER_FP8_KERNEL(192, 4, 0)
-HOPPER_FP8_KERNEL(224, 2, 0)
-HOPPER_FP8_KERNEL(224, 3, 0)
+HOPPER_FP8_KERNEL(128, 2, 0, true, )
+HOPPER_FP8_KERNEL(128, 3, 0, true, )
+HOPPER_FP8_KERNEL(128, 3, 2, true, )
+HOPPER_FP8_KERNEL(192, 2, 0, true, )
+HOPPER_FP8_KERNEL(192, 3, 0, true, )
+HOPPER_FP8_KERNEL(192, 4, 0, true, )
+HOPPER_FP8_KERNEL(224, 2, 0, true, )
+HOPPER_FP8_KERNEL(224, 3, 0, true, )
+HOPPER_FP8_KERNEL(128, 2, 0, false, _np)
+HOPPER_FP8_KERNEL(128, 3, 0, false, _np)

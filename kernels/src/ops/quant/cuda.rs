@@ -425,12 +425,13 @@ pub(super) fn quantize_attention(
 }
 
 /// `HOPPER_FP8_VARIANTS[DEFAULT_FP8_ATTENTION]` runs unless a test or benchmark forces another:
-/// 3 stages, every exponential on the MUFU (`hopper_fp8_fwd_d128_br128_bc128_s3_e0`), the fastest
-/// at both DiT shapes in one call on the H200 once the row sums ran as four chains
-/// (bench/RESULTS.md, 2026-12-03, FP8 attention, call 7): 7.30 ms at (1,12,32760,128) against
-/// 7.53 for 2 stages and 7.63 with 2 of 16 column groups in software (which had been 3 % ahead
-/// before the row sums were split); 131.9 ms at (1,40,75600,128) against 135.9 and 137.2.
-const DEFAULT_FP8_ATTENTION: usize = 1;
+/// 128-key blocks, 3 stages, every exponential on the MUFU, and the two consumer warpgroups issuing
+/// their GEMMs without taking turns (`hopper_fp8_fwd_d128_br128_bc128_s3_e0_np`). In one call on
+/// an H100 (bench/RESULTS.md, 2026-12-06) it took 7.16–7.24 ms at (1,12,32760,128) against 7.52
+/// for the same kernel with turns (the default before) and 7.80–7.85 with 192-key blocks, and
+/// 129.3 ms at (1,40,75600,128) against 134.4–134.9 and 135.9–137.4; the outputs are the same
+/// bit for bit (turns only order the issue).
+const DEFAULT_FP8_ATTENTION: usize = 9;
 
 #[cfg(test)]
 mod tests {

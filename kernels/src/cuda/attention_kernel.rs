@@ -45,6 +45,9 @@ pub struct HopperVariant {
     /// producer loads the next item's Q and K/V under the current one's last blocks), rather than one
     /// CTA per item. The same kernel either way; this is the launch.
     pub persistent: bool,
+    /// The warp-specialised consumers take turns to issue their GEMMs (`false`: the `_np` kernels,
+    /// each issuing as soon as it is ready, as the FP8 default does; `true` for the cp.async ones).
+    pub pingpong: bool,
 }
 
 impl HopperVariant {
@@ -70,6 +73,7 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: false,
         block_k: 128,
         persistent: false,
+        pingpong: true,
     },
     HopperVariant {
         name: "hopper_fwd_d128_br128_bc128_s3",
@@ -77,6 +81,7 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: false,
         block_k: 128,
         persistent: false,
+        pingpong: true,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s2",
@@ -84,6 +89,7 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 128,
         persistent: false,
+        pingpong: true,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s3",
@@ -91,6 +97,7 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 128,
         persistent: false,
+        pingpong: true,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc176_s2",
@@ -98,6 +105,7 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 176,
         persistent: false,
+        pingpong: true,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc192_s2",
@@ -105,6 +113,15 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 192,
         persistent: false,
+        pingpong: true,
+    },
+    HopperVariant {
+        name: "hopper_ws_fwd_d128_br128_bc192_s2_np",
+        stages: 2,
+        warp_specialised: true,
+        block_k: 192,
+        persistent: false,
+        pingpong: false,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s2",
@@ -112,6 +129,7 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 128,
         persistent: true,
+        pingpong: true,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s3",
@@ -119,6 +137,7 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 128,
         persistent: true,
+        pingpong: true,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc192_s2",
@@ -126,6 +145,7 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 192,
         persistent: true,
+        pingpong: true,
     },
 ];
 
@@ -174,18 +194,19 @@ const fn fp8_variant(
     }
 }
 
-/// Every compiled FP8 Hopper variant (keep in step with `HOPPER_FP8_KERNEL(...)` in hopper.cu).
+/// Every compiled FP8 Hopper variant (keep in step with `HOPPER_FP8_KERNEL(...)` in hopper.cu), the
+/// default first (`ops/quant/cuda.rs` says why it is): beside it, the same without the third stage,
+/// the same with turns (the default until 2026-12-06), and four not yet timed on a GPU (4 stages,
+/// 2 of 16 column groups' exponentials in software, 192- and 224-key blocks, all without turns:
+/// with turns, 192 and 224 keys were 1–6 % slower than 128, bench/RESULTS.md, 2026-12-06).
 pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0", 128, 2, 0, true),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0", 128, 3, 0, true),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e2", 128, 3, 2, true),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s2_e0", 192, 2, 0, true),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_e0", 192, 3, 0, true),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s4_e0", 192, 4, 0, true),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc224_s2_e0", 224, 2, 0, true),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc224_s3_e0", 224, 3, 0, true),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0_np", 128, 2, 0, false),
     fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0_np", 128, 3, 0, false),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0_np", 128, 2, 0, false),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0", 128, 3, 0, true),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s4_e0_np", 128, 4, 0, false),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e2_np", 128, 3, 2, false),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_e0_np", 192, 3, 0, false),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc224_s3_e0_np", 224, 3, 0, false),
 ];
 
 /// One compiled tile configuration of the tensor-core kernel
@@ -348,7 +369,13 @@ mod tests {
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);
         }
         for v in HOPPER_VARIANTS {
-            assert!(v.name.ends_with(&format!("_s{}", v.stages)), "{}", v.name);
+            let np = if v.pingpong { "" } else { "_np" };
+            assert!(
+                v.name.ends_with(&format!("_s{}{np}", v.stages)),
+                "{}",
+                v.name
+            );
+            assert!(v.pingpong || v.warp_specialised, "{}", v.name);
             assert!(v.name.contains(&format!("_bc{}_", v.block_k)), "{}", v.name);
             assert!(v.block_k == 128 || v.warp_specialised, "{}", v.name);
             assert!(!v.persistent || v.warp_specialised, "{}", v.name);

@@ -437,7 +437,8 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
 // barrier: the two WGs' GEMMs alternate on the tensor cores, so one WG's softmax runs under the other's
 // GEMMs), issues S = Q·K_iᵀ and O += P_{i−1}·V_{i−1}, hands the turn over, waits for S only
 // (wait_group 1), releases K_i, runs the softmax of block i while P·V still runs (intra-warpgroup
-// overlap), waits for P·V, releases V_{i−1}, then O·α and the new P.
+// overlap), waits for P·V, releases V_{i−1}, then O·α and the new P. Without turns (PINGPONG false,
+// the `_np` kernels) each consumer issues as soon as its operands are in, as the FP8 default does.
 // Each CTA computes one work item of `Schedule` (below): a whole tile, or one run of a tile's K/V
 // blocks when the last wave is split (the chunk's first block is then its last, "last to first").
 namespace ws {
@@ -547,7 +548,7 @@ __device__ __forceinline__ Item item_of(int item, const Schedule& sched, int hea
                 split ? chunk * blocks / sched.ways : 0, split ? (chunk + 1) * blocks / sched.ways : blocks};
 }
 
-template <int STAGES, int KB>
+template <int STAGES, int KB, bool PINGPONG>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, bf16* __restrict__ out,
                                     float* __restrict__ lse, int seq_q, int heads, int kv_len, float scale,
                                     const Schedule sched) {
@@ -628,7 +629,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     const float c = scale * 1.4426950408889634f;  // scale·log2 e
     const unsigned q_wg = sq + w * 64 * 128;       // this WG's 64 rows, in each half
     const unsigned scratch = smem_addr(&pin[threadIdx.x]);
-    if (w == 1) bar_arrive(TURN + 0);  // consumer 0 issues first
+    if (PINGPONG && w == 1) bar_arrive(TURN + 0);  // consumer 0 issues first
     int g = 0;
     for (int item = blockIdx.x, n = 0; item < sched.items; item += gridDim.x, ++n) {
         const Item it = item_of<KB>(item, sched, heads, kv_len);
@@ -645,12 +646,12 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             const int st = g % STAGES;
             mbar_wait(full_q, n & 1);
             mbar_wait(full_k + 8 * st, (g / STAGES) & 1);
-            bar_sync(TURN + w);
+            if constexpr (PINGPONG) bar_sync(TURN + w);
             fence_regs<KB / 2>(s);
             wgmma_fence();
             qk<KB>(s, q_wg, sk + st * KV_TILE);
             wgmma_commit();
-            bar_arrive(TURN + (1 - w));
+            if constexpr (PINGPONG) bar_arrive(TURN + (1 - w));
             wgmma_wait0();
             fence_regs<KB / 2>(s);
             if (leader) {
@@ -668,7 +669,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             const unsigned phase = ((g + i) / STAGES) & 1, prev_phase = ((g + i - 1) / STAGES) & 1;
             mbar_wait(full_k + 8 * st, phase);
             mbar_wait(full_v + 8 * prev, prev_phase);
-            bar_sync(TURN + w);
+            if constexpr (PINGPONG) bar_sync(TURN + w);
             fence_regs<KB / 2>(s);
             fence_regs(o);
             fence_regs(&p[0][0], KB / 4);
@@ -677,7 +678,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             wgmma_commit();
             pv<KB>(o, p, sv + prev * KV_TILE);
             wgmma_commit();
-            bar_arrive(TURN + (1 - w));
+            if constexpr (PINGPONG) bar_arrive(TURN + (1 - w));
             wgmma_wait1();  // S is in; P·V of block i − 1 may still run
             fence_regs<KB / 2>(s);
             if (leader) {
@@ -754,7 +755,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     }
     // Consumer 1 arrived on consumer 0's turn once more than consumer 0 synced on it (its opening
     // arrival): consume it, so no barrier is left mid-phase at exit.
-    if (w == 0) bar_sync(TURN + 0);
+    if (PINGPONG && w == 0) bar_sync(TURN + 0);
 }
 
 }  // namespace ws
@@ -1144,23 +1145,24 @@ HOPPER_KERNEL(3)
 // 64 × 128) and of k and v (S = kv_len, box 64 × KB) and the schedule come from hopper.rs; seq_k only
 // keeps the argument list the cp.async kernels' (the maps carry the strides).
 #ifdef HOPPER_WGMMA
-#define HOPPER_WS_BODY(STAGES, KB)                                                                   \
-    hopper::ws::fwd<STAGES, KB>(tq, tk, tv, out, lse, seq_q, heads, kv_len, scale,                  \
-                                hopper::ws::Schedule{part, tickets, tiles_x, n_full, ways, items});
+#define HOPPER_WS_BODY(STAGES, KB, PINGPONG)                                                         \
+    hopper::ws::fwd<STAGES, KB, PINGPONG>(tq, tk, tv, out, lse, seq_q, heads, kv_len, scale,        \
+                                          hopper::ws::Schedule{part, tickets, tiles_x, n_full, ways, items});
 #else
-#define HOPPER_WS_BODY(STAGES, KB)
+#define HOPPER_WS_BODY(STAGES, KB, PINGPONG)
 #endif
-#define HOPPER_WS_KERNEL(STAGES, KB)                                                                       \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_ws_fwd_d128_br128_bc##KB##_s##STAGES(      \
+#define HOPPER_WS_KERNEL(STAGES, KB, PINGPONG, TAIL)                                                        \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_ws_fwd_d128_br128_bc##KB##_s##STAGES##TAIL( \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         bf16* out, float* lse, int seq_q, int seq_k, int heads, int kv_len, float scale, float* part,       \
         unsigned* tickets, int tiles_x, int n_full, int ways, int items) {                                  \
-        HOPPER_WS_BODY(STAGES, KB)                                                                         \
+        HOPPER_WS_BODY(STAGES, KB, PINGPONG)                                                               \
     }
-HOPPER_WS_KERNEL(2, 128)
-HOPPER_WS_KERNEL(3, 128)
-HOPPER_WS_KERNEL(2, 176)
-HOPPER_WS_KERNEL(2, 192)
+HOPPER_WS_KERNEL(2, 128, true, )
+HOPPER_WS_KERNEL(3, 128, true, )
+HOPPER_WS_KERNEL(2, 176, true, )
+HOPPER_WS_KERNEL(2, 192, true, )
+HOPPER_WS_KERNEL(2, 192, false, _np)
 
 // hopper_fp8_fwd_d128_br128_bc<KB>_s<STAGES>_e<EMU> (the FP8 forward, namespace fp8; launched by
 // ops/attention/hopper.rs's `attention_fp8`): 384 threads, one CTA per tile of 128 query rows of one
@@ -1182,13 +1184,10 @@ HOPPER_WS_KERNEL(2, 192)
         bf16* out, float* lse, int seq_q, int heads, int kv_len, float scale, int tiles_x) {               \
         HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG)                                                         \
     }
-HOPPER_FP8_KERNEL(128, 2, 0, true, )
-HOPPER_FP8_KERNEL(128, 3, 0, true, )
-HOPPER_FP8_KERNEL(128, 3, 2, true, )
-HOPPER_FP8_KERNEL(192, 2, 0, true, )
-HOPPER_FP8_KERNEL(192, 3, 0, true, )
-HOPPER_FP8_KERNEL(192, 4, 0, true, )
-HOPPER_FP8_KERNEL(224, 2, 0, true, )
-HOPPER_FP8_KERNEL(224, 3, 0, true, )
-HOPPER_FP8_KERNEL(128, 2, 0, false, _np)
 HOPPER_FP8_KERNEL(128, 3, 0, false, _np)
+HOPPER_FP8_KERNEL(128, 2, 0, false, _np)
+HOPPER_FP8_KERNEL(128, 3, 0, true, )
+HOPPER_FP8_KERNEL(128, 4, 0, false, _np)
+HOPPER_FP8_KERNEL(128, 3, 2, false, _np)
+HOPPER_FP8_KERNEL(192, 3, 0, false, _np)
+HOPPER_FP8_KERNEL(224, 3, 0, false, _np)

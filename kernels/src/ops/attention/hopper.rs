@@ -3,8 +3,9 @@
 //! `shared/reference/attention.md`): where they apply and the launch. Two kinds, variants in
 //! `crate::cuda::HOPPER_VARIANTS`: cp.async K/V staging by every thread (stage a of the brief), and the
 //! warp-specialised kernel (a TMA producer warpgroup and two consumer warpgroups that take turns on the
-//! tensor cores and overlap softmax with P·V; stages c–d), which takes Q/K/V as tensor maps encoded here
-//! and a work schedule that splits a sparse last wave of tiles along the keys (`schedule`).
+//! tensor cores, or not in the `_np` variants, and overlap softmax with P·V; stages c–d), which takes
+//! Q/K/V as tensor maps encoded here and a work schedule that splits a sparse last wave of tiles
+//! along the keys (`schedule`).
 //! The FP8 kernel (`attention_fp8` here, namespace `fp8` of hopper.cu) shares the tensor-map
 //! encoding and the warp-specialised layout; `ops/quant/cuda.rs` quantises its operands and calls it.
 //! Anything a kernel cannot run is a `KernelError` naming the rule, never a panic and never a silent

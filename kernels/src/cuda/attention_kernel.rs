@@ -165,9 +165,32 @@ pub struct HopperFp8Variant {
     pub stages: usize,
     /// Column groups (of 16) whose exponentials are computed in software.
     pub emulated: usize,
-    /// The two consumer warpgroups take turns to issue their GEMMs (named barriers), so one's
-    /// softmax runs under the other's GEMMs; without (`_np`), each issues as soon as it is ready.
-    pub pingpong: bool,
+    /// How its two consumer warpgroups issue their GEMMs.
+    pub schedule: Fp8Schedule,
+}
+
+/// How the consumer warpgroups of an FP8 Hopper kernel issue their GEMMs (hopper.cu, namespace
+/// `fp8`), and the suffix it gives the kernel's name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Schedule {
+    /// They take turns (named barriers), so one's softmax runs under the other's GEMMs (no suffix).
+    Turns,
+    /// Each issues as soon as its operands are in (`_np`).
+    Free,
+    /// Free, and S of the next block is queued before this block's softmax, in a second S of
+    /// registers (`_deep`, hopper.cu's `fp8::deep_loop`).
+    Deep,
+}
+
+impl Fp8Schedule {
+    /// The suffix of the kernel names that use it.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Self::Turns => "",
+            Self::Free => "_np",
+            Self::Deep => "_deep",
+        }
+    }
 }
 
 impl HopperFp8Variant {
@@ -183,30 +206,47 @@ const fn fp8_variant(
     keys: usize,
     stages: usize,
     emulated: usize,
-    pingpong: bool,
+    schedule: Fp8Schedule,
 ) -> HopperFp8Variant {
     HopperFp8Variant {
         name,
         keys,
         stages,
         emulated,
-        pingpong,
+        schedule,
     }
 }
 
+use Fp8Schedule::{Deep, Free, Turns};
+
 /// Every compiled FP8 Hopper variant (keep in step with `HOPPER_FP8_KERNEL(...)` in hopper.cu), the
 /// default first (`ops/quant/cuda.rs` says why it is): beside it, the same without the third stage,
-/// the same with turns (the default until 2026-12-06), and four not yet timed on a GPU (4 stages,
-/// 2 of 16 column groups' exponentials in software, 192- and 224-key blocks, all without turns:
-/// with turns, 192 and 224 keys were 1–6 % slower than 128, bench/RESULTS.md, 2026-12-06).
+/// the same with turns (the default until 2026-12-06), and six not yet run on a GPU, all without
+/// turns: 4 stages, 2 of 16 column groups' exponentials in software, 192- and 224-key blocks (with
+/// turns they were 1–6 % slower than 128, bench/RESULTS.md, 2026-12-06), and the deep schedule at
+/// 3 and 2 stages.
 pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0_np", 128, 3, 0, false),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0_np", 128, 2, 0, false),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0", 128, 3, 0, true),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s4_e0_np", 128, 4, 0, false),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e2_np", 128, 3, 2, false),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_e0_np", 192, 3, 0, false),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc224_s3_e0_np", 224, 3, 0, false),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0_np", 128, 3, 0, Free),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0_np", 128, 2, 0, Free),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0", 128, 3, 0, Turns),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s4_e0_np", 128, 4, 0, Free),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e2_np", 128, 3, 2, Free),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_e0_np", 192, 3, 0, Free),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc224_s3_e0_np", 224, 3, 0, Free),
+    fp8_variant(
+        "hopper_fp8_fwd_d128_br128_bc128_s3_e0_deep",
+        128,
+        3,
+        0,
+        Deep,
+    ),
+    fp8_variant(
+        "hopper_fp8_fwd_d128_br128_bc128_s2_e0_deep",
+        128,
+        2,
+        0,
+        Deep,
+    ),
 ];
 
 /// One compiled tile configuration of the tensor-core kernel
@@ -362,8 +402,13 @@ mod tests {
         }
         assert!(default_flash_variant(96).is_none());
         for v in HOPPER_FP8_VARIANTS {
-            let np = if v.pingpong { "" } else { "_np" };
-            let tail = format!("_bc{}_s{}_e{}{np}", v.keys, v.stages, v.emulated);
+            let tail = format!(
+                "_bc{}_s{}_e{}{}",
+                v.keys,
+                v.stages,
+                v.emulated,
+                v.schedule.suffix()
+            );
             assert!(v.name.ends_with(&tail), "{}", v.name);
             assert!([128, 192, 224].contains(&v.keys), "{}", v.name);
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);

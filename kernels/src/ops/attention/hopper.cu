@@ -471,6 +471,7 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait2() { asm volatile("wgmma.wait_group.sync.aligned 2;\n" ::: "memory"); }
 
 // One tile of ROWS × 128: rows [row0, row0 + ROWS) of head h of batch b, as two 64-column boxes (the
 // map's box is 64 × ROWS) into the two swizzled halves at dst and dst + ROWS·128 (1024-aligned),
@@ -947,12 +948,145 @@ __device__ __forceinline__ void descales(float* c, const float* ks, int i, int k
     }
 }
 
+// Block i ≥ 1 of the plain schedule: waits K_i and V_{i−1}, (PINGPONG: takes its turn), issues
+// S = Q·K_iᵀ and O += P_{i−1}·V_{i−1}, (hands the turn over), waits for S only, runs block i's
+// softmax while P·V runs, waits for P·V, then O·α and the new P. Nothing is in flight on return.
 template <int STAGES, int EMU, int KB, bool PINGPONG>
+__device__ __forceinline__ void plain_step(float* s, float* o, unsigned (*p)[4], float* m, float* l, float* c,
+                                           const float* ks, int k_blocks, float cq, float cs, int i, int kv_len,
+                                           unsigned q_wg, unsigned sk, unsigned sv, unsigned full_k, unsigned full_v,
+                                           unsigned empty_k, unsigned empty_v, unsigned scratch, bool leader, int lane,
+                                           int w) {
+    using namespace ws;
+    constexpr int STAGE = KB * 128;
+    const int st = i % STAGES, prev = (i - 1) % STAGES;
+    const unsigned phase = (i / STAGES) & 1, prev_phase = ((i - 1) / STAGES) & 1;
+    descales<KB>(c, ks, i, k_blocks, cq, cs);
+    mbar_wait(full_k + 8 * st, phase);
+    mbar_wait(full_v + 8 * prev, prev_phase);
+    if constexpr (PINGPONG) bar_sync(TURN + w);
+    fence_regs<KB / 2>(s);
+    fence_regs(o);
+    fence_regs(&p[0][0], KB / 8);
+    wgmma_fence();
+    qk<KB>(s, q_wg, sk + st * STAGE);
+    wgmma_commit();
+    pv<KB>(o, p, sv + prev * STAGE);
+    wgmma_commit();
+    if constexpr (PINGPONG) bar_arrive(TURN + (1 - w));
+    wgmma_wait1();  // S is in; P·V of block i − 1 may still run
+    fence_regs<KB / 2>(s);
+    if (leader) mbar_arrive(empty_k + 8 * st);
+    if ((i + 1) * KB > kv_len) mask_keys<KB>(s, kv_len - i * KB, lane);
+    float alpha[2];
+    const bool rescale = online_softmax<KB, EMU>(s, m, l, alpha, c);
+    // Keeps the P·V wait below the exponentials (see ws::fwd).
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(l[0] + l[1]) : "memory");
+    wgmma_wait0();
+    fence_regs(o);
+    fence_regs(&p[0][0], KB / 8);
+    if (leader) mbar_arrive(empty_v + 8 * prev);
+    rescale_o(o, alpha, rescale);
+    pack_p<KB>(s, p);
+}
+
+// One step of the deep schedule (`deep_loop`) for block i ≥ 1, whose S is in flight into `cur`:
+// queues O += P_{i−1}·V_{i−1} and (MORE: there is a block i + 1) S_{i+1} into `nxt`, waits for S_i
+// only, runs block i's softmax while both GEMMs run, waits for P·V, then O·α and the new P. The
+// softmax and its inputs are those of the plain loop, so the values are the same bit for bit. MORE
+// is a template argument, not a branch: ptxas serialises every wgmma (a wait after each) when one
+// is issued under a run-time condition.
+template <int STAGES, int EMU, int KB, bool MORE>
+__device__ __forceinline__ void deep_step(float* cur, float* nxt, float* o, unsigned (*p)[4], float* m, float* l,
+                                          float* c, const float* ks, int k_blocks, float cq, float cs, int i,
+                                          int kv_len, unsigned q_wg, unsigned sk, unsigned sv, unsigned full_k,
+                                          unsigned full_v, unsigned empty_k, unsigned empty_v, unsigned scratch,
+                                          bool leader, int lane) {
+    using namespace ws;
+    constexpr int STAGE = KB * 128;
+    const int st = i % STAGES, prev = (i - 1) % STAGES, next = (i + 1) % STAGES;
+    descales<KB>(c, ks, i, k_blocks, cq, cs);
+    mbar_wait(full_v + 8 * prev, ((i - 1) / STAGES) & 1);
+    if constexpr (MORE) mbar_wait(full_k + 8 * next, ((i + 1) / STAGES) & 1);
+    fence_regs(o);
+    fence_regs(&p[0][0], KB / 8);
+    if constexpr (MORE) fence_regs<KB / 2>(nxt);
+    wgmma_fence();
+    pv<KB>(o, p, sv + prev * STAGE);
+    wgmma_commit();
+    if constexpr (MORE) {
+        wgmma_fence();  // its own pipeline stage (see below)
+        qk<KB>(nxt, q_wg, sk + next * STAGE);
+        wgmma_commit();
+        wgmma_wait2();  // S_i is in; P·V of block i − 1 and S_{i+1} may still run
+    } else {
+        wgmma_wait1();  // S_i is in; P·V of block i − 1 may still run
+    }
+    fence_regs<KB / 2>(cur);
+    if (leader) mbar_arrive(empty_k + 8 * st);
+    if ((i + 1) * KB > kv_len) mask_keys<KB>(cur, kv_len - i * KB, lane);
+    float alpha[2];
+    const bool rescale = online_softmax<KB, EMU>(cur, m, l, alpha, c);
+    // Keeps the P·V wait below the exponentials (see ws::fwd).
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(l[0] + l[1]) : "memory");
+    if constexpr (MORE) wgmma_wait1(); else wgmma_wait0();  // P·V of block i − 1 is in
+    fence_regs(o);
+    fence_regs(&p[0][0], KB / 8);
+    if (leader) mbar_arrive(empty_v + 8 * prev);
+    rescale_o(o, alpha, rescale);
+    pack_p<KB>(cur, p);
+}
+
+// The deep schedule (the `_deep` variants, no turns) of blocks 1 … nblk − 1: S of block i + 1 is
+// queued behind P·V of block i − 1 before block i's softmax starts, so the tensor cores have a
+// block's GEMMs of this consumer to run under each softmax, and a consumer never waits for its next
+// S after a softmax (the plain loop's wait, which with the turns Nsight Compute put at a quarter of
+// the loop's samples). It costs a second S in registers (KB/2 more per thread). Enters as the plain
+// loop does, block 0 done and nothing in flight; on return P holds the last block's P, whose P·V is
+// the caller's. The deep steps alternate the two S and come in pairs, one plain step first when
+// their number would be odd: ptxas serialises every wgmma of the function when a wgmma is still in
+// flight where run-time control flow joins (a tail after the pair loop did that).
+template <int STAGES, int EMU, int KB>
+__device__ __forceinline__ void deep_loop(float* sa, float* o, unsigned (*p)[4], float* m, float* l, float* c,
+                                          const float* ks, int k_blocks, float cq, float cs, int nblk, int kv_len,
+                                          unsigned q_wg, unsigned sk, unsigned sv, unsigned full_k, unsigned full_v,
+                                          unsigned empty_k, unsigned empty_v, unsigned scratch, bool leader, int lane) {
+    using namespace ws;
+    constexpr int STAGE = KB * 128;
+    int first = 1;
+    if ((nblk - 1) % 2 == 1) {
+        plain_step<STAGES, EMU, KB, false>(sa, o, p, m, l, c, ks, k_blocks, cq, cs, 1, kv_len, q_wg, sk, sv, full_k,
+                                           full_v, empty_k, empty_v, scratch, leader, lane, 0);
+        first = 2;
+    }
+    if (first < nblk) {  // an even number of blocks left: S of block `first` into sb, then pairs
+        float sb[KB / 2];
+        mbar_wait(full_k + 8 * (first % STAGES), (first / STAGES) & 1);
+        fence_regs<KB / 2>(sb);
+        wgmma_fence();
+        qk<KB>(sb, q_wg, sk + (first % STAGES) * STAGE);
+        wgmma_commit();
+        int i = first;
+        for (; i + 2 < nblk; i += 2) {
+            deep_step<STAGES, EMU, KB, true>(sb, sa, o, p, m, l, c, ks, k_blocks, cq, cs, i, kv_len, q_wg, sk, sv,
+                                             full_k, full_v, empty_k, empty_v, scratch, leader, lane);
+            deep_step<STAGES, EMU, KB, true>(sa, sb, o, p, m, l, c, ks, k_blocks, cq, cs, i + 1, kv_len, q_wg, sk,
+                                             sv, full_k, full_v, empty_k, empty_v, scratch, leader, lane);
+        }
+        deep_step<STAGES, EMU, KB, true>(sb, sa, o, p, m, l, c, ks, k_blocks, cq, cs, i, kv_len, q_wg, sk, sv, full_k,
+                                         full_v, empty_k, empty_v, scratch, leader, lane);
+        deep_step<STAGES, EMU, KB, false>(sa, sb, o, p, m, l, c, ks, k_blocks, cq, cs, i + 1, kv_len, q_wg, sk, sv,
+                                          full_k, full_v, empty_k, empty_v, scratch, leader, lane);
+    }
+}
+
+template <int STAGES, int EMU, int KB, bool PINGPONG, bool DEEP>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tv64, const TmaMap& tv32,
                                     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
                                     const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
                                     int seq_q, int heads, int kv_len, float scale, int tiles_x) {
     static_assert(KB == 128 || KB == 192 || KB == 224, "K/V blocks of 128, 192 or 224 keys");
+    static_assert(!(DEEP && PINGPONG), "the deep schedule takes no turns");
     constexpr int STAGE = KB * 128;  // bytes of a K stage, and of a Vᵀ stage
     static_assert(TILE8 + 2 * STAGES * STAGE + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024, "shared memory");
     using namespace ws;
@@ -1053,36 +1187,13 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     }
     pack_p<KB>(s, p);
 
-    for (int i = 1; i < nblk; ++i) {
-        const int st = i % STAGES, prev = (i - 1) % STAGES;
-        const unsigned phase = (i / STAGES) & 1, prev_phase = ((i - 1) / STAGES) & 1;
-        descales<KB>(c, ks, i, k_blocks, cq, cs);
-        mbar_wait(full_k + 8 * st, phase);
-        mbar_wait(full_v + 8 * prev, prev_phase);
-        if constexpr (PINGPONG) bar_sync(TURN + w);
-        fence_regs<KB / 2>(s);
-        fence_regs(o);
-        fence_regs(&p[0][0], KB / 8);
-        wgmma_fence();
-        qk<KB>(s, q_wg, sk + st * STAGE);
-        wgmma_commit();
-        pv<KB>(o, p, sv + prev * STAGE);
-        wgmma_commit();
-        if constexpr (PINGPONG) bar_arrive(TURN + (1 - w));
-        wgmma_wait1();  // S is in; P·V of block i − 1 may still run
-        fence_regs<KB / 2>(s);
-        if (leader) mbar_arrive(empty_k + 8 * st);
-        if ((i + 1) * KB > kv_len) mask_keys<KB>(s, kv_len - i * KB, lane);
-        float alpha[2];
-        const bool rescale = online_softmax<KB, EMU>(s, m, l, alpha, c);
-        // Keeps the P·V wait below the exponentials (see ws::fwd).
-        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(l[0] + l[1]) : "memory");
-        wgmma_wait0();
-        fence_regs(o);
-        fence_regs(&p[0][0], KB / 8);
-        if (leader) mbar_arrive(empty_v + 8 * prev);
-        rescale_o(o, alpha, rescale);
-        pack_p<KB>(s, p);
+    if constexpr (DEEP) {
+        deep_loop<STAGES, EMU, KB>(s, o, p, m, l, c, ks, k_blocks, cq, cs, nblk, kv_len, q_wg, sk, sv, full_k, full_v,
+                                   empty_k, empty_v, scratch, leader, lane);
+    } else {
+        for (int i = 1; i < nblk; ++i)
+            plain_step<STAGES, EMU, KB, PINGPONG>(s, o, p, m, l, c, ks, k_blocks, cq, cs, i, kv_len, q_wg, sk, sv,
+                                                  full_k, full_v, empty_k, empty_v, scratch, leader, lane, w);
     }
 
     const int last_stage = (nblk - 1) % STAGES;
@@ -1172,22 +1283,24 @@ HOPPER_WS_KERNEL(2, 192, false, _np)
 // boxes of 128, 64 and 32 keys × 128 channels in the 128B, 64B and 32B swizzles, the last two read
 // at KB ≥ 192 and KB = 224 only), their scales (q, k [B, H, ⌈S/128⌉], v [B, H, 128]).
 #ifdef HOPPER_WGMMA
-#define HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG) \
-    hopper::fp8::fwd<STAGES, EMU, KB, PINGPONG>(tq, tk, tv, tv64, tv32, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
+#define HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG, DEEP) \
+    hopper::fp8::fwd<STAGES, EMU, KB, PINGPONG, DEEP>(tq, tk, tv, tv64, tv32, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
 #else
-#define HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG)
+#define HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG, DEEP)
 #endif
-#define HOPPER_FP8_KERNEL(KB, STAGES, EMU, PINGPONG, TAIL)                                                 \
+#define HOPPER_FP8_KERNEL(KB, STAGES, EMU, PINGPONG, DEEP, TAIL)                                               \
     extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES##_e##EMU##TAIL( \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         const __grid_constant__ TmaMap tv64, const __grid_constant__ TmaMap tv32, const float* q_scales, const float* k_scales, const float* v_scales, \
         bf16* out, float* lse, int seq_q, int heads, int kv_len, float scale, int tiles_x) {               \
-        HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG)                                                         \
+        HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG, DEEP)                                                   \
     }
-HOPPER_FP8_KERNEL(128, 3, 0, false, _np)
-HOPPER_FP8_KERNEL(128, 2, 0, false, _np)
-HOPPER_FP8_KERNEL(128, 3, 0, true, )
-HOPPER_FP8_KERNEL(128, 4, 0, false, _np)
-HOPPER_FP8_KERNEL(128, 3, 2, false, _np)
-HOPPER_FP8_KERNEL(192, 3, 0, false, _np)
-HOPPER_FP8_KERNEL(224, 3, 0, false, _np)
+HOPPER_FP8_KERNEL(128, 3, 0, false, false, _np)
+HOPPER_FP8_KERNEL(128, 2, 0, false, false, _np)
+HOPPER_FP8_KERNEL(128, 3, 0, true, false, )
+HOPPER_FP8_KERNEL(128, 4, 0, false, false, _np)
+HOPPER_FP8_KERNEL(128, 3, 2, false, false, _np)
+HOPPER_FP8_KERNEL(192, 3, 0, false, false, _np)
+HOPPER_FP8_KERNEL(224, 3, 0, false, false, _np)
+HOPPER_FP8_KERNEL(128, 3, 0, false, true, _deep)
+HOPPER_FP8_KERNEL(128, 2, 0, false, true, _deep)

@@ -60,8 +60,11 @@ def report(log):
             rows[kernel]["spills"] = re.sub(r"^.*?\.\s+", "", line).strip()
         elif kernel and "Used" in line and "registers" in line:
             rows[kernel]["regs"] = re.search(r"Used (\d+) registers", line).group(1)
-        elif line.strip() and ("C7512" in line or not line.startswith("ptxas")):
-            print(line)  # a warning: the compiler's, or ptxas's serialised wgmma
+        elif line.strip() and ("Performance Loss" in line or not line.startswith("ptxas")):
+            # A warning: the compiler's, or ptxas's serialised wgmma, which it reports as a warning
+            # (C7512: too few registers) or as mere info (C7515: a non-wgmma write to an accumulator
+            # while its wgmma may be in flight).
+            print(line)
     for k, r in sorted(rows.items()):
         print(f"{k}\tregs {r.get('regs', '?')}\t{r.get('spills', '?')}")
 

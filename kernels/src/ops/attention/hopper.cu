@@ -994,8 +994,8 @@ __device__ __forceinline__ void plain_step(float* s, float* o, unsigned (*p)[4],
 // queues O += P_{i−1}·V_{i−1} and (MORE: there is a block i + 1) S_{i+1} into `nxt`, waits for S_i
 // only, runs block i's softmax while both GEMMs run, waits for P·V, then O·α and the new P. The
 // softmax and its inputs are those of the plain loop, so the values are the same bit for bit. MORE
-// is a template argument, not a branch: ptxas serialises every wgmma (a wait after each) when one
-// is issued under a run-time condition.
+// is a template argument, so that each step is straight-line code (`deep_loop` says what made ptxas
+// serialise the wgmmas).
 template <int STAGES, int EMU, int KB, bool MORE>
 __device__ __forceinline__ void deep_step(float* cur, float* nxt, float* o, unsigned (*p)[4], float* m, float* l,
                                           float* c, const float* ks, int k_blocks, float cq, float cs, int i,
@@ -1015,7 +1015,6 @@ __device__ __forceinline__ void deep_step(float* cur, float* nxt, float* o, unsi
     pv<KB>(o, p, sv + prev * STAGE);
     wgmma_commit();
     if constexpr (MORE) {
-        wgmma_fence();  // its own pipeline stage (see below)
         qk<KB>(nxt, q_wg, sk + next * STAGE);
         wgmma_commit();
         wgmma_wait2();  // S_i is in; P·V of block i − 1 and S_{i+1} may still run

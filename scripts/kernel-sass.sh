@@ -4,7 +4,8 @@
 # each kernel's registers and spills and any ptxas warning (C7512 or C7515: wgmma serialised, for want
 # of registers or for a write to an accumulator in flight), and with --kernel NAME the order of the
 # loop's GEMMs, waits, barriers and exponentials in the SASS (so a schedule, e.g. the softmax between
-# the S and P·V waits, can be read off). The venv lives in target/nvrtc-venv (pip reachable on first use).
+# the S and P·V waits, can be read off). The venv lives in target/nvrtc-venv (pip reachable on
+# first use).
 # Usage: scripts/kernel-sass.sh kernels/src/ops/attention/hopper.cu [--kernel NAME]... [--sass-out F]
 set -euo pipefail
 cd "$(dirname "$0")/.."

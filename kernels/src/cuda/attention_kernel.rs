@@ -45,9 +45,6 @@ pub struct HopperVariant {
     /// producer loads the next item's Q and K/V under the current one's last blocks), rather than one
     /// CTA per item. The same kernel either way; this is the launch.
     pub persistent: bool,
-    /// The warp-specialised consumers take turns to issue their GEMMs (`false`: the `_np` kernels,
-    /// each issuing as soon as it is ready, as the FP8 default does; `true` for the cp.async ones).
-    pub pingpong: bool,
 }
 
 impl HopperVariant {
@@ -73,7 +70,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: false,
         block_k: 128,
         persistent: false,
-        pingpong: true,
     },
     HopperVariant {
         name: "hopper_fwd_d128_br128_bc128_s3",
@@ -81,7 +77,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: false,
         block_k: 128,
         persistent: false,
-        pingpong: true,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s2",
@@ -89,7 +84,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 128,
         persistent: false,
-        pingpong: true,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s3",
@@ -97,7 +91,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 128,
         persistent: false,
-        pingpong: true,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc176_s2",
@@ -105,7 +98,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 176,
         persistent: false,
-        pingpong: true,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc192_s2",
@@ -113,15 +105,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 192,
         persistent: false,
-        pingpong: true,
-    },
-    HopperVariant {
-        name: "hopper_ws_fwd_d128_br128_bc192_s2_np",
-        stages: 2,
-        warp_specialised: true,
-        block_k: 192,
-        persistent: false,
-        pingpong: false,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s2",
@@ -129,7 +112,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 128,
         persistent: true,
-        pingpong: true,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s3",
@@ -137,7 +119,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 128,
         persistent: true,
-        pingpong: true,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc192_s2",
@@ -145,52 +126,22 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 192,
         persistent: true,
-        pingpong: true,
     },
 ];
 
 /// One compiled configuration of the FP8 Hopper kernel
-/// (`hopper_fp8_fwd_d128_br128_bc{KEYS}_s{STAGES}_e{EMULATED}`, namespace `fp8` of
-/// `ops/attention/hopper.cu`): the warp-specialised layout with e4m3 Q tiles of [128 × 128] bytes,
-/// K/V blocks of `keys` keys (also the online softmax's step, which the CPU reference takes the
-/// same: `crate::attention_fp8_reference`), `stages` deep K and Vᵀ rings, and `emulated` of every
-/// 16 score columns a thread holds exponentiated on the FMA pipes (`ex2_fma`) instead of the MUFU.
+/// (`hopper_fp8_fwd_d128_br128_bc{KEYS}_s{STAGES}`, namespace `fp8` of `ops/attention/hopper.cu`):
+/// the warp-specialised layout with e4m3 Q tiles of [128 × 128] bytes, K/V blocks of `keys` keys
+/// (also the online softmax's step, which the CPU reference takes the same:
+/// `crate::attention_fp8_reference`), and `stages` deep K and Vᵀ rings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HopperFp8Variant {
     /// Kernel name in hopper.cu.
     pub name: &'static str,
-    /// Keys per K/V block and softmax step (128, 192 or 224).
+    /// Keys per K/V block and softmax step (128 or 192).
     pub keys: usize,
     /// K and Vᵀ stages.
     pub stages: usize,
-    /// Column groups (of 16) whose exponentials are computed in software.
-    pub emulated: usize,
-    /// How its two consumer warpgroups issue their GEMMs.
-    pub schedule: Fp8Schedule,
-}
-
-/// How the consumer warpgroups of an FP8 Hopper kernel issue their GEMMs (hopper.cu, namespace
-/// `fp8`), and the suffix it gives the kernel's name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fp8Schedule {
-    /// They take turns (named barriers), so one's softmax runs under the other's GEMMs (no suffix).
-    Turns,
-    /// Each issues as soon as its operands are in (`_np`).
-    Free,
-    /// Free, and S of the next block is queued before this block's softmax, in a second S of
-    /// registers (`_deep`, hopper.cu's `fp8::deep_loop`).
-    Deep,
-}
-
-impl Fp8Schedule {
-    /// The suffix of the kernel names that use it.
-    pub fn suffix(self) -> &'static str {
-        match self {
-            Self::Turns => "",
-            Self::Free => "_np",
-            Self::Deep => "_deep",
-        }
-    }
 }
 
 impl HopperFp8Variant {
@@ -201,52 +152,17 @@ impl HopperFp8Variant {
     }
 }
 
-const fn fp8_variant(
-    name: &'static str,
-    keys: usize,
-    stages: usize,
-    emulated: usize,
-    schedule: Fp8Schedule,
-) -> HopperFp8Variant {
-    HopperFp8Variant {
-        name,
-        keys,
-        stages,
-        emulated,
-        schedule,
-    }
+const fn fp8_variant(name: &'static str, keys: usize, stages: usize) -> HopperFp8Variant {
+    HopperFp8Variant { name, keys, stages }
 }
 
-use Fp8Schedule::{Deep, Free, Turns};
-
 /// Every compiled FP8 Hopper variant (keep in step with `HOPPER_FP8_KERNEL(...)` in hopper.cu), the
-/// default first (`ops/quant/cuda.rs` says why it is): beside it, the same without the third stage,
-/// the same with turns (the default until 2026-12-06), and six not yet run on a GPU, all without
-/// turns: 4 stages, 2 of 16 column groups' exponentials in software, 192- and 224-key blocks (with
-/// turns they were 1–6 % slower than 128, bench/RESULTS.md, 2026-12-06), and the deep schedule at
-/// 3 and 2 stages.
+/// default first (`ops/quant/cuda.rs` says why it is), then the 128-key kernels it is measured
+/// against.
 pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0_np", 128, 3, 0, Free),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2_e0_np", 128, 2, 0, Free),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e0", 128, 3, 0, Turns),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s4_e0_np", 128, 4, 0, Free),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_e2_np", 128, 3, 2, Free),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_e0_np", 192, 3, 0, Free),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc224_s3_e0_np", 224, 3, 0, Free),
-    fp8_variant(
-        "hopper_fp8_fwd_d128_br128_bc128_s3_e0_deep",
-        128,
-        3,
-        0,
-        Deep,
-    ),
-    fp8_variant(
-        "hopper_fp8_fwd_d128_br128_bc128_s2_e0_deep",
-        128,
-        2,
-        0,
-        Deep,
-    ),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3", 192, 3),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3", 128, 3),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2", 128, 2),
 ];
 
 /// One compiled tile configuration of the tensor-core kernel
@@ -402,25 +318,13 @@ mod tests {
         }
         assert!(default_flash_variant(96).is_none());
         for v in HOPPER_FP8_VARIANTS {
-            let tail = format!(
-                "_bc{}_s{}_e{}{}",
-                v.keys,
-                v.stages,
-                v.emulated,
-                v.schedule.suffix()
-            );
+            let tail = format!("_bc{}_s{}", v.keys, v.stages);
             assert!(v.name.ends_with(&tail), "{}", v.name);
-            assert!([128, 192, 224].contains(&v.keys), "{}", v.name);
+            assert!([128, 192].contains(&v.keys), "{}", v.name);
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);
         }
         for v in HOPPER_VARIANTS {
-            let np = if v.pingpong { "" } else { "_np" };
-            assert!(
-                v.name.ends_with(&format!("_s{}{np}", v.stages)),
-                "{}",
-                v.name
-            );
-            assert!(v.pingpong || v.warp_specialised, "{}", v.name);
+            assert!(v.name.ends_with(&format!("_s{}", v.stages)), "{}", v.name);
             assert!(v.name.contains(&format!("_bc{}_", v.block_k)), "{}", v.name);
             assert!(v.block_k == 128 || v.warp_specialised, "{}", v.name);
             assert!(!v.persistent || v.warp_specialised, "{}", v.name);

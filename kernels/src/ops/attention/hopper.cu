@@ -97,15 +97,10 @@ __device__ __forceinline__ u64 desc(unsigned addr, unsigned lbo, unsigned sbo) {
            ((u64)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 // The same with the 64B swizzle (mode 2: rows of 64 bytes, the pattern repeating every 8 rows,
-// 512-aligned) or the 32B one (mode 3: rows of 32 bytes, 256-aligned), as TMA's
-// CU_TENSOR_MAP_SWIZZLE_64B / _32B write them.
+// 512-aligned), as TMA's CU_TENSOR_MAP_SWIZZLE_64B writes it.
 __device__ __forceinline__ u64 desc64(unsigned addr, unsigned lbo, unsigned sbo) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
            ((u64)((sbo >> 4) & 0x3FFF) << 32) | (2ull << 62);
-}
-__device__ __forceinline__ u64 desc32(unsigned addr, unsigned lbo, unsigned sbo) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
-           ((u64)((sbo >> 4) & 0x3FFF) << 32) | (3ull << 62);
 }
 
 // d (+)= A·B over one k16 step, m64n128: A and B from shared memory through descriptors, both K-major
@@ -162,15 +157,6 @@ __device__ __forceinline__ void wgmma_ss192_e4m3(float* d, u64 da, u64 db, int a
         "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-        : "l"(da), "l"(db), "r"(accumulate));
-}
-
-// As wgmma_ss_e4m3, m64n224k32 (112 accumulators): the FP8 Q·Kᵀ over K blocks of 224 keys.
-__device__ __forceinline__ void wgmma_ss224_e4m3(float* d, u64 da, u64 db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %114, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n224k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111}, %112, %113, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111])
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
@@ -437,8 +423,8 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
 // barrier: the two WGs' GEMMs alternate on the tensor cores, so one WG's softmax runs under the other's
 // GEMMs), issues S = Q·K_iᵀ and O += P_{i−1}·V_{i−1}, hands the turn over, waits for S only
 // (wait_group 1), releases K_i, runs the softmax of block i while P·V still runs (intra-warpgroup
-// overlap), waits for P·V, releases V_{i−1}, then O·α and the new P. Without turns (PINGPONG false,
-// the `_np` kernels) each consumer issues as soon as its operands are in, as the FP8 default does.
+// overlap), waits for P·V, releases V_{i−1}, then O·α and the new P. (Without turns, 11 % slower at
+// (1,40,75600,128) and 4 % at (1,12,32760,128) on an H100: bench/RESULTS.md, 2026-12-06.)
 // Each CTA computes one work item of `Schedule` (below): a whole tile, or one run of a tile's K/V
 // blocks when the last wave is split (the chunk's first block is then its last, "last to first").
 namespace ws {
@@ -471,7 +457,6 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait2() { asm volatile("wgmma.wait_group.sync.aligned 2;\n" ::: "memory"); }
 
 // One tile of ROWS × 128: rows [row0, row0 + ROWS) of head h of batch b, as two 64-column boxes (the
 // map's box is 64 × ROWS) into the two swizzled halves at dst and dst + ROWS·128 (1024-aligned),
@@ -549,7 +534,7 @@ __device__ __forceinline__ Item item_of(int item, const Schedule& sched, int hea
                 split ? chunk * blocks / sched.ways : 0, split ? (chunk + 1) * blocks / sched.ways : blocks};
 }
 
-template <int STAGES, int KB, bool PINGPONG>
+template <int STAGES, int KB>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, bf16* __restrict__ out,
                                     float* __restrict__ lse, int seq_q, int heads, int kv_len, float scale,
                                     const Schedule sched) {
@@ -630,7 +615,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     const float c = scale * 1.4426950408889634f;  // scale·log2 e
     const unsigned q_wg = sq + w * 64 * 128;       // this WG's 64 rows, in each half
     const unsigned scratch = smem_addr(&pin[threadIdx.x]);
-    if (PINGPONG && w == 1) bar_arrive(TURN + 0);  // consumer 0 issues first
+    if (w == 1) bar_arrive(TURN + 0);  // consumer 0 issues first
     int g = 0;
     for (int item = blockIdx.x, n = 0; item < sched.items; item += gridDim.x, ++n) {
         const Item it = item_of<KB>(item, sched, heads, kv_len);
@@ -647,12 +632,12 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             const int st = g % STAGES;
             mbar_wait(full_q, n & 1);
             mbar_wait(full_k + 8 * st, (g / STAGES) & 1);
-            if constexpr (PINGPONG) bar_sync(TURN + w);
+            bar_sync(TURN + w);
             fence_regs<KB / 2>(s);
             wgmma_fence();
             qk<KB>(s, q_wg, sk + st * KV_TILE);
             wgmma_commit();
-            if constexpr (PINGPONG) bar_arrive(TURN + (1 - w));
+            bar_arrive(TURN + (1 - w));
             wgmma_wait0();
             fence_regs<KB / 2>(s);
             if (leader) {
@@ -670,7 +655,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             const unsigned phase = ((g + i) / STAGES) & 1, prev_phase = ((g + i - 1) / STAGES) & 1;
             mbar_wait(full_k + 8 * st, phase);
             mbar_wait(full_v + 8 * prev, prev_phase);
-            if constexpr (PINGPONG) bar_sync(TURN + w);
+            bar_sync(TURN + w);
             fence_regs<KB / 2>(s);
             fence_regs(o);
             fence_regs(&p[0][0], KB / 4);
@@ -679,7 +664,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             wgmma_commit();
             pv<KB>(o, p, sv + prev * KV_TILE);
             wgmma_commit();
-            if constexpr (PINGPONG) bar_arrive(TURN + (1 - w));
+            bar_arrive(TURN + (1 - w));
             wgmma_wait1();  // S is in; P·V of block i − 1 may still run
             fence_regs<KB / 2>(s);
             if (leader) {
@@ -756,7 +741,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     }
     // Consumer 1 arrived on consumer 0's turn once more than consumer 0 synced on it (its opening
     // arrival): consume it, so no barrier is left mid-phase at exit.
-    if (PINGPONG && w == 0) bar_sync(TURN + 0);
+    if (w == 0) bar_sync(TURN + 0);
 }
 
 }  // namespace ws
@@ -768,22 +753,20 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // 128, S_pad] (S_pad = kv_len rounded up to 128, zero past kv_len), with one scale per (batch, head,
 // channel), and its keys permuted within each run of 32 (below).
 // Q tiles are [128 × 128] bytes, one 128B-swizzle region (a row of 128 e4m3 is one 128-byte line),
-// by TMA. K/V blocks are KB = 128, 192 or 224 keys (FlashAttention-3 takes 224 for FP8: fewer
-// turns and block-wise costs per key; at 256 ptxas spills and serialises the wgmma), each the
-// reference's softmax step (`attention_fp8_reference` at step KB), taken first to last as the
-// reference takes them, so the running max (which sets how each P rounds to e4m3) follows the
-// same sequence; the partial last block is masked where it comes. No split of the last wave (the
-// merge would change that sequence too). A K block is KB rows of 128 bytes, one box; a Vᵀ block
-// is [128 channels × 128 keys] (128B swizzle), then [128 × 64 keys] (64B swizzle) at KB ≥ 192 and
-// [128 × 32 keys] (32B swizzle) at KB = 224, one box each (`pv`).
-// GEMMs: wgmma m64nKBk32 e4m3 (8-bit operands are K-major only): S = Q·Kᵀ as 4 SS k-steps of 32
+// by TMA. K/V blocks are KB = 128 or 192 keys, each the reference's softmax step
+// (`attention_fp8_reference` at step KB), taken first to last as the reference takes them, so the
+// running max (which sets how each P rounds to e4m3) follows the same sequence; the partial last
+// block is masked where it comes. No split of the last wave (the merge would change that sequence
+// too). A K block is KB rows of 128 bytes, one box; a Vᵀ block is [128 channels × 128 keys] (128B
+// swizzle), then [128 × 64 keys] (64B swizzle) at KB = 192, one box each (`pv`).
+// GEMMs: wgmma e4m3 (8-bit operands are K-major only): S = Q·Kᵀ (m64nKBk32) as 4 SS k-steps of 32
 // bytes into each 128-byte row; O += P·V (m64n128k32) as KB/32 RS k-steps with P in registers and
 // Vᵀ K-major (keys contiguous), the same descriptors as Q and K.
-// Softmax in base 2 on descaled scores: a segment g of 64 keys (32 at KB = 224) of block j, each
-// inside one of K's 128-token scale blocks, has raw scores (integer-valued products of codes,
-// summed in f32) times c_jg = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 =
-// 2^(s·c_jg − m + log2 448) straight from ex2 (the ×448 of the reference folded into the exponent),
-// rounded to e4m3 for P·V and summed unrounded into l (which is then 448·Σp).
+// Softmax in base 2 on descaled scores: a segment g of 64 keys of block j, each inside one of K's
+// 128-token scale blocks, has raw scores (integer-valued products of codes, summed in f32) times
+// c_jg = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 = 2^(s·c_jg − m + log2 448)
+// straight from ex2 (the ×448 of the reference folded into the exponent), rounded to e4m3 for P·V
+// and summed unrounded into l (which is then 448·Σp).
 // P's registers: the S accumulator gives a thread, in each 32 keys, rows g and g + 8 of keys
 // {2t, 2t+1, 8+2t, 9+2t} and the same + 16 (g = lane/4, t = lane%4), while an 8-bit A fragment
 // wants k = 4t…4t+3 and 16+4t…16+4t+3. Rather than shuffle registers (FlashAttention-3), the
@@ -791,22 +774,18 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // thread's accumulators are its A fragment as they stand (`pack_p`) and the sum over keys is
 // unchanged.
 // End: O·(s_v[col] / l), lse = m·ln 2 + ln l − ln 448 (the reference's m + ln Σp).
-// Turns (PINGPONG): with them the two consumers issue their GEMMs in strict alternation, as the bf16
-// kernel does, so one's softmax runs under the other's GEMMs; without (the `_np` variants) each
-// issues as soon as its operands are in. In FP8 a block's GEMMs take about as long as the
-// MUFU's share of its softmax, so waiting for the other consumer's turn costs more than the order
-// gives: 4 % faster without at both DiT shapes on an H100 (bench/RESULTS.md, 2026-12-06). The
-// values do not depend on it.
+// The two consumers issue their GEMMs as soon as their operands are in, without the bf16 kernel's
+// turns: in FP8 a block's GEMMs take about as long as the MUFU's share of its softmax, so waiting
+// for the other consumer's turn cost more than the order gave (4 % on an H100, bench/RESULTS.md,
+// 2026-12-06). Measured and removed: turns, 224-key blocks, exponentials on the FMA pipes, S of the
+// next block queued before this one's softmax, S in runs whose row max is taken under the next
+// run's GEMM (RESULTS, 2026-12-03 to 2026-12-06).
 namespace fp8 {
 
 constexpr int SCALE_BLOCK = 128;                   // tokens per K scale (the recipe's block)
-// Keys per descale segment of a K/V block of KB keys: runs of SEG keys from a multiple of SEG lie
-// in one K scale block (blocks of 224 keys start 32 keys off a scale block's start).
-template <int KB>
-__host__ __device__ constexpr int seg() { return KB % 64 == 0 ? 64 : 32; }
+constexpr int SEG = 64;                            // keys per descale segment (each in one K scale block)
 constexpr int TILE8 = 128 * 128;                   // bytes of a [128 × 128] e4m3 tile
 constexpr int VT_64 = TILE8;                       // a Vᵀ stage's keys 128–191 (64B swizzle)
-constexpr int VT_32 = TILE8 + 128 * 64;            // its keys 192–223 (32B swizzle)
 constexpr float LOG2_448 = 8.8073549220576041f;    // log2 448
 constexpr float LN_448 = 6.1047932324149849f;      // ln 448
 
@@ -825,23 +804,20 @@ __device__ __forceinline__ void qk(float* s, unsigned q_wg, unsigned kt) {
     for (int kk = 0; kk < 4; ++kk) {
         const u64 da = desc(q_wg + kk * 32, 16, 1024), db = desc(kt + kk * 32, 16, 1024);
         if constexpr (KB == 128) wgmma_ss_e4m3(s, da, db, kk > 0);
-        else if constexpr (KB == 192) wgmma_ss192_e4m3(s, da, db, kk > 0);
-        else wgmma_ss224_e4m3(s, da, db, kk > 0);
+        else wgmma_ss192_e4m3(s, da, db, kk > 0);
     }
 }
 
 // O += P·V over KB keys: k-steps of 32 (Vᵀ K-major, 32 bytes into each channel's row per step). A
-// Vᵀ stage holds keys 0–127 as a [128 × 128] tile in the 128B swizzle, then (KB ≥ 192) keys
-// 128–191 as [128 channels × 64 bytes] in the 64B swizzle, then (KB = 224) keys 192–223 as [128 ×
-// 32 bytes] in the 32B swizzle: a swizzle's rows are as long as its span, so each part is its own
-// box, from its own tensor map of the same Vᵀ.
+// Vᵀ stage holds keys 0–127 as a [128 × 128] tile in the 128B swizzle, then (KB = 192) keys
+// 128–191 as [128 channels × 64 bytes] in the 64B swizzle: a swizzle's rows are as long as its
+// span, so each part is its own box, from its own tensor map of the same Vᵀ.
 template <int KB>
 __device__ __forceinline__ void pv(float* o, unsigned (*p)[4], unsigned vt) {
 #pragma unroll
     for (int kk = 0; kk < KB / 32; ++kk) {
         if (kk < 4) wgmma_rs_e4m3(o, p[kk], desc(vt + kk * 32, 16, 1024));
-        else if (kk < 6) wgmma_rs_e4m3(o, p[kk], desc64(vt + VT_64 + (kk - 4) * 32, 16, 512));
-        else wgmma_rs_e4m3(o, p[kk], desc32(vt + VT_32, 16, 256));
+        else wgmma_rs_e4m3(o, p[kk], desc64(vt + VT_64 + (kk - 4) * 32, 16, 512));
     }
 }
 
@@ -866,34 +842,14 @@ __device__ __forceinline__ void pack_p(const float* s, unsigned (*p)[4]) {
     }
 }
 
-// 2^x on the FMA and integer pipes rather than the MUFU, for x ≤ 9 (p·448's exponent): x clamped
-// to ≥ −125 (2^−125·448 rounds to e4m3 0, as the 0 of a masked key does), x = n + f with n the
-// nearest integer (the 1.5·2²³ shifter leaves n in the low mantissa bits), 2^f for |f| ≤ ½ by its
-// degree-4 Taylor polynomial (relative error ≤ (½ ln 2)⁵/5! ≈ 4·10⁻⁵, far below e4m3's 2⁻⁴), n
-// added to the exponent field. It moves part of the MUFU's work (16 results per clock per SM) to the
-// 128-lane pipes: 3 % faster with 2 of 16 groups while the row sum was one chain, 4 % slower once
-// it was four (bench/RESULTS.md, 2026-12-03); kept as a variant to measure against.
-__device__ __forceinline__ float ex2_fma(float x) {
-    x = fmaxf(x, -125.0f);
-    const float t = x + 12582912.0f;
-    const float f = x - (t - 12582912.0f);
-    float p = fmaf(9.6181291e-3f, f, 5.5504109e-2f);
-    p = fmaf(p, f, 2.4022651e-1f);
-    p = fmaf(p, f, 6.9314718e-1f);
-    p = fmaf(p, f, 1.0f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
-// One block's online softmax for this thread's rows r0 and r0 + 8, with the descale c[g] of each
-// segment g of SEG = seg<KB>() keys (each inside one K scale block): m ← max(m, max_g
-// rowmax_g(s)·c[g]) (c > 0, so the max of the rounded products is the rounded max; with one
-// descale for the block this is rowmax(s)·c), α = 2^(m_old − m) (0 on the first block), s ←
-// 2^(s·c[g] − m + log2 448), l ← l·α + Σ s. Needs a finite score per row. Returns whether some row
-// of the warp has a new max. Column groups nt with (nt·EMU) mod 16 < EMU (EMU of each thread's 16,
-// spread evenly) exponentiate by `ex2_fma`, the rest on the MUFU.
-template <int KB, int EMU>
+// One block's online softmax for this thread's rows r0 and r0 + 8, with the descale c[g] > 0 of
+// each segment g of SEG keys (each inside one K scale block): m ← max(m, max_g rowmax_g(s)·c[g])
+// (the max of the rounded products is the rounded max), α = 2^(m_old − m) (0 on the first block),
+// s ← 2^(s·c[g] − m + log2 448), l ← l·α + Σ s. Needs a finite score per row. Returns whether
+// some row of the warp has a new max.
+template <int KB>
 __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, float* alpha, const float* c) {
-    constexpr int GROUPS = seg<KB>() / 8;  // column groups of 8 keys per segment
+    constexpr int GROUPS = SEG / 8;  // column groups of 8 keys per segment
     bool rescale = false;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
@@ -901,10 +857,15 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, flo
         // exponentials wait for it.
         float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-        for (int g = 0; g < KB / (8 * GROUPS); ++g) {
-            float sp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        for (int g = 0; g < KB / SEG; ++g) {
+            float sp[4];
 #pragma unroll
-            for (int nt = g * GROUPS; nt < (g + 1) * GROUPS; ++nt)
+            for (int k = 0; k < 4; ++k) {
+                const int nt = g * GROUPS + k;
+                sp[k] = fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]);
+            }
+#pragma unroll
+            for (int nt = g * GROUPS + 4; nt < (g + 1) * GROUPS; ++nt)
                 sp[nt % 4] = fmaxf(sp[nt % 4], fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
             part[g % 4] = fmaxf(part[g % 4], fmaxf(fmaxf(sp[0], sp[1]), fmaxf(sp[2], sp[3])) * c[g]);
         }
@@ -922,11 +883,9 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, flo
         float rs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int nt = 0; nt < KB / 8; ++nt) {
-            const bool emu = EMU > 0 && (nt * EMU) % 16 < EMU;
             const float cg = c[nt / GROUPS];
-            const float x0 = fmaf(s[4 * nt + 2 * hf], cg, -off), x1 = fmaf(s[4 * nt + 2 * hf + 1], cg, -off);
-            s[4 * nt + 2 * hf] = emu ? ex2_fma(x0) : ex2(x0);
-            s[4 * nt + 2 * hf + 1] = emu ? ex2_fma(x1) : ex2(x1);
+            s[4 * nt + 2 * hf] = ex2(fmaf(s[4 * nt + 2 * hf], cg, -off));
+            s[4 * nt + 2 * hf + 1] = ex2(fmaf(s[4 * nt + 2 * hf + 1], cg, -off));
             rs[nt % 4] += s[4 * nt + 2 * hf] + s[4 * nt + 2 * hf + 1];
         }
         l[hf] = l[hf] * alpha[hf] + ((rs[0] + rs[1]) + (rs[2] + rs[3]));
@@ -943,20 +902,19 @@ __device__ __forceinline__ void descales(float* c, const float* ks, int i, int k
         c[0] = c[1] = (cq * __ldg(ks + i)) * cs;
     } else {
 #pragma unroll
-        for (int g = 0; g < KB / seg<KB>(); ++g)
-            c[g] = (cq * __ldg(ks + min((i * KB + g * seg<KB>()) / SCALE_BLOCK, k_blocks - 1))) * cs;
+        for (int g = 0; g < KB / SEG; ++g)
+            c[g] = (cq * __ldg(ks + min((i * KB + g * SEG) / SCALE_BLOCK, k_blocks - 1))) * cs;
     }
 }
 
-// Block i ≥ 1 of the plain schedule: waits K_i and V_{i−1}, (PINGPONG: takes its turn), issues
-// S = Q·K_iᵀ and O += P_{i−1}·V_{i−1}, (hands the turn over), waits for S only, runs block i's
-// softmax while P·V runs, waits for P·V, then O·α and the new P. Nothing is in flight on return.
-template <int STAGES, int EMU, int KB, bool PINGPONG>
-__device__ __forceinline__ void plain_step(float* s, float* o, unsigned (*p)[4], float* m, float* l, float* c,
-                                           const float* ks, int k_blocks, float cq, float cs, int i, int kv_len,
-                                           unsigned q_wg, unsigned sk, unsigned sv, unsigned full_k, unsigned full_v,
-                                           unsigned empty_k, unsigned empty_v, unsigned scratch, bool leader, int lane,
-                                           int w) {
+// Block i ≥ 1: waits K_i and V_{i−1}, issues S = Q·K_iᵀ and O += P_{i−1}·V_{i−1}, waits for S
+// only, runs block i's softmax while P·V runs, waits for P·V, then O·α and the new P. Nothing is
+// in flight on return.
+template <int STAGES, int KB>
+__device__ __forceinline__ void step(float* s, float* o, unsigned (*p)[4], float* m, float* l, float* c,
+                                     const float* ks, int k_blocks, float cq, float cs, int i, int kv_len,
+                                     unsigned q_wg, unsigned sk, unsigned sv, unsigned full_k, unsigned full_v,
+                                     unsigned empty_k, unsigned empty_v, unsigned scratch, bool leader, int lane) {
     using namespace ws;
     constexpr int STAGE = KB * 128;
     const int st = i % STAGES, prev = (i - 1) % STAGES;
@@ -964,7 +922,6 @@ __device__ __forceinline__ void plain_step(float* s, float* o, unsigned (*p)[4],
     descales<KB>(c, ks, i, k_blocks, cq, cs);
     mbar_wait(full_k + 8 * st, phase);
     mbar_wait(full_v + 8 * prev, prev_phase);
-    if constexpr (PINGPONG) bar_sync(TURN + w);
     fence_regs<KB / 2>(s);
     fence_regs(o);
     fence_regs(&p[0][0], KB / 8);
@@ -973,13 +930,12 @@ __device__ __forceinline__ void plain_step(float* s, float* o, unsigned (*p)[4],
     wgmma_commit();
     pv<KB>(o, p, sv + prev * STAGE);
     wgmma_commit();
-    if constexpr (PINGPONG) bar_arrive(TURN + (1 - w));
     wgmma_wait1();  // S is in; P·V of block i − 1 may still run
     fence_regs<KB / 2>(s);
     if (leader) mbar_arrive(empty_k + 8 * st);
     if ((i + 1) * KB > kv_len) mask_keys<KB>(s, kv_len - i * KB, lane);
     float alpha[2];
-    const bool rescale = online_softmax<KB, EMU>(s, m, l, alpha, c);
+    const bool rescale = online_softmax<KB>(s, m, l, alpha, c);
     // Keeps the P·V wait below the exponentials (see ws::fwd).
     asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(l[0] + l[1]) : "memory");
     wgmma_wait0();
@@ -990,102 +946,12 @@ __device__ __forceinline__ void plain_step(float* s, float* o, unsigned (*p)[4],
     pack_p<KB>(s, p);
 }
 
-// One step of the deep schedule (`deep_loop`) for block i ≥ 1, whose S is in flight into `cur`:
-// queues O += P_{i−1}·V_{i−1} and (MORE: there is a block i + 1) S_{i+1} into `nxt`, waits for S_i
-// only, runs block i's softmax while both GEMMs run, waits for P·V, then O·α and the new P. The
-// softmax and its inputs are those of the plain loop, so the values are the same bit for bit. MORE
-// is a template argument, so that each step is straight-line code (`deep_loop` says what made ptxas
-// serialise the wgmmas).
-template <int STAGES, int EMU, int KB, bool MORE>
-__device__ __forceinline__ void deep_step(float* cur, float* nxt, float* o, unsigned (*p)[4], float* m, float* l,
-                                          float* c, const float* ks, int k_blocks, float cq, float cs, int i,
-                                          int kv_len, unsigned q_wg, unsigned sk, unsigned sv, unsigned full_k,
-                                          unsigned full_v, unsigned empty_k, unsigned empty_v, unsigned scratch,
-                                          bool leader, int lane) {
-    using namespace ws;
-    constexpr int STAGE = KB * 128;
-    const int st = i % STAGES, prev = (i - 1) % STAGES, next = (i + 1) % STAGES;
-    descales<KB>(c, ks, i, k_blocks, cq, cs);
-    mbar_wait(full_v + 8 * prev, ((i - 1) / STAGES) & 1);
-    if constexpr (MORE) mbar_wait(full_k + 8 * next, ((i + 1) / STAGES) & 1);
-    fence_regs(o);
-    fence_regs(&p[0][0], KB / 8);
-    if constexpr (MORE) fence_regs<KB / 2>(nxt);
-    wgmma_fence();
-    pv<KB>(o, p, sv + prev * STAGE);
-    wgmma_commit();
-    if constexpr (MORE) {
-        qk<KB>(nxt, q_wg, sk + next * STAGE);
-        wgmma_commit();
-        wgmma_wait2();  // S_i is in; P·V of block i − 1 and S_{i+1} may still run
-    } else {
-        wgmma_wait1();  // S_i is in; P·V of block i − 1 may still run
-    }
-    fence_regs<KB / 2>(cur);
-    if (leader) mbar_arrive(empty_k + 8 * st);
-    if ((i + 1) * KB > kv_len) mask_keys<KB>(cur, kv_len - i * KB, lane);
-    float alpha[2];
-    const bool rescale = online_softmax<KB, EMU>(cur, m, l, alpha, c);
-    // Keeps the P·V wait below the exponentials (see ws::fwd).
-    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(l[0] + l[1]) : "memory");
-    if constexpr (MORE) wgmma_wait1(); else wgmma_wait0();  // P·V of block i − 1 is in
-    fence_regs(o);
-    fence_regs(&p[0][0], KB / 8);
-    if (leader) mbar_arrive(empty_v + 8 * prev);
-    rescale_o(o, alpha, rescale);
-    pack_p<KB>(cur, p);
-}
-
-// The deep schedule (the `_deep` variants, no turns) of blocks 1 … nblk − 1: S of block i + 1 is
-// queued behind P·V of block i − 1 before block i's softmax starts, so the tensor cores have a
-// block's GEMMs of this consumer to run under each softmax, and a consumer never waits for its next
-// S after a softmax (the plain loop's wait, which with the turns Nsight Compute put at a quarter of
-// the loop's samples). It costs a second S in registers (KB/2 more per thread). Enters as the plain
-// loop does, block 0 done and nothing in flight; on return P holds the last block's P, whose P·V is
-// the caller's. The deep steps alternate the two S and come in pairs, one plain step first when
-// their number would be odd: ptxas serialises every wgmma of the function when a wgmma is still in
-// flight where run-time control flow joins (a tail after the pair loop did that).
-template <int STAGES, int EMU, int KB>
-__device__ __forceinline__ void deep_loop(float* sa, float* o, unsigned (*p)[4], float* m, float* l, float* c,
-                                          const float* ks, int k_blocks, float cq, float cs, int nblk, int kv_len,
-                                          unsigned q_wg, unsigned sk, unsigned sv, unsigned full_k, unsigned full_v,
-                                          unsigned empty_k, unsigned empty_v, unsigned scratch, bool leader, int lane) {
-    using namespace ws;
-    constexpr int STAGE = KB * 128;
-    int first = 1;
-    if ((nblk - 1) % 2 == 1) {
-        plain_step<STAGES, EMU, KB, false>(sa, o, p, m, l, c, ks, k_blocks, cq, cs, 1, kv_len, q_wg, sk, sv, full_k,
-                                           full_v, empty_k, empty_v, scratch, leader, lane, 0);
-        first = 2;
-    }
-    if (first < nblk) {  // an even number of blocks left: S of block `first` into sb, then pairs
-        float sb[KB / 2];
-        mbar_wait(full_k + 8 * (first % STAGES), (first / STAGES) & 1);
-        fence_regs<KB / 2>(sb);
-        wgmma_fence();
-        qk<KB>(sb, q_wg, sk + (first % STAGES) * STAGE);
-        wgmma_commit();
-        int i = first;
-        for (; i + 2 < nblk; i += 2) {
-            deep_step<STAGES, EMU, KB, true>(sb, sa, o, p, m, l, c, ks, k_blocks, cq, cs, i, kv_len, q_wg, sk, sv,
-                                             full_k, full_v, empty_k, empty_v, scratch, leader, lane);
-            deep_step<STAGES, EMU, KB, true>(sa, sb, o, p, m, l, c, ks, k_blocks, cq, cs, i + 1, kv_len, q_wg, sk,
-                                             sv, full_k, full_v, empty_k, empty_v, scratch, leader, lane);
-        }
-        deep_step<STAGES, EMU, KB, true>(sb, sa, o, p, m, l, c, ks, k_blocks, cq, cs, i, kv_len, q_wg, sk, sv, full_k,
-                                         full_v, empty_k, empty_v, scratch, leader, lane);
-        deep_step<STAGES, EMU, KB, false>(sa, sb, o, p, m, l, c, ks, k_blocks, cq, cs, i + 1, kv_len, q_wg, sk, sv,
-                                          full_k, full_v, empty_k, empty_v, scratch, leader, lane);
-    }
-}
-
-template <int STAGES, int EMU, int KB, bool PINGPONG, bool DEEP>
-__device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tv64, const TmaMap& tv32,
+template <int STAGES, int KB>
+__device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tv64,
                                     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
                                     const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
                                     int seq_q, int heads, int kv_len, float scale, int tiles_x) {
-    static_assert(KB == 128 || KB == 192 || KB == 224, "K/V blocks of 128, 192 or 224 keys");
-    static_assert(!(DEEP && PINGPONG), "the deep schedule takes no turns");
+    static_assert(KB == 128 || KB == 192, "K/V blocks of 128 or 192 keys");
     constexpr int STAGE = KB * 128;  // bytes of a K stage, and of a Vᵀ stage
     static_assert(TILE8 + 2 * STAGES * STAGE + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024, "shared memory");
     using namespace ws;
@@ -1140,8 +1006,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             mbar_wait(empty_v + 8 * s, phase ^ 1);
             mbar_expect_tx(full_v + 8 * s, STAGE);
             tma_box(sv + s * STAGE, tv, full_v + 8 * s, i * KB, 0, h, b);
-            if constexpr (KB >= 192) tma_box(sv + s * STAGE + VT_64, tv64, full_v + 8 * s, i * KB + 128, 0, h, b);
-            if constexpr (KB == 224) tma_box(sv + s * STAGE + VT_32, tv32, full_v + 8 * s, i * KB + 192, 0, h, b);
+            if constexpr (KB == 192) tma_box(sv + s * STAGE + VT_64, tv64, full_v + 8 * s, i * KB + 128, 0, h, b);
         }
         return;
     }
@@ -1163,37 +1028,29 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     const unsigned scratch = smem_addr(&pin[threadIdx.x]);
     float s[KB / 2];
     unsigned p[KB / 32][4];
-    if (PINGPONG && w == 1) bar_arrive(TURN + 0);
 
     // Prologue: block 0.
-    float c[KB / seg<KB>()];
+    float c[KB / SEG];
     descales<KB>(c, ks, 0, k_blocks, cq, cs);
     mbar_wait(full_q, 0);
     mbar_wait(full_k, 0);
-    if constexpr (PINGPONG) bar_sync(TURN + w);
     fence_regs<KB / 2>(s);
     wgmma_fence();
     qk<KB>(s, q_wg, sk);
     wgmma_commit();
-    if constexpr (PINGPONG) bar_arrive(TURN + (1 - w));
     wgmma_wait0();
     fence_regs<KB / 2>(s);
     if (leader) mbar_arrive(empty_k);
     if (KB > kv_len) mask_keys<KB>(s, kv_len, lane);
     {
         float alpha[2];
-        online_softmax<KB, EMU>(s, m, l, alpha, c);  // O = 0: nothing to rescale
+        online_softmax<KB>(s, m, l, alpha, c);  // O = 0: nothing to rescale
     }
     pack_p<KB>(s, p);
 
-    if constexpr (DEEP) {
-        deep_loop<STAGES, EMU, KB>(s, o, p, m, l, c, ks, k_blocks, cq, cs, nblk, kv_len, q_wg, sk, sv, full_k, full_v,
-                                   empty_k, empty_v, scratch, leader, lane);
-    } else {
-        for (int i = 1; i < nblk; ++i)
-            plain_step<STAGES, EMU, KB, PINGPONG>(s, o, p, m, l, c, ks, k_blocks, cq, cs, i, kv_len, q_wg, sk, sv,
-                                                  full_k, full_v, empty_k, empty_v, scratch, leader, lane, w);
-    }
+    for (int i = 1; i < nblk; ++i)
+        step<STAGES, KB>(s, o, p, m, l, c, ks, k_blocks, cq, cs, i, kv_len, q_wg, sk, sv, full_k, full_v, empty_k,
+                         empty_v, scratch, leader, lane);
 
     const int last_stage = (nblk - 1) % STAGES;
     mbar_wait(full_v + 8 * last_stage, ((nblk - 1) / STAGES) & 1);
@@ -1204,7 +1061,6 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     wgmma_commit();
     wgmma_wait0();
     fence_regs(o);
-    if (PINGPONG && w == 0) bar_sync(TURN + 0);
 
     // out = O·s_v / l, lse = m·ln 2 + ln l − ln 448; register 4·dt + 2·hf + e holds channel
     // 8·dt + 2·(lane % 4) + e.
@@ -1255,51 +1111,44 @@ HOPPER_KERNEL(3)
 // 64 × 128) and of k and v (S = kv_len, box 64 × KB) and the schedule come from hopper.rs; seq_k only
 // keeps the argument list the cp.async kernels' (the maps carry the strides).
 #ifdef HOPPER_WGMMA
-#define HOPPER_WS_BODY(STAGES, KB, PINGPONG)                                                         \
-    hopper::ws::fwd<STAGES, KB, PINGPONG>(tq, tk, tv, out, lse, seq_q, heads, kv_len, scale,        \
-                                          hopper::ws::Schedule{part, tickets, tiles_x, n_full, ways, items});
+#define HOPPER_WS_BODY(STAGES, KB)                                                                   \
+    hopper::ws::fwd<STAGES, KB>(tq, tk, tv, out, lse, seq_q, heads, kv_len, scale,                  \
+                                hopper::ws::Schedule{part, tickets, tiles_x, n_full, ways, items});
 #else
-#define HOPPER_WS_BODY(STAGES, KB, PINGPONG)
+#define HOPPER_WS_BODY(STAGES, KB)
 #endif
-#define HOPPER_WS_KERNEL(STAGES, KB, PINGPONG, TAIL)                                                        \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_ws_fwd_d128_br128_bc##KB##_s##STAGES##TAIL( \
+#define HOPPER_WS_KERNEL(STAGES, KB)                                                                       \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_ws_fwd_d128_br128_bc##KB##_s##STAGES(      \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         bf16* out, float* lse, int seq_q, int seq_k, int heads, int kv_len, float scale, float* part,       \
         unsigned* tickets, int tiles_x, int n_full, int ways, int items) {                                  \
-        HOPPER_WS_BODY(STAGES, KB, PINGPONG)                                                               \
+        HOPPER_WS_BODY(STAGES, KB)                                                                         \
     }
-HOPPER_WS_KERNEL(2, 128, true, )
-HOPPER_WS_KERNEL(3, 128, true, )
-HOPPER_WS_KERNEL(2, 176, true, )
-HOPPER_WS_KERNEL(2, 192, true, )
-HOPPER_WS_KERNEL(2, 192, false, _np)
+HOPPER_WS_KERNEL(2, 128)
+HOPPER_WS_KERNEL(3, 128)
+HOPPER_WS_KERNEL(2, 176)
+HOPPER_WS_KERNEL(2, 192)
 
-// hopper_fp8_fwd_d128_br128_bc<KB>_s<STAGES>_e<EMU> (the FP8 forward, namespace fp8; launched by
+// hopper_fp8_fwd_d128_br128_bc<KB>_s<STAGES> (the FP8 forward, namespace fp8; launched by
 // ops/attention/hopper.rs's `attention_fp8`): 384 threads, one CTA per tile of 128 query rows of one
 // (batch, head) (tile = q-tile + tiles_x·(h + heads·b)), dynamic shared memory Q (16 KiB) + 2·STAGES
-// stages of KB·128 bytes + 1 KiB alignment slack; the tensor maps of the codes of q and k ([B, S, H,
-// 128] u8, boxes 128 × 128 and 128 × KB; k's S = kv_len) and three of vᵀ ([B, H, 128, S_pad] u8,
-// boxes of 128, 64 and 32 keys × 128 channels in the 128B, 64B and 32B swizzles, the last two read
-// at KB ≥ 192 and KB = 224 only), their scales (q, k [B, H, ⌈S/128⌉], v [B, H, 128]).
+// stages of KB·128 bytes + 1 KiB alignment slack; the tensor maps of the codes of q and k ([B, S,
+// H, 128] u8, boxes 128 × 128 and 128 × KB; k's S = kv_len) and two of vᵀ ([B, H, 128, S_pad] u8,
+// boxes of 128 and 64 keys × 128 channels in the 128B and 64B swizzles, the second read at KB = 192
+// only), their scales (q, k [B, H, ⌈S/128⌉], v [B, H, 128]).
 #ifdef HOPPER_WGMMA
-#define HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG, DEEP) \
-    hopper::fp8::fwd<STAGES, EMU, KB, PINGPONG, DEEP>(tq, tk, tv, tv64, tv32, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
+#define HOPPER_FP8_BODY(STAGES, KB) \
+    hopper::fp8::fwd<STAGES, KB>(tq, tk, tv, tv64, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
 #else
-#define HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG, DEEP)
+#define HOPPER_FP8_BODY(STAGES, KB)
 #endif
-#define HOPPER_FP8_KERNEL(KB, STAGES, EMU, PINGPONG, DEEP, TAIL)                                               \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES##_e##EMU##TAIL( \
+#define HOPPER_FP8_KERNEL(KB, STAGES)                                                                            \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES(          \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
-        const __grid_constant__ TmaMap tv64, const __grid_constant__ TmaMap tv32, const float* q_scales, const float* k_scales, const float* v_scales, \
-        bf16* out, float* lse, int seq_q, int heads, int kv_len, float scale, int tiles_x) {               \
-        HOPPER_FP8_BODY(STAGES, EMU, KB, PINGPONG, DEEP)                                                   \
+        const __grid_constant__ TmaMap tv64, const float* q_scales, const float* k_scales, const float* v_scales, \
+        bf16* out, float* lse, int seq_q, int heads, int kv_len, float scale, int tiles_x) {                     \
+        HOPPER_FP8_BODY(STAGES, KB)                                                                              \
     }
-HOPPER_FP8_KERNEL(128, 3, 0, false, false, _np)
-HOPPER_FP8_KERNEL(128, 2, 0, false, false, _np)
-HOPPER_FP8_KERNEL(128, 3, 0, true, false, )
-HOPPER_FP8_KERNEL(128, 4, 0, false, false, _np)
-HOPPER_FP8_KERNEL(128, 3, 2, false, false, _np)
-HOPPER_FP8_KERNEL(192, 3, 0, false, false, _np)
-HOPPER_FP8_KERNEL(224, 3, 0, false, false, _np)
-HOPPER_FP8_KERNEL(128, 3, 0, false, true, _deep)
-HOPPER_FP8_KERNEL(128, 2, 0, false, true, _deep)
+HOPPER_FP8_KERNEL(192, 3)
+HOPPER_FP8_KERNEL(128, 3)
+HOPPER_FP8_KERNEL(128, 2)

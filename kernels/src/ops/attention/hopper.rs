@@ -3,9 +3,8 @@
 //! `shared/reference/attention.md`): where they apply and the launch. Two kinds, variants in
 //! `crate::cuda::HOPPER_VARIANTS`: cp.async K/V staging by every thread (stage a of the brief), and the
 //! warp-specialised kernel (a TMA producer warpgroup and two consumer warpgroups that take turns on the
-//! tensor cores, or not in the `_np` variants, and overlap softmax with P·V; stages c–d), which takes
-//! Q/K/V as tensor maps encoded here and a work schedule that splits a sparse last wave of tiles
-//! along the keys (`schedule`).
+//! tensor cores and overlap softmax with P·V; stages c–d), which takes Q/K/V as tensor maps encoded
+//! here and a work schedule that splits a sparse last wave of tiles along the keys (`schedule`).
 //! The FP8 kernel (`attention_fp8` here, namespace `fp8` of hopper.cu) shares the tensor-map
 //! encoding and the warp-specialised layout; `ops/quant/cuda.rs` quantises its operands and calls it.
 //! Anything a kernel cannot run is a `KernelError` naming the rule, never a panic and never a silent
@@ -460,8 +459,8 @@ pub(crate) unsafe fn attention_fp8(
         unsafe { encode(op, backend, ptr, map) }
     };
     let s_pad = ops.s_pad as u64;
-    // Vᵀ by keys 0–127 of each block (128B swizzle), 128–191 (64B) and 192–223 (32B), the parts
-    // of a block of up to 224 keys (hopper.cu's `fp8::pv`); boxes past s_pad read zeros.
+    // Vᵀ by keys 0–127 of each block (128B swizzle) and 128–191 (64B), the parts of a block of up
+    // to 192 keys (hopper.cu's `fp8::pv`); boxes past s_pad read zeros.
     let vt_map = |keys: u32, swizzle| {
         let map = MapSpec {
             bf16: false,
@@ -483,7 +482,6 @@ pub(crate) unsafe fn attention_fp8(
         qk_map(ops.k, seq_k, kv_len, variant.keys)?,
         vt_map(128, Swizzle::CU_TENSOR_MAP_SWIZZLE_128B)?,
         vt_map(64, Swizzle::CU_TENSOR_MAP_SWIZZLE_64B)?,
-        vt_map(32, Swizzle::CU_TENSOR_MAP_SWIZZLE_32B)?,
     ];
     let f = backend.function(&SOURCE, variant.name)?;
     let smem = variant.shared_bytes();
@@ -516,7 +514,7 @@ pub(crate) unsafe fn attention_fp8(
         launch.arg(i);
     }
     launch.arg(&scale).arg(&tiles_x);
-    // SAFETY: hopper_fp8_fwd_* takes (tq, tk, tv, tv64, tv32, q_scales, k_scales, v_scales, out, lse, seq_q,
+    // SAFETY: hopper_fp8_fwd_* takes (tq, tk, tv, tv64, q_scales, k_scales, v_scales, out, lse, seq_q,
     // heads, kv_len, scale, tiles_x), one CTA of 384 threads per tile, the variant's dynamic shared
     // memory (opted into above, ≤ 227 KiB: a unit test); the maps and scales cover the buffers the
     // caller vouched for; out and lse were allocated here with the sizes the kernel writes.

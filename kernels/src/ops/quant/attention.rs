@@ -29,7 +29,7 @@ pub const BLOCK: usize = 128;
 /// Keys per online-softmax step: the K/V block of the GPU's default FP8 kernel. The running max
 /// moves once per step and sets the scale at which each p rounds to e4m3, so the reference takes
 /// the kernel's steps: then only the summation order separates the two.
-pub const STEP: usize = 128;
+pub const STEP: usize = 192;
 
 /// FP8 scaled-dot-product attention by the recipe of the module docs: q [B, S_q, H, D], k and v
 /// [B, S_k, H, D] (f32 or bf16, one dtype) → out [B, S_q, H, D] in q's dtype and lse [B, H, S_q]
@@ -53,7 +53,7 @@ pub fn attention_fp8(
 }
 
 /// The CPU recipe of [`attention_fp8`] with online-softmax steps of `step` keys (≥ 1): the
-/// reference each GPU kernel variant is held to at its K/V block (128, 192 or 224 keys; K's scale
+/// reference each GPU kernel variant is held to at its K/V block (128 or 192 keys; K's scale
 /// blocks stay 128 tokens, which a step may straddle). Takes [`attention_fp8`]'s arguments
 /// (tensors anywhere, read on the host) and checks them the same.
 pub fn attention_fp8_reference(

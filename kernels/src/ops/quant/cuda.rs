@@ -425,12 +425,11 @@ pub(super) fn quantize_attention(
 }
 
 /// `HOPPER_FP8_VARIANTS[DEFAULT_FP8_ATTENTION]` runs unless a test or benchmark forces another:
-/// 128-key blocks, 3 stages, every exponential on the MUFU, and the two consumer warpgroups issuing
-/// their GEMMs without taking turns (`hopper_fp8_fwd_d128_br128_bc128_s3_e0_np`). On an H100
-/// (bench/RESULTS.md, 2026-12-06, call C) it took 7.16–7.24 ms at (1,12,32760,128) against 7.52
-/// for the same kernel with turns (the default before), and 129.3 ms at (1,40,75600,128) against
-/// 134.4–134.9; the outputs are the same bit for bit (turns only order the issue). With turns,
-/// 192- and 224-key blocks had been 1–6 % slower than 128 (call A).
+/// 192-key blocks, 3 stages, the two consumer warpgroups issuing their GEMMs without taking turns
+/// (`hopper_fp8_fwd_d128_br128_bc192_s3`). In three calls on an H100 (bench/RESULTS.md,
+/// 2026-12-06) it was ahead of the same kernel at 128 keys in 5 of 6 runs at (1,12,32760,128) (by
+/// up to 3 %, behind once by 0.4 %) and by 1–2 % at (1,40,75600,128) in every run but one tie.
+/// The CPU reference takes its 192-key steps (`attention::STEP`).
 const DEFAULT_FP8_ATTENTION: usize = 0;
 
 #[cfg(test)]

@@ -427,7 +427,7 @@ fn fp8_attention_follows_its_online_schedule() -> crate::Result<()> {
     let (at_step, _) = attention_fp8_reference(&q, &k, &v, options, super::attention::STEP)?;
     assert_eq!(default.to_vec_f32()?, at_step.to_vec_f32()?);
     let mut outs = Vec::new();
-    for step in [64, 128, 192, 224] {
+    for step in [64, 128, 192] {
         let (out, _) = attention_fp8_reference(&q, &k, &v, options, step)?;
         check_online_schedule(&q, &k, &v, &out, step)?;
         outs.push(out.to_vec_f32()?);

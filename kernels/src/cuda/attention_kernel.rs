@@ -130,11 +130,10 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
 ];
 
 /// One compiled configuration of the FP8 Hopper kernel
-/// (`hopper_fp8_fwd_d128_br128_bc{KEYS}_s{STAGES}[_qr]`, namespace `fp8` of
-/// `ops/attention/hopper.cu`): the warp-specialised layout with e4m3 Q tiles of [128 × 128] bytes,
-/// K/V blocks of `keys` keys (also the online softmax's step, which the CPU reference takes the
-/// same: `crate::attention_fp8_reference`), `stages` deep K and Vᵀ rings, and Q read by S's GEMMs
-/// from shared memory or (`_qr`) from registers.
+/// (`hopper_fp8_fwd_d128_br128_bc{KEYS}_s{STAGES}`, namespace `fp8` of `ops/attention/hopper.cu`):
+/// the warp-specialised layout with e4m3 Q tiles of [128 × 128] bytes, K/V blocks of `keys` keys
+/// (also the online softmax's step, which the CPU reference takes the same:
+/// `crate::attention_fp8_reference`), and `stages` deep K and Vᵀ rings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HopperFp8Variant {
     /// Kernel name in hopper.cu.
@@ -143,8 +142,6 @@ pub struct HopperFp8Variant {
     pub keys: usize,
     /// K and Vᵀ stages.
     pub stages: usize,
-    /// S's GEMMs take Q from registers, loaded once per tile (`_qr`), not from shared memory.
-    pub q_registers: bool,
 }
 
 impl HopperFp8Variant {
@@ -155,30 +152,17 @@ impl HopperFp8Variant {
     }
 }
 
-const fn fp8_variant(
-    name: &'static str,
-    keys: usize,
-    stages: usize,
-    q_registers: bool,
-) -> HopperFp8Variant {
-    HopperFp8Variant {
-        name,
-        keys,
-        stages,
-        q_registers,
-    }
+const fn fp8_variant(name: &'static str, keys: usize, stages: usize) -> HopperFp8Variant {
+    HopperFp8Variant { name, keys, stages }
 }
 
 /// Every compiled FP8 Hopper variant (keep in step with `HOPPER_FP8_KERNEL(...)` in hopper.cu), the
 /// default first (`ops/quant/cuda.rs` says why it is), then the 128-key kernels it is measured
-/// against, and both with Q in registers (not yet run on a GPU: at the 700 W limit each byte not
-/// read from shared memory is power for the tensor cores, bench/RESULTS.md, 2026-12-06).
+/// against.
 pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3", 192, 3, false),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3", 128, 3, false),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2", 128, 2, false),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_qr", 192, 3, true),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_qr", 128, 3, true),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3", 192, 3),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3", 128, 3),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2", 128, 2),
 ];
 
 /// One compiled tile configuration of the tensor-core kernel
@@ -334,8 +318,7 @@ mod tests {
         }
         assert!(default_flash_variant(96).is_none());
         for v in HOPPER_FP8_VARIANTS {
-            let qr = if v.q_registers { "_qr" } else { "" };
-            let tail = format!("_bc{}_s{}{qr}", v.keys, v.stages);
+            let tail = format!("_bc{}_s{}", v.keys, v.stages);
             assert!(v.name.ends_with(&tail), "{}", v.name);
             assert!([128, 192].contains(&v.keys), "{}", v.name);
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);

@@ -171,23 +171,6 @@ __device__ __forceinline__ void wgmma_rs_e4m3(float* d, const unsigned* a, u64 d
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-// S = Q·Kᵀ with Q from registers (the `_qr` variants): as wgmma_rs_e4m3, m64n128k32 and m64n192k32,
-// with `accumulate` = 0 giving d = A·B (scale-d false).
-__device__ __forceinline__ void wgmma_rs128_e4m3_z(float* d, const unsigned* a, u64 db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_rs192_e4m3_z(float* d, const unsigned* a, u64 db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, {%96, %97, %98, %99}, %100, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-}
-
 // The helpers below take N, the keys per K/V block: S holds N/2 registers per thread.
 // Sets the scores of keys ≥ lim (columns of this K/V block) to −∞: register 4j + e holds column
 // 8j + 2·(lane % 4) + (e & 1).
@@ -777,9 +760,8 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // too). A K block is KB rows of 128 bytes, one box; a Vᵀ block is [128 channels × 128 keys] (128B
 // swizzle), then [128 × 64 keys] (64B swizzle) at KB = 192, one box each (`pv`).
 // GEMMs: wgmma e4m3 (8-bit operands are K-major only): S = Q·Kᵀ (m64nKBk32) as 4 SS k-steps of 32
-// bytes into each 128-byte row (RS in the `_qr` variants: Q's fragments read once per tile into
-// registers, `load_q`); O += P·V (m64n128k32) as KB/32 RS k-steps with P in registers and Vᵀ
-// K-major (keys contiguous), the same descriptors as Q and K.
+// bytes into each 128-byte row; O += P·V (m64n128k32) as KB/32 RS k-steps with P in registers and
+// Vᵀ K-major (keys contiguous), the same descriptors as Q and K.
 // Softmax in base 2 on descaled scores: a segment g of 64 keys of block j, each inside one of K's
 // 128-token scale blocks, has raw scores (integer-valued products of codes, summed in f32) times
 // c_jg = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 = 2^(s·c_jg − m + log2 448)
@@ -815,34 +797,15 @@ __device__ __forceinline__ void tma_box(unsigned dst, const TmaMap& map, unsigne
         : "memory");
 }
 
-// S = Q·Kᵀ over D = 128 bytes for a K block of KB keys (KB rows of 128 bytes): 4 k-steps of 32,
-// Q from this warpgroup's rows in shared memory at q_wg or (QREG) from its A fragments qa.
-template <int KB, bool QREG>
-__device__ __forceinline__ void qk(float* s, unsigned q_wg, const unsigned (*qa)[4], unsigned kt) {
+// S = Q·Kᵀ over D = 128 bytes for a K block of KB keys (KB rows of 128 bytes): 4 k-steps of 32.
+template <int KB>
+__device__ __forceinline__ void qk(float* s, unsigned q_wg, unsigned kt) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
         const u64 da = desc(q_wg + kk * 32, 16, 1024), db = desc(kt + kk * 32, 16, 1024);
-        if constexpr (QREG && KB == 128) wgmma_rs128_e4m3_z(s, qa[kk], db, kk > 0);
-        else if constexpr (QREG) wgmma_rs192_e4m3_z(s, qa[kk], db, kk > 0);
-        else if constexpr (KB == 128) wgmma_ss_e4m3(s, da, db, kk > 0);
+        if constexpr (KB == 128) wgmma_ss_e4m3(s, da, db, kk > 0);
         else wgmma_ss192_e4m3(s, da, db, kk > 0);
     }
-}
-
-// This thread's A fragments of its warpgroup's 64 rows of the Q tile at sq (the 128B swizzle:
-// 16-byte chunk j of row r at chunk j ^ (r mod 8)) for the 4 k-steps: qa[kk][i] holds row
-// r0 + 8·(i mod 2), channels 32·kk + 16·(i / 2) + 4t … + 3 (wgmma_rs_e4m3's layout), r0 = 64·w +
-// 16·warp + lane/4, t = lane mod 4. Read once per tile: the `_qr` variants then feed S's GEMMs
-// from registers instead of reading Q from shared memory at every block.
-__device__ __forceinline__ void load_q(unsigned (*qa)[4], unsigned sq, int w, int warp, int lane) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = 64 * w + 16 * warp + lane / 4 + 8 * (i % 2), chunk = 2 * kk + i / 2;
-            const unsigned addr = sq + r * 128 + ((chunk ^ (r % 8)) * 16) + 4 * (lane % 4);
-            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(qa[kk][i]) : "r"(addr) : "memory");
-        }
 }
 
 // O += P·V over KB keys: k-steps of 32 (Vᵀ K-major, 32 bytes into each channel's row per step). A
@@ -947,10 +910,10 @@ __device__ __forceinline__ void descales(float* c, const float* ks, int i, int k
 // Block i ≥ 1: waits K_i and V_{i−1}, issues S = Q·K_iᵀ and O += P_{i−1}·V_{i−1}, waits for S
 // only, runs block i's softmax while P·V runs, waits for P·V, then O·α and the new P. Nothing is
 // in flight on return.
-template <int STAGES, int KB, bool QREG>
+template <int STAGES, int KB>
 __device__ __forceinline__ void step(float* s, float* o, unsigned (*p)[4], float* m, float* l, float* c,
                                      const float* ks, int k_blocks, float cq, float cs, int i, int kv_len,
-                                     unsigned q_wg, const unsigned (*qa)[4], unsigned sk, unsigned sv, unsigned full_k, unsigned full_v,
+                                     unsigned q_wg, unsigned sk, unsigned sv, unsigned full_k, unsigned full_v,
                                      unsigned empty_k, unsigned empty_v, unsigned scratch, bool leader, int lane) {
     using namespace ws;
     constexpr int STAGE = KB * 128;
@@ -963,7 +926,7 @@ __device__ __forceinline__ void step(float* s, float* o, unsigned (*p)[4], float
     fence_regs(o);
     fence_regs(&p[0][0], KB / 8);
     wgmma_fence();
-    qk<KB, QREG>(s, q_wg, qa, sk + st * STAGE);
+    qk<KB>(s, q_wg, sk + st * STAGE);
     wgmma_commit();
     pv<KB>(o, p, sv + prev * STAGE);
     wgmma_commit();
@@ -983,7 +946,7 @@ __device__ __forceinline__ void step(float* s, float* o, unsigned (*p)[4], float
     pack_p<KB>(s, p);
 }
 
-template <int STAGES, int KB, bool QREG>
+template <int STAGES, int KB>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tv64,
                                     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
                                     const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
@@ -1070,12 +1033,10 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     float c[KB / SEG];
     descales<KB>(c, ks, 0, k_blocks, cq, cs);
     mbar_wait(full_q, 0);
-    unsigned qa[4][4];
-    if constexpr (QREG) load_q(qa, sq, w, warp, lane);
     mbar_wait(full_k, 0);
     fence_regs<KB / 2>(s);
     wgmma_fence();
-    qk<KB, QREG>(s, q_wg, qa, sk);
+    qk<KB>(s, q_wg, sk);
     wgmma_commit();
     wgmma_wait0();
     fence_regs<KB / 2>(s);
@@ -1088,8 +1049,8 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     pack_p<KB>(s, p);
 
     for (int i = 1; i < nblk; ++i)
-        step<STAGES, KB, QREG>(s, o, p, m, l, c, ks, k_blocks, cq, cs, i, kv_len, q_wg, qa, sk, sv, full_k, full_v,
-                               empty_k, empty_v, scratch, leader, lane);
+        step<STAGES, KB>(s, o, p, m, l, c, ks, k_blocks, cq, cs, i, kv_len, q_wg, sk, sv, full_k, full_v, empty_k,
+                         empty_v, scratch, leader, lane);
 
     const int last_stage = (nblk - 1) % STAGES;
     mbar_wait(full_v + 8 * last_stage, ((nblk - 1) / STAGES) & 1);
@@ -1168,7 +1129,7 @@ HOPPER_WS_KERNEL(3, 128)
 HOPPER_WS_KERNEL(2, 176)
 HOPPER_WS_KERNEL(2, 192)
 
-// hopper_fp8_fwd_d128_br128_bc<KB>_s<STAGES>[_qr] (the FP8 forward, namespace fp8; launched by
+// hopper_fp8_fwd_d128_br128_bc<KB>_s<STAGES> (the FP8 forward, namespace fp8; launched by
 // ops/attention/hopper.rs's `attention_fp8`): 384 threads, one CTA per tile of 128 query rows of one
 // (batch, head) (tile = q-tile + tiles_x·(h + heads·b)), dynamic shared memory Q (16 KiB) + 2·STAGES
 // stages of KB·128 bytes + 1 KiB alignment slack; the tensor maps of the codes of q and k ([B, S,
@@ -1176,20 +1137,18 @@ HOPPER_WS_KERNEL(2, 192)
 // boxes of 128 and 64 keys × 128 channels in the 128B and 64B swizzles, the second read at KB = 192
 // only), their scales (q, k [B, H, ⌈S/128⌉], v [B, H, 128]).
 #ifdef HOPPER_WGMMA
-#define HOPPER_FP8_BODY(STAGES, KB, QREG) \
-    hopper::fp8::fwd<STAGES, KB, QREG>(tq, tk, tv, tv64, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
+#define HOPPER_FP8_BODY(STAGES, KB) \
+    hopper::fp8::fwd<STAGES, KB>(tq, tk, tv, tv64, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
 #else
-#define HOPPER_FP8_BODY(STAGES, KB, QREG)
+#define HOPPER_FP8_BODY(STAGES, KB)
 #endif
-#define HOPPER_FP8_KERNEL(KB, STAGES, QREG, TAIL)                                                                \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES##TAIL(    \
+#define HOPPER_FP8_KERNEL(KB, STAGES)                                                                            \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES(          \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         const __grid_constant__ TmaMap tv64, const float* q_scales, const float* k_scales, const float* v_scales, \
         bf16* out, float* lse, int seq_q, int heads, int kv_len, float scale, int tiles_x) {                     \
-        HOPPER_FP8_BODY(STAGES, KB, QREG)                                                                        \
+        HOPPER_FP8_BODY(STAGES, KB)                                                                              \
     }
-HOPPER_FP8_KERNEL(192, 3, false, )
-HOPPER_FP8_KERNEL(128, 3, false, )
-HOPPER_FP8_KERNEL(128, 2, false, )
-HOPPER_FP8_KERNEL(192, 3, true, _qr)
-HOPPER_FP8_KERNEL(128, 3, true, _qr)
+HOPPER_FP8_KERNEL(192, 3)
+HOPPER_FP8_KERNEL(128, 3)
+HOPPER_FP8_KERNEL(128, 2)

@@ -779,7 +779,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // for the other consumer's turn cost more than the order gave (4 % on an H100, bench/RESULTS.md,
 // 2026-12-06). Measured and removed: turns, 224-key blocks, exponentials on the FMA pipes, S of the
 // next block queued before this one's softmax, S in runs whose row max is taken under the next
-// run's GEMM (RESULTS, 2026-12-03 to 2026-12-06).
+// run's GEMM, Q in registers (RESULTS, 2026-12-03 to 2026-12-06).
 namespace fp8 {
 
 constexpr int SCALE_BLOCK = 128;                   // tokens per K scale (the recipe's block)

@@ -426,9 +426,9 @@ pub(super) fn quantize_attention(
 
 /// `HOPPER_FP8_VARIANTS[DEFAULT_FP8_ATTENTION]` runs unless a test or benchmark forces another:
 /// 192-key blocks, 3 stages, the two consumer warpgroups issuing their GEMMs without taking turns
-/// (`hopper_fp8_fwd_d128_br128_bc192_s3`). In three calls on an H100 (bench/RESULTS.md,
-/// 2026-12-06) it was ahead of the same kernel at 128 keys in 5 of 6 runs at (1,12,32760,128) (by
-/// up to 3 %, behind once by 0.4 %) and by 1–2 % at (1,40,75600,128) in every run but one tie.
+/// (`hopper_fp8_fwd_d128_br128_bc192_s3`). In five calls on an H100 (bench/RESULTS.md,
+/// 2026-12-06) it was ahead of the same kernel at 128 keys in 6 of 7 runs at (1,12,32760,128) (by
+/// up to 3 %, behind once by 2.3 %) and in 6 of 7 at (1,40,75600,128) (by up to 2 %, level once).
 /// The CPU reference takes its 192-key steps (`attention::STEP`).
 const DEFAULT_FP8_ATTENTION: usize = 0;
 

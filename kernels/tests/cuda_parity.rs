@@ -1985,15 +1985,20 @@ fn fp8_attention_matches_cpu() -> Result<()> {
         };
         let (eo, _) = k::attention(&q, &kt, &v, options)?;
         let (gq, gk, gv) = (q.to_device(dev)?, kt.to_device(dev)?, v.to_device(dev)?);
-        // Each variant against the recipe at its own softmax step (its K/V block), once per step.
-        let mut references = std::collections::BTreeMap::new();
+        // Each variant against the recipe with its own softmax (its step is its K/V block), once
+        // per softmax.
+        let mut references = Vec::new();
         for (i, variant) in HOPPER_FP8_VARIANTS.iter().enumerate() {
-            if let std::collections::btree_map::Entry::Vacant(e) = references.entry(variant.keys) {
-                let (ro, rl) = k::attention_fp8_reference(&q, &kt, &v, options, variant.keys)?;
+            let sm = variant.softmax;
+            if !references.iter().any(|(s, _)| *s == sm) {
+                let (ro, rl) = k::attention_fp8_reference(&q, &kt, &v, options, sm)?;
                 let quant = attention_rel_rms(&ro, &eo)?;
-                e.insert((ro, rl, quant));
+                references.push((sm, (ro, rl, quant)));
             }
-            let (ro, rl, quant) = &references[&variant.keys];
+            let (_, (ro, rl, quant)) = references
+                .iter()
+                .find(|(s, _)| *s == sm)
+                .expect("pushed above");
             let quant = *quant;
             let (go, gl) = with_attention_kernel(AttentionKernel::HopperFp8(i), || {
                 k::attention_fp8(&gq, &gk, &gv, options)

@@ -424,17 +424,30 @@ fn fp8_attention_follows_its_online_schedule() -> crate::Result<()> {
     let v = Tensor::randn(&[1, sk, h, d], DType::F32, 33, Device::Cpu)?;
     let options = crate::AttentionOptions::default();
     let (default, _) = attention_fp8(&q, &k, &v, options)?;
-    let (at_step, _) = attention_fp8_reference(&q, &k, &v, options, super::attention::STEP)?;
+    let softmax = super::attention::SOFTMAX;
+    let (at_step, _) = attention_fp8_reference(&q, &k, &v, options, softmax)?;
     assert_eq!(default.to_vec_f32()?, at_step.to_vec_f32()?);
     let mut outs = Vec::new();
     for step in [64, 128, 192] {
-        let (out, _) = attention_fp8_reference(&q, &k, &v, options, step)?;
+        let plain = crate::Fp8Softmax {
+            step,
+            mma_sums: false,
+            headroom: 0,
+        };
+        let (out, _) = attention_fp8_reference(&q, &k, &v, options, plain)?;
         check_online_schedule(&q, &k, &v, &out, step)?;
         outs.push(out.to_vec_f32()?);
     }
     // The step is seen: P rounds at another running max.
     assert!(outs[0] != outs[1] && outs[1] != outs[2]);
-    let e = attention_fp8_reference(&q, &k, &v, options, 0).unwrap_err();
+    let e = attention_fp8_reference(
+        &q,
+        &k,
+        &v,
+        options,
+        crate::Fp8Softmax { step: 0, ..softmax },
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("step"), "{e}");
     Ok(())
 }

@@ -45,9 +45,6 @@ pub struct HopperVariant {
     /// producer loads the next item's Q and K/V under the current one's last blocks), rather than one
     /// CTA per item. The same kernel either way; this is the launch.
     pub persistent: bool,
-    /// Warp-specialised only (`_h{N}`): the softmax's running max is a bound N powers of 2 past a
-    /// new max, kept until a block passes it, so later blocks rarely rescale O (0: the max itself).
-    pub headroom: u32,
 }
 
 impl HopperVariant {
@@ -73,7 +70,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: false,
         block_k: 128,
         persistent: false,
-        headroom: 0,
     },
     HopperVariant {
         name: "hopper_fwd_d128_br128_bc128_s3",
@@ -81,7 +77,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: false,
         block_k: 128,
         persistent: false,
-        headroom: 0,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s2",
@@ -89,7 +84,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 128,
         persistent: false,
-        headroom: 0,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s3",
@@ -97,7 +91,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 128,
         persistent: false,
-        headroom: 0,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc176_s2",
@@ -105,7 +98,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 176,
         persistent: false,
-        headroom: 0,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc192_s2",
@@ -113,7 +105,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 192,
         persistent: false,
-        headroom: 0,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s2",
@@ -121,7 +112,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 128,
         persistent: true,
-        headroom: 0,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc128_s3",
@@ -129,7 +119,6 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 128,
         persistent: true,
-        headroom: 0,
     },
     HopperVariant {
         name: "hopper_ws_fwd_d128_br128_bc192_s2",
@@ -137,81 +126,45 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
         warp_specialised: true,
         block_k: 192,
         persistent: true,
-        headroom: 0,
-    },
-    HopperVariant {
-        name: "hopper_ws_fwd_d128_br128_bc192_s2_h8",
-        stages: 2,
-        warp_specialised: true,
-        block_k: 192,
-        persistent: false,
-        headroom: 8,
     },
 ];
 
 /// One compiled configuration of the FP8 Hopper kernel
-/// (`hopper_fp8_fwd_d128_br128_bc{KEYS}_s{STAGES}[_ts][_hN]`, namespace `fp8` of
-/// `ops/attention/hopper.cu`): the warp-specialised layout with e4m3 Q tiles of [128 × 128] bytes,
-/// K/V blocks of `keys` keys, `stages` deep K and Vᵀ rings, and its online softmax, which the CPU
-/// reference takes the same (`crate::attention_fp8_reference`).
+/// (`hopper_fp8_fwd_d128_br128_bc{KEYS}_s{STAGES}`, namespace `fp8` of `ops/attention/hopper.cu`):
+/// the warp-specialised layout with e4m3 Q tiles of [128 × 128] bytes, K/V blocks of `keys` keys
+/// (also the online softmax's step, which the CPU reference takes the same:
+/// `crate::attention_fp8_reference`), and `stages` deep K and Vᵀ rings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HopperFp8Variant {
     /// Kernel name in hopper.cu.
     pub name: &'static str,
+    /// Keys per K/V block and softmax step (128 or 192).
+    pub keys: usize,
     /// K and Vᵀ stages.
     pub stages: usize,
-    /// Its softmax: the step is the K/V block (128 or 192 keys).
-    pub softmax: crate::Fp8Softmax,
 }
 
 impl HopperFp8Variant {
-    /// Keys per K/V block and softmax step.
-    pub fn keys(&self) -> usize {
-        self.softmax.step
-    }
-
-    /// Dynamic shared memory: Q (16 KiB) and `stages` × (K, Vᵀ) of `keys` × 128 bytes each (a Vᵀ
-    /// stage with `mma_sums` holds 8 rows of ones after each of its parts, rounded up to 1 KiB:
-    /// hopper.cu's `vt_stage`), plus the 1 KiB of alignment slack.
+    /// Dynamic shared memory: Q (16 KiB), `stages` K stages of `keys` × 128 bytes and as many Vᵀ
+    /// stages, each of which holds 8 rows of ones after each of its parts (1 KiB at 128 keys,
+    /// 1.5 KiB rounded up to 2 at 192: hopper.cu's `vt_stage`), plus 1 KiB of alignment slack.
     pub fn shared_bytes(&self) -> usize {
-        let keys = self.keys();
-        let vt = match (self.softmax.mma_sums, keys) {
-            (false, _) => keys * 128,
-            (true, 128) => 17 * 1024,
-            (true, _) => 26 * 1024,
-        };
-        128 * 128 + self.stages * (keys * 128 + vt) + 1024
+        let vt = self.keys * 128 + if self.keys == 128 { 1024 } else { 2048 };
+        128 * 128 + self.stages * (self.keys * 128 + vt) + 1024
     }
 }
 
-const fn fp8_variant(
-    name: &'static str,
-    keys: usize,
-    stages: usize,
-    mma_sums: bool,
-    headroom: u32,
-) -> HopperFp8Variant {
-    HopperFp8Variant {
-        name,
-        stages,
-        softmax: crate::Fp8Softmax {
-            step: keys,
-            mma_sums,
-            headroom,
-        },
-    }
+const fn fp8_variant(name: &'static str, keys: usize, stages: usize) -> HopperFp8Variant {
+    HopperFp8Variant { name, keys, stages }
 }
 
 /// Every compiled FP8 Hopper variant (keep in step with `HOPPER_FP8_KERNEL(...)` in hopper.cu), the
 /// default first (`ops/quant/cuda.rs` says why it is), then the 128-key kernels it is measured
 /// against.
 pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3", 192, 3, false, 0),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3", 128, 3, false, 0),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2", 128, 2, false, 0),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_ts", 192, 3, true, 0),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_h2", 192, 3, false, 2),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3_ts_h2", 192, 3, true, 2),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3", 192, 3),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3", 128, 3),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2", 128, 2),
 ];
 
 /// One compiled tile configuration of the tensor-core kernel
@@ -367,30 +320,13 @@ mod tests {
         }
         assert!(default_flash_variant(96).is_none());
         for v in HOPPER_FP8_VARIANTS {
-            let sm = v.softmax;
-            let mut tail = format!("_bc{}_s{}", sm.step, v.stages);
-            if sm.mma_sums {
-                tail += "_ts";
-            }
-            if sm.headroom > 0 {
-                tail += &format!("_h{}", sm.headroom);
-            }
+            let tail = format!("_bc{}_s{}", v.keys, v.stages);
             assert!(v.name.ends_with(&tail), "{}", v.name);
-            assert!([128, 192].contains(&sm.step), "{}", v.name);
+            assert!([128, 192].contains(&v.keys), "{}", v.name);
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);
         }
         for v in HOPPER_VARIANTS {
-            let head = if v.headroom > 0 {
-                format!("_h{}", v.headroom)
-            } else {
-                String::new()
-            };
-            assert!(
-                v.name.ends_with(&format!("_s{}{head}", v.stages)),
-                "{}",
-                v.name
-            );
-            assert!(v.headroom == 0 || v.warp_specialised, "{}", v.name);
+            assert!(v.name.ends_with(&format!("_s{}", v.stages)), "{}", v.name);
             assert!(v.name.contains(&format!("_bc{}_", v.block_k)), "{}", v.name);
             assert!(v.block_k == 128 || v.warp_specialised, "{}", v.name);
             assert!(!v.persistent || v.warp_specialised, "{}", v.name);

@@ -160,19 +160,10 @@ __device__ __forceinline__ void wgmma_ss192_e4m3(float* d, u64 da, u64 db, int a
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
-// d += A·B over one k32 step, m64n128, e4m3: A from registers (four words of four e4m3: a[0] row g,
-// k 4t…4t+3; a[1] row g + 8, same k; a[2], a[3] the same at k + 16, with g = lane/4, t = lane%4, as
-// mma.m16n8k32's 8-bit A), B from shared memory, K-major.
-__device__ __forceinline__ void wgmma_rs_e4m3(float* d, const unsigned* a, u64 db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
-
-// As wgmma_rs_e4m3, m64n136k32 (68 accumulators): O += P·V with 8 more columns of Vᵀ, whose rows
-// hold e4m3 1.0, so columns 128–135 of the accumulator are the row sums of the rounded P.
+// d += A·B over one k32 step, m64n136, e4m3 (68 accumulators): A from registers (four words of four
+// e4m3: a[0] row g, k 4t…4t+3; a[1] row g + 8, same k; a[2], a[3] the same at k + 16, with g =
+// lane/4, t = lane%4, as mma.m16n8k32's 8-bit A), B from shared memory, K-major. The FP8 P·V: B is
+// Vᵀ's 128 channels and 8 rows of e4m3 1.0, so columns 128–135 are the row sums of P.
 __device__ __forceinline__ void wgmma_rs136_e4m3(float* d, const unsigned* a, u64 db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
@@ -195,9 +186,7 @@ __device__ __forceinline__ void mask_keys(float* s, int lim, int lane) {
 // the new running max m (quad-reduced), α = 2^((m_old − m)·c) (0 on the first block, where m = −∞;
 // exactly 1 when the max stays), s ← p = 2^(s·c − m·c), l ← l·α + Σ p (thread-partial). Needs a finite
 // score per row. Returns whether some row of the warp has a new max, i.e. whether O needs O·α.
-// With HEAD > 0, m is a bound: a block passing it sets it HEAD powers of 2 past that block's max
-// (HEAD/c in raw scores), and it is kept otherwise, so later blocks rarely rescale (p ≤ 1 still).
-template <int N = BC, int HEAD = 0>
+template <int N = BC>
 __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, float* alpha, float c) {
     bool rescale = false;
 #pragma unroll
@@ -211,7 +200,6 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, flo
         float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        if constexpr (HEAD > 0) mx = mx > m[hf] ? mx + (float)HEAD / c : m[hf];
         alpha[hf] = ex2((m[hf] - mx) * c);
         rescale |= mx != m[hf];
         m[hf] = mx;
@@ -548,7 +536,7 @@ __device__ __forceinline__ Item item_of(int item, const Schedule& sched, int hea
                 split ? chunk * blocks / sched.ways : 0, split ? (chunk + 1) * blocks / sched.ways : blocks};
 }
 
-template <int STAGES, int KB, int HEAD>
+template <int STAGES, int KB>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, bf16* __restrict__ out,
                                     float* __restrict__ lse, int seq_q, int heads, int kv_len, float scale,
                                     const Schedule sched) {
@@ -660,7 +648,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             }
             if (it.hi * KB > kv_len) mask_keys<KB>(s, kv_len - (it.hi - 1) * KB, lane);
             float alpha[2];
-            online_softmax<KB, HEAD>(s, m, l, alpha, c);  // O = 0: nothing to rescale
+            online_softmax<KB>(s, m, l, alpha, c);  // O = 0: nothing to rescale
             pack_p<KB>(s, p);
         }
 
@@ -686,7 +674,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
                 if (i == nblk - 1) mbar_arrive(empty_q);  // this WG's last read of Q
             }
             float alpha[2];
-            const bool rescale = online_softmax<KB, HEAD>(s, m, l, alpha, c);
+            const bool rescale = online_softmax<KB>(s, m, l, alpha, c);
             // ptxas hoisted the wait below above the softmax (to just after the first row's max: every
             // MUFU.EX2 came after the WARPGROUP.DEPBAR), so the exponentials ran after P·V, not under it. A
             // store of the row sums (which need every exponential) to shared memory pins it: ptxas keeps
@@ -774,26 +762,33 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // too). A K block is KB rows of 128 bytes, one box; a Vᵀ block is [128 channels × 128 keys] (128B
 // swizzle), then [128 × 64 keys] (64B swizzle) at KB = 192, one box each (`pv`).
 // GEMMs: wgmma e4m3 (8-bit operands are K-major only): S = Q·Kᵀ (m64nKBk32) as 4 SS k-steps of 32
-// bytes into each 128-byte row; O += P·V (m64n128k32) as KB/32 RS k-steps with P in registers and
-// Vᵀ K-major (keys contiguous), the same descriptors as Q and K.
+// bytes into each 128-byte row; O += P·V as KB/32 RS k-steps with P in registers and Vᵀ K-major
+// (keys contiguous), the same descriptors as Q and K. P·V is m64n136k32: after each part of a Vᵀ
+// stage sit 8 rows of e4m3 1.0 (`vt_stage`), so columns 128–135 of the accumulator are P's row
+// sums, as rounded, added by the tensor cores and rescaled with O: the softmax has no sums of its
+// own (96 FADDs fewer per block and thread, a sixth of the loop's issued instructions; 7 % faster
+// on an H100, bench/RESULTS.md, 2026-12-06, third session), and O is divided by the sum of the
+// weights it holds.
 // Softmax in base 2 on descaled scores: a segment g of 64 keys of block j, each inside one of K's
 // 128-token scale blocks, has raw scores (integer-valued products of codes, summed in f32) times
 // c_jg = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 = 2^(s·c_jg − m + log2 448)
 // straight from ex2 (the ×448 of the reference folded into the exponent), rounded to e4m3 for P·V
-// and summed unrounded into l (which is then 448·Σp).
+// (and its sums, which are then 448·Σ rounded p).
 // P's registers: the S accumulator gives a thread, in each 32 keys, rows g and g + 8 of keys
 // {2t, 2t+1, 8+2t, 9+2t} and the same + 16 (g = lane/4, t = lane%4), while an 8-bit A fragment
 // wants k = 4t…4t+3 and 16+4t…16+4t+3. Rather than shuffle registers (FlashAttention-3), the
 // quantisation of V stores key 16h + 8j + 2t + e of each 32 at column 16h + 4t + 2j + e of Vᵀ, so a
 // thread's accumulators are its A fragment as they stand (`pack_p`) and the sum over keys is
 // unchanged.
-// End: O·(s_v[col] / l), lse = m·ln 2 + ln l − ln 448 (the reference's m + ln Σp).
+// End: O·(s_v[col] / l) with l from column 128, lse = m·ln 2 + ln l − ln 448 (the reference's m +
+// ln Σp).
 // The two consumers issue their GEMMs as soon as their operands are in, without the bf16 kernel's
 // turns: in FP8 a block's GEMMs take about as long as the MUFU's share of its softmax, so waiting
 // for the other consumer's turn cost more than the order gave (4 % on an H100, bench/RESULTS.md,
 // 2026-12-06). Measured and removed: turns, 224-key blocks, exponentials on the FMA pipes, S of the
 // next block queued before this one's softmax, S in runs whose row max is taken under the next
-// run's GEMM, Q in registers (RESULTS, 2026-12-03 to 2026-12-06).
+// run's GEMM, Q in registers, a running max with headroom (kept until a block passes it by 2
+// powers of 2, so O rarely rescales: level) (RESULTS, 2026-12-03 to 2026-12-06).
 namespace fp8 {
 
 constexpr int SCALE_BLOCK = 128;                   // tokens per K scale (the recipe's block)
@@ -802,28 +797,26 @@ constexpr int TILE8 = 128 * 128;                   // bytes of a [128 × 128] e4
 constexpr float LOG2_448 = 8.8073549220576041f;    // log2 448
 constexpr float LN_448 = 6.1047932324149849f;      // ln 448
 constexpr unsigned ONES = 0x38383838u;             // four e4m3 1.0
+constexpr int ON = 68;                             // O's accumulators: 64 of O, 4 of the row sums
 
-// A Vᵀ stage: keys 0–127 as [128 channels × 128 bytes] (128B swizzle), then at KB = 192 keys
-// 128–191 as [128 × 64] (64B swizzle). With TSUM each part is followed by 8 rows of e4m3 1.0, which
-// its m64n136 wgmma reads as columns 128–135 (at the part's SBO stride, 16 groups of 8 rows on: 1 KiB
-// and 512 bytes), and the stage is rounded up to 1 KiB.
-template <int KB, bool TSUM>
+// A Vᵀ stage: keys 0–127 as [128 channels × 128 bytes] (128B swizzle), each followed by 8 rows of
+// ones that its m64n136 wgmma reads as columns 128–135 (the 17th group of 8 rows at the SBO stride
+// of 1 KiB), then at KB = 192 keys 128–191 as [128 × 64] (64B swizzle) at VT_64 and its 8 rows of
+// ones (at its SBO of 512 bytes), the stage rounded up to 1 KiB.
+constexpr int VT_64 = TILE8 + 1024;
+template <int KB>
 __device__ constexpr int vt_stage() {
-    return !TSUM ? KB * 128 : KB == 128 ? TILE8 + 1024 : TILE8 + 1024 + 8192 + 1024;
-}
-template <bool TSUM>
-__device__ constexpr int vt64_off() {  // keys 128–191 in a Vᵀ stage
-    return TSUM ? TILE8 + 1024 : TILE8;
+    return KB == 128 ? TILE8 + 1024 : VT_64 + 8192 + 1024;
 }
 
-// Writes the rows of ones of every Vᵀ stage (TSUM): every byte 0x38, so the swizzle does not matter.
-// TMA never writes there; the fence makes the stores visible to wgmma (the async proxy).
+// Writes the rows of ones of every Vᵀ stage: every byte 0x38, so the swizzle does not matter. TMA
+// never writes there; the fence makes the stores visible to wgmma (the async proxy).
 template <int STAGES, int KB>
 __device__ __forceinline__ void write_ones(unsigned sv) {
-    constexpr int W1 = 1024 / 4, W2 = KB == 192 ? 512 / 4 : 0, STAGE = vt_stage<KB, true>();
+    constexpr int W1 = 1024 / 4, W2 = KB == 192 ? 512 / 4 : 0, STAGE = vt_stage<KB>();
     for (int i = threadIdx.x; i < STAGES * (W1 + W2); i += blockDim.x) {
         const int s = i / (W1 + W2), w = i % (W1 + W2);
-        const unsigned at = sv + s * STAGE + (w < W1 ? TILE8 + 4 * w : TILE8 + 1024 + 8192 + 4 * (w - W1));
+        const unsigned at = sv + s * STAGE + (w < W1 ? TILE8 + 4 * w : VT_64 + 8192 + 4 * (w - W1));
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(ONES) : "memory");
     }
     fence_proxy_async();
@@ -848,18 +841,16 @@ __device__ __forceinline__ void qk(float* s, unsigned q_wg, unsigned kt) {
     }
 }
 
-// O += P·V over KB keys: k-steps of 32 (Vᵀ K-major, 32 bytes into each channel's row per step). A
-// Vᵀ stage holds keys 0–127 as a [128 × 128] tile in the 128B swizzle, then (KB = 192) keys
-// 128–191 as [128 channels × 64 bytes] in the 64B swizzle: a swizzle's rows are as long as its
-// span, so each part is its own box, from its own tensor map of the same Vᵀ.
-template <int KB, bool TSUM>
+// O += P·V over KB keys, and the row sums of P (`vt_stage`): k-steps of 32 (Vᵀ K-major, 32 bytes
+// into each channel's row per step). A Vᵀ stage holds keys 0–127 as a [128 × 128] tile in the 128B
+// swizzle, then (KB = 192) keys 128–191 as [128 channels × 64 bytes] in the 64B swizzle: a
+// swizzle's rows are as long as its span, so each part is its own box, from its own tensor map of
+// the same Vᵀ.
+template <int KB>
 __device__ __forceinline__ void pv(float* o, unsigned (*p)[4], unsigned vt) {
 #pragma unroll
-    for (int kk = 0; kk < KB / 32; ++kk) {
-        const u64 db = kk < 4 ? desc(vt + kk * 32, 16, 1024) : desc64(vt + vt64_off<TSUM>() + (kk - 4) * 32, 16, 512);
-        if constexpr (TSUM) wgmma_rs136_e4m3(o, p[kk], db);
-        else wgmma_rs_e4m3(o, p[kk], db);
-    }
+    for (int kk = 0; kk < KB / 32; ++kk)
+        wgmma_rs136_e4m3(o, p[kk], kk < 4 ? desc(vt + kk * 32, 16, 1024) : desc64(vt + VT_64 + (kk - 4) * 32, 16, 512));
 }
 
 // Four e4m3 codes in one word, `a` in the low byte.
@@ -886,10 +877,10 @@ __device__ __forceinline__ void pack_p(const float* s, unsigned (*p)[4]) {
 // One block's online softmax for this thread's rows r0 and r0 + 8, with the descale c[g] > 0 of
 // each segment g of SEG keys (each inside one K scale block): m ← max(m, max_g rowmax_g(s)·c[g])
 // (the max of the rounded products is the rounded max), α = 2^(m_old − m) (0 on the first block),
-// s ← 2^(s·c[g] − m + log2 448), l ← l·α + Σ s. Needs a finite score per row. Returns whether
-// some row of the warp has a new max.
-template <int KB, bool TSUM, int HEAD>
-__device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, float* alpha, const float* c) {
+// s ← 2^(s·c[g] − m + log2 448) (the row sums come from P·V). Needs a finite score per row.
+// Returns whether some row of the warp has a new max.
+template <int KB>
+__device__ __forceinline__ bool online_softmax(float* s, float* m, float* alpha, const float* c) {
     constexpr int GROUPS = SEG / 8;  // column groups of 8 keys per segment
     bool rescale = false;
 #pragma unroll
@@ -914,32 +905,15 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* l, flo
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         mx = fmaxf(m[hf], mx);
-        // With HEAD, m is a bound raised HEAD past a new max and kept until a block passes it.
-        const float mn = HEAD == 0 ? mx : mx > m[hf] ? mx + (float)HEAD : m[hf];
-        alpha[hf] = ex2(m[hf] - mn);
-        rescale |= mn != m[hf];
-        m[hf] = mn;
-        const float off = mn - LOG2_448;
-        if constexpr (TSUM) {  // the row sums come from the P·V wgmma
+        alpha[hf] = ex2(m[hf] - mx);
+        rescale |= mx != m[hf];
+        m[hf] = mx;
+        const float off = mx - LOG2_448;
 #pragma unroll
-            for (int nt = 0; nt < KB / 8; ++nt) {
-                const float cg = c[nt / GROUPS];
-                s[4 * nt + 2 * hf] = ex2(fmaf(s[4 * nt + 2 * hf], cg, -off));
-                s[4 * nt + 2 * hf + 1] = ex2(fmaf(s[4 * nt + 2 * hf + 1], cg, -off));
-            }
-        } else {
-            // The row sum as four chains, as the max: one chain of 32 dependent adds waits on every
-            // exponential in turn (Nsight Compute: the kernel stalled mostly on fixed-latency waits
-            // with the tensor pipe idle half the time).
-            float rs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int nt = 0; nt < KB / 8; ++nt) {
-                const float cg = c[nt / GROUPS];
-                s[4 * nt + 2 * hf] = ex2(fmaf(s[4 * nt + 2 * hf], cg, -off));
-                s[4 * nt + 2 * hf + 1] = ex2(fmaf(s[4 * nt + 2 * hf + 1], cg, -off));
-                rs[nt % 4] += s[4 * nt + 2 * hf] + s[4 * nt + 2 * hf + 1];
-            }
-            l[hf] = l[hf] * alpha[hf] + ((rs[0] + rs[1]) + (rs[2] + rs[3]));
+        for (int nt = 0; nt < KB / 8; ++nt) {
+            const float cg = c[nt / GROUPS];
+            s[4 * nt + 2 * hf] = ex2(fmaf(s[4 * nt + 2 * hf], cg, -off));
+            s[4 * nt + 2 * hf + 1] = ex2(fmaf(s[4 * nt + 2 * hf + 1], cg, -off));
         }
     }
     return __any_sync(0xffffffffu, rescale);
@@ -960,16 +934,15 @@ __device__ __forceinline__ void descales(float* c, const float* ks, int i, int k
 }
 
 // Block i ≥ 1: waits K_i and V_{i−1}, issues S = Q·K_iᵀ and O += P_{i−1}·V_{i−1} (P_{i−1} in
-// p), waits for S only, runs block i's softmax while P·V runs, waits for P·V, then O·α; the new P
-// goes to pn (TSUM: packed before the P·V wait, so pn must be the other buffer; else pn = p, packed
-// after it). Nothing is in flight on return.
-template <int STAGES, int KB, bool TSUM, int HEAD>
-__device__ __forceinline__ void step(float* s, float* o, unsigned (*p)[4], unsigned (*pn)[4], float* m, float* l,
-                                     float* c, const float* ks, int k_blocks, float cq, float cs, int i, int kv_len,
+// p), waits for S only, runs block i's softmax and packs the new P into pn (the other buffer)
+// while P·V runs, waits for P·V, then O·α. Nothing is in flight on return.
+template <int STAGES, int KB>
+__device__ __forceinline__ void step(float* s, float* o, unsigned (*p)[4], unsigned (*pn)[4], float* m, float* c,
+                                     const float* ks, int k_blocks, float cq, float cs, int i, int kv_len,
                                      unsigned q_wg, unsigned sk, unsigned sv, unsigned full_k, unsigned full_v,
                                      unsigned empty_k, unsigned empty_v, unsigned scratch, bool leader, int lane) {
     using namespace ws;
-    constexpr int STAGE = KB * 128, VSTAGE = vt_stage<KB, TSUM>(), ON = TSUM ? 68 : 64;
+    constexpr int STAGE = KB * 128, VSTAGE = vt_stage<KB>();
     const int st = i % STAGES, prev = (i - 1) % STAGES;
     const unsigned phase = (i / STAGES) & 1, prev_phase = ((i - 1) / STAGES) & 1;
     descales<KB>(c, ks, i, k_blocks, cq, cs);
@@ -981,41 +954,35 @@ __device__ __forceinline__ void step(float* s, float* o, unsigned (*p)[4], unsig
     wgmma_fence();
     qk<KB>(s, q_wg, sk + st * STAGE);
     wgmma_commit();
-    pv<KB, TSUM>(o, p, sv + prev * VSTAGE);
+    pv<KB>(o, p, sv + prev * VSTAGE);
     wgmma_commit();
     wgmma_wait1();  // S is in; P·V of block i − 1 may still run
     fence_regs<KB / 2>(s);
     if (leader) mbar_arrive(empty_k + 8 * st);
     if ((i + 1) * KB > kv_len) mask_keys<KB>(s, kv_len - i * KB, lane);
     float alpha[2];
-    const bool rescale = online_softmax<KB, TSUM, HEAD>(s, m, l, alpha, c);
-    // Keeps the P·V wait below the exponentials (see ws::fwd): a store of a value that needs every
-    // one of them, the row sums, or with TSUM (no sums) the new P's words folded by XOR.
-    if constexpr (TSUM) {
-        pack_p<KB>(s, pn);
-        unsigned x = 0;
+    const bool rescale = online_softmax<KB>(s, m, alpha, c);
+    pack_p<KB>(s, pn);
+    // Keeps the P·V wait below the exponentials (see ws::fwd): a store of a word that needs every
+    // one of them, the new P's words folded by XOR (3 LOP3 per 4 words).
+    unsigned x = 0;
 #pragma unroll
-        for (int kk = 0; kk < KB / 32; ++kk) x ^= (pn[kk][0] ^ pn[kk][1]) ^ (pn[kk][2] ^ pn[kk][3]);
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(scratch), "r"(x) : "memory");
-    } else {
-        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(l[0] + l[1]) : "memory");
-    }
+    for (int kk = 0; kk < KB / 32; ++kk) x ^= (pn[kk][0] ^ pn[kk][1]) ^ (pn[kk][2] ^ pn[kk][3]);
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(scratch), "r"(x) : "memory");
     wgmma_wait0();
     fence_regs<ON>(o);
     fence_regs(&p[0][0], KB / 8);
     if (leader) mbar_arrive(empty_v + 8 * prev);
     rescale_o<ON>(o, alpha, rescale);
-    if constexpr (!TSUM) pack_p<KB>(s, pn);
 }
 
-template <int STAGES, int KB, bool TSUM, int HEAD>
+template <int STAGES, int KB>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tv64,
                                     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
                                     const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
                                     int seq_q, int heads, int kv_len, float scale, int tiles_x) {
     static_assert(KB == 128 || KB == 192, "K/V blocks of 128 or 192 keys");
-    constexpr int STAGE = KB * 128, VSTAGE = vt_stage<KB, TSUM>();  // bytes of a K stage, a Vᵀ stage
-    constexpr int ON = TSUM ? 68 : 64;                               // O's accumulators (TSUM: + sums)
+    constexpr int STAGE = KB * 128, VSTAGE = vt_stage<KB>();  // bytes of a K stage, a Vᵀ stage
     static_assert(TILE8 + STAGES * (STAGE + VSTAGE) + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024,
                   "shared memory");
     using namespace ws;
@@ -1054,7 +1021,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    if constexpr (TSUM) write_ones<STAGES, KB>(sv);
+    write_ones<STAGES, KB>(sv);
     __syncthreads();
 
     if (wg == 2) {  // producer
@@ -1072,7 +1039,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             mbar_expect_tx(full_v + 8 * s, STAGE);
             tma_box(sv + s * VSTAGE, tv, full_v + 8 * s, i * KB, 0, h, b);
             if constexpr (KB == 192)
-                tma_box(sv + s * VSTAGE + vt64_off<TSUM>(), tv64, full_v + 8 * s, i * KB + 128, 0, h, b);
+                tma_box(sv + s * VSTAGE + VT_64, tv64, full_v + 8 * s, i * KB + 128, 0, h, b);
         }
         return;
     }
@@ -1085,7 +1052,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     // (s_q·s_k)·scale in base 2, a rounding apart).
     const float cq = q_scales[head * tiles_x + q0 / BR];
     const float cs = scale * 1.4426950408889634f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float m[2] = {-INFINITY, -INFINITY};
     float o[ON];
 #pragma unroll
     for (int i = 0; i < ON; ++i) o[i] = 0.0f;
@@ -1110,7 +1077,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     if (KB > kv_len) mask_keys<KB>(s, kv_len, lane);
     {
         float alpha[2];
-        online_softmax<KB, TSUM, HEAD>(s, m, l, alpha, c);  // O = 0: nothing to rescale
+        online_softmax<KB>(s, m, alpha, c);  // O = 0: nothing to rescale
     }
     pack_p<KB>(s, p);
 
@@ -1121,49 +1088,37 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         fence_regs<ON>(o);
         fence_regs(&pl[0][0], KB / 8);
         wgmma_fence();
-        pv<KB, TSUM>(o, pl, sv + last_stage * VSTAGE);
+        pv<KB>(o, pl, sv + last_stage * VSTAGE);
         wgmma_commit();
         wgmma_wait0();
         fence_regs<ON>(o);
     };
-#define FP8_STEP(I, P, PN)                                                                                    \
-    step<STAGES, KB, TSUM, HEAD>(s, o, P, PN, m, l, c, ks, k_blocks, cq, cs, I, kv_len, q_wg, sk, sv, full_k, \
-                                 full_v, empty_k, empty_v, scratch, leader, lane)
-    if constexpr (TSUM) {
-        // P alternates between two buffers (the next one is packed while P·V reads the other): the
-        // loop is unrolled by two so that each buffer stays in its registers.
-        unsigned p2[KB / 32][4];
-        int i = 1;
-        for (; i + 1 < nblk; i += 2) {
-            FP8_STEP(i, p, p2);
-            FP8_STEP(i + 1, p2, p);
-        }
-        if (i < nblk) {
-            FP8_STEP(i, p, p2);
-            last_pv(p2);
-        } else {
-            last_pv(p);
-        }
+    // P alternates between two buffers (the next one is packed while P·V reads the other): the
+    // loop is unrolled by two so that each buffer stays in its registers.
+#define FP8_STEP(I, P, PN)                                                                                 \
+    step<STAGES, KB>(s, o, P, PN, m, c, ks, k_blocks, cq, cs, I, kv_len, q_wg, sk, sv, full_k, full_v, empty_k, \
+                     empty_v, scratch, leader, lane)
+    unsigned p2[KB / 32][4];
+    int i = 1;
+    for (; i + 1 < nblk; i += 2) {
+        FP8_STEP(i, p, p2);
+        FP8_STEP(i + 1, p2, p);
+    }
+    if (i < nblk) {
+        FP8_STEP(i, p, p2);
+        last_pv(p2);
     } else {
-        for (int i = 1; i < nblk; ++i) FP8_STEP(i, p, p);
         last_pv(p);
     }
 #undef FP8_STEP
 
     // out = O·s_v / l, lse = m·ln 2 + ln l − ln 448; register 4·dt + 2·hf + e holds channel
-    // 8·dt + 2·(lane % 4) + e.
+    // 8·dt + 2·(lane % 4) + e, and l (column 128 + 2·(lane % 4)) the whole row's sum in every thread.
     const float* vs = v_scales + head * D + 2 * (lane & 3);
     float row_lse[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        float sum;
-        if constexpr (TSUM) {  // column 128 + 2·(lane % 4): the whole row's sum in every thread
-            sum = o[64 + 2 * hf];
-        } else {
-            sum = l[hf];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        }
+        const float sum = o[64 + 2 * hf];
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
@@ -1204,24 +1159,23 @@ HOPPER_KERNEL(3)
 // 64 × 128) and of k and v (S = kv_len, box 64 × KB) and the schedule come from hopper.rs; seq_k only
 // keeps the argument list the cp.async kernels' (the maps carry the strides).
 #ifdef HOPPER_WGMMA
-#define HOPPER_WS_BODY(STAGES, KB, HEAD)                                                             \
-    hopper::ws::fwd<STAGES, KB, HEAD>(tq, tk, tv, out, lse, seq_q, heads, kv_len, scale,            \
-                                      hopper::ws::Schedule{part, tickets, tiles_x, n_full, ways, items});
+#define HOPPER_WS_BODY(STAGES, KB)                                                                   \
+    hopper::ws::fwd<STAGES, KB>(tq, tk, tv, out, lse, seq_q, heads, kv_len, scale,                  \
+                                hopper::ws::Schedule{part, tickets, tiles_x, n_full, ways, items});
 #else
-#define HOPPER_WS_BODY(STAGES, KB, HEAD)
+#define HOPPER_WS_BODY(STAGES, KB)
 #endif
-#define HOPPER_WS_KERNEL(STAGES, KB, SUFFIX, HEAD)                                                         \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_ws_fwd_d128_br128_bc##KB##_s##STAGES##SUFFIX( \
+#define HOPPER_WS_KERNEL(STAGES, KB)                                                                       \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_ws_fwd_d128_br128_bc##KB##_s##STAGES(      \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         bf16* out, float* lse, int seq_q, int seq_k, int heads, int kv_len, float scale, float* part,       \
         unsigned* tickets, int tiles_x, int n_full, int ways, int items) {                                  \
-        HOPPER_WS_BODY(STAGES, KB, HEAD)                                                                   \
+        HOPPER_WS_BODY(STAGES, KB)                                                                         \
     }
-HOPPER_WS_KERNEL(2, 128, , 0)
-HOPPER_WS_KERNEL(3, 128, , 0)
-HOPPER_WS_KERNEL(2, 176, , 0)
-HOPPER_WS_KERNEL(2, 192, , 0)
-HOPPER_WS_KERNEL(2, 192, _h8, 8)
+HOPPER_WS_KERNEL(2, 128)
+HOPPER_WS_KERNEL(3, 128)
+HOPPER_WS_KERNEL(2, 176)
+HOPPER_WS_KERNEL(2, 192)
 
 // hopper_fp8_fwd_d128_br128_bc<KB>_s<STAGES> (the FP8 forward, namespace fp8; launched by
 // ops/attention/hopper.rs's `attention_fp8`): 384 threads, one CTA per tile of 128 query rows of one
@@ -1231,22 +1185,18 @@ HOPPER_WS_KERNEL(2, 192, _h8, 8)
 // boxes of 128 and 64 keys × 128 channels in the 128B and 64B swizzles, the second read at KB = 192
 // only), their scales (q, k [B, H, ⌈S/128⌉], v [B, H, 128]).
 #ifdef HOPPER_WGMMA
-#define HOPPER_FP8_BODY(STAGES, KB, TSUM, HEAD)                                                                   \
-    hopper::fp8::fwd<STAGES, KB, TSUM, HEAD>(tq, tk, tv, tv64, q_scales, k_scales, v_scales, out, lse, seq_q, heads, \
-                                             kv_len, scale, tiles_x);
+#define HOPPER_FP8_BODY(STAGES, KB) \
+    hopper::fp8::fwd<STAGES, KB>(tq, tk, tv, tv64, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
 #else
-#define HOPPER_FP8_BODY(STAGES, KB, TSUM, HEAD)
+#define HOPPER_FP8_BODY(STAGES, KB)
 #endif
-#define HOPPER_FP8_KERNEL(KB, STAGES, SUFFIX, TSUM, HEAD)                                                       \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES##SUFFIX( \
+#define HOPPER_FP8_KERNEL(KB, STAGES)                                                                            \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES(          \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         const __grid_constant__ TmaMap tv64, const float* q_scales, const float* k_scales, const float* v_scales, \
         bf16* out, float* lse, int seq_q, int heads, int kv_len, float scale, int tiles_x) {                     \
-        HOPPER_FP8_BODY(STAGES, KB, TSUM, HEAD)                                                                  \
+        HOPPER_FP8_BODY(STAGES, KB)                                                                              \
     }
-HOPPER_FP8_KERNEL(192, 3, , false, 0)
-HOPPER_FP8_KERNEL(128, 3, , false, 0)
-HOPPER_FP8_KERNEL(128, 2, , false, 0)
-HOPPER_FP8_KERNEL(192, 3, _ts, true, 0)
-HOPPER_FP8_KERNEL(192, 3, _h2, false, 2)
-HOPPER_FP8_KERNEL(192, 3, _ts_h2, true, 2)
+HOPPER_FP8_KERNEL(192, 3)
+HOPPER_FP8_KERNEL(128, 3)
+HOPPER_FP8_KERNEL(128, 2)

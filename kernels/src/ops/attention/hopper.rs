@@ -479,7 +479,7 @@ pub(crate) unsafe fn attention_fp8(
     };
     let maps = [
         qk_map(ops.q, seq_q, seq_q, BLOCK_Q)?,
-        qk_map(ops.k, seq_k, kv_len, variant.keys())?,
+        qk_map(ops.k, seq_k, kv_len, variant.keys)?,
         vt_map(128, Swizzle::CU_TENSOR_MAP_SWIZZLE_128B)?,
         vt_map(64, Swizzle::CU_TENSOR_MAP_SWIZZLE_64B)?,
     ];

@@ -10,13 +10,13 @@
 //!   / 448, as the linears' rows (`super`), so each block spans the format's range;
 //! - V in e4m3 with one scale per (sample, head, channel) over the valid keys, which folds into
 //!   the output (out[:, d] = (Σⱼ P·q_v[j, d])·s_v[d]);
-//! - S = (q_Q·q_Kᵀ)·s_q·s_k·scale summed in f32; the softmax online over key blocks of a step
-//!   (the GPU kernel's K/V block: [`SOFTMAX`]), in f32, as a flash kernel runs it: per block m ←
-//!   max(m, rowmax S) (with headroom h: m ← rowmax S + h·ln 2 when the block passes m, else m
-//!   kept), the accumulator and the row sum l rescaled by exp(m_old − m), p = exp(S − m), l += Σ p
-//!   (unquantised, or as rounded for P·V with `mma_sums`);
+//! - S = (q_Q·q_Kᵀ)·s_q·s_k·scale summed in f32; the softmax online over key blocks of [`STEP`]
+//!   (the GPU kernel's K/V block), in f32, as a flash kernel runs it: per block m ← max(m, rowmax
+//!   S), the accumulator and the row sum l rescaled by exp(m_old − m), p = exp(S − m);
 //! - P·V on e4m3 operands: p scaled by 448 (so p ∈ [0, 1] uses the format's whole range) and
-//!   rounded, the products summed in f32; out = acc·s_v / (448·l), rounded once to q's dtype;
+//!   rounded, the products summed in f32; l sums the same rounded weights (the GPU kernel adds
+//!   them in its P·V GEMM, against a column of ones), so out = acc·s_v / (448·l), rounded once to
+//!   q's dtype, is a weighted mean of V with weights that sum to one;
 //! - lse = m + ln l over the valid keys (natural log, with the scale), as the bf16 kernel
 //!   returns it, so Ring and Attention2D merge FP8 partials the same way.
 
@@ -27,27 +27,10 @@ use crate::{AttentionOptions, DType, Device, KernelError, Result, Tensor};
 /// Tokens per Q and K scale block: the Hopper kernel's query tile.
 pub const BLOCK: usize = 128;
 
-/// How the online softmax runs, as a GPU kernel variant runs it (`HopperFp8Variant::softmax`). The
-/// running max moves once per step and sets the scale at which each p rounds to e4m3, so the
-/// reference takes the kernel's steps and rules: then only the summation order separates the two.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fp8Softmax {
-    /// Keys per step (≥ 1): the kernel's K/V block.
-    pub step: usize,
-    /// The row sum l adds p as rounded to e4m3 for P·V (the kernel's P·V wgmma sums them against
-    /// columns of ones), not the unrounded p.
-    pub mma_sums: bool,
-    /// Headroom h in powers of 2: a step whose row max passes m sets m to that max + h (in base 2),
-    /// so the next steps rarely rescale; p = exp(S − m) ≤ 1 still.
-    pub headroom: u32,
-}
-
-/// The softmax of the GPU's default FP8 kernel, which the CPU's `attention_fp8` takes.
-pub const SOFTMAX: Fp8Softmax = Fp8Softmax {
-    step: 192,
-    mma_sums: false,
-    headroom: 0,
-};
+/// Keys per online-softmax step: the K/V block of the GPU's default FP8 kernel. The running max
+/// moves once per step and sets the scale at which each p rounds to e4m3, so the reference takes
+/// the kernel's steps: then only the summation order separates the two.
+pub const STEP: usize = 192;
 
 /// FP8 scaled-dot-product attention by the recipe of the module docs: q [B, S_q, H, D], k and v
 /// [B, S_k, H, D] (f32 or bf16, one dtype) → out [B, S_q, H, D] in q's dtype and lse [B, H, S_q]
@@ -62,7 +45,7 @@ pub fn attention_fp8(
     const OP: &str = "attention_fp8";
     let (dims, args) = check(OP, (q, k, v), options)?;
     match same_device(OP, &[q, k, v])? {
-        Device::Cpu => reference(OP, (q, k, v), dims, args, SOFTMAX),
+        Device::Cpu => reference(OP, (q, k, v), dims, args, STEP),
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => super::cuda::attention(OP, (q, k, v), dims, args.0, args.1),
         #[cfg(not(feature = "cuda"))]
@@ -70,28 +53,23 @@ pub fn attention_fp8(
     }
 }
 
-/// The CPU recipe of [`attention_fp8`] with the online softmax `softmax`: the reference each GPU
-/// kernel variant is held to (steps of 128 or 192 keys; K's scale blocks stay 128 tokens, which a
-/// step may straddle). Takes [`attention_fp8`]'s arguments (tensors anywhere, read on the host)
-/// and checks them the same.
+/// The CPU recipe of [`attention_fp8`] with online-softmax steps of `step` keys (≥ 1): the
+/// reference each GPU kernel variant is held to at its K/V block (128 or 192 keys; K's scale
+/// blocks stay 128 tokens, which a step may straddle). Takes [`attention_fp8`]'s arguments
+/// (tensors anywhere, read on the host) and checks them the same.
 pub fn attention_fp8_reference(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     options: AttentionOptions,
-    softmax: Fp8Softmax,
+    step: usize,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "attention_fp8_reference";
-    if softmax.step == 0 {
-        return Err(KernelError::arg(
-            OP,
-            "step",
-            softmax.step,
-            "it must be at least 1",
-        ));
+    if step == 0 {
+        return Err(KernelError::arg(OP, "step", step, "it must be at least 1"));
     }
     let (dims, args) = check(OP, (q, k, v), options)?;
-    reference(OP, (q, k, v), dims, args, softmax)
+    reference(OP, (q, k, v), dims, args, step)
 }
 
 /// The shapes' rule → ([B, S_q, S_k, H, D], (scale, kv_len)).
@@ -130,10 +108,9 @@ fn reference(
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     [b, sq, sk, h, d]: [usize; 5],
     (scale, kv_len): (f32, usize),
-    softmax: Fp8Softmax,
+    step: usize,
 ) -> Result<(Tensor, Tensor)> {
     let qs = q.shape();
-    let head = softmax.headroom as f32 * std::f32::consts::LN_2;
     let (qv, kv, vv) = (q.cpu_f32(op)?, k.cpu_f32(op)?, v.cpu_f32(op)?);
     let at = |s: usize, bi: usize, t: usize, hi: usize| ((bi * s + t) * h + hi) * d;
     let mut out = vec![0f32; b * sq * h * d];
@@ -186,8 +163,8 @@ fn reference(
                 let sqk = q_scales[i / BLOCK];
                 let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
                 let mut acc = vec![0f32; d];
-                for start in (0..kv_len).step_by(softmax.step) {
-                    let keys = start..(start + softmax.step).min(kv_len);
+                for start in (0..kv_len).step_by(step) {
+                    let keys = start..(start + step).min(kv_len);
                     let s_ij: Vec<f32> = keys
                         .clone()
                         .map(|j| {
@@ -195,15 +172,13 @@ fn reference(
                             dot * (sqk * k_scales[j / BLOCK]) * scale
                         })
                         .collect();
-                    let row_max = s_ij.iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
-                    let m_new = if row_max > m { row_max + head } else { m };
+                    let m_new = s_ij.iter().fold(m, |a, &s| a.max(s));
                     let alpha = (m - m_new).exp(); // 0 on the first block (m = −∞)
                     l *= alpha;
                     acc.iter_mut().for_each(|a| *a *= alpha);
                     for (j, &s) in keys.zip(&s_ij) {
-                        let p = (s - m_new).exp();
-                        let p8 = e4m3(p * E4M3_MAX);
-                        l += if softmax.mma_sums { p8 / E4M3_MAX } else { p };
+                        let p8 = e4m3((s - m_new).exp() * E4M3_MAX);
+                        l += p8 / E4M3_MAX;
                         for (a, vq) in acc.iter_mut().zip(&v8[j]) {
                             *a += p8 * vq;
                         }

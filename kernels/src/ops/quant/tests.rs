@@ -246,14 +246,20 @@ fn the_gated_residual_is_the_gated_linear_plus_the_residual() -> crate::Result<(
 
 /// FP8 attention against exact attention on the same inputs, term by term.
 ///
-/// LSE: log-sum-exp is 1-Lipschitz in the max norm, so |Δlse_i| ≤ maxⱼ |ΔS_ij|, where S moves only
-/// by Q's and K's quantisation: |ΔS_ij| ≤ scale·Σ_d ((2u + u²)|q||k| + 2⁻¹⁰(1 + u)(|q|·s_k +
-/// |k|·s_q) + 2⁻²⁰·s_q·s_k), u = 2⁻⁴ (the linear's per-product bound), plus f32 rounding.
+/// P's rounding: each p·448 is off by ≤ u relative (≥ 2⁻⁶) or 2⁻¹⁰ absolute, u = 2⁻⁴ (round to
+/// nearest, 3 mantissa bits), so each weight p_j (relative to the final max, which only scales
+/// these down) is off by e_j, |e_j| ≤ dp_j = u·p_j + 2⁻¹⁰/448; V's by ε_j, |ε_j| ≤ u|v_j| +
+/// 2⁻¹⁰·s_v[d].
 ///
-/// Output: against the exact attention with the *quantised* S (Q, K dequantised, in f64), what
-/// is left is P's and V's rounding: each p·448 is off by ≤ u relative (≥ 2⁻⁶) or 2⁻¹⁰ absolute,
-/// each v by ≤ u relative or 2⁻¹⁰·s_v[d], so |Δout_id| ≤ Σⱼ (p_j(2u + u²)|v_jd| + p_j(1 + u)
-/// 2⁻¹⁰ s_v[d] + 2⁻¹⁰/448·(|v_jd| + 2⁻¹⁰ s_v[d]))/l + f32 terms.
+/// LSE: log-sum-exp is 1-Lipschitz in the max norm, so the scores alone move it by at most
+/// maxⱼ |ΔS_ij|, where S moves only by Q's and K's quantisation: |ΔS_ij| ≤ scale·Σ_d ((2u + u²)
+/// |q||k| + 2⁻¹⁰(1 + u)(|q|·s_k + |k|·s_q) + 2⁻²⁰·s_q·s_k), plus f32 rounding. The row sum adds
+/// the rounded weights: Σ(p_j + e_j) = l·(1 + η), |η| ≤ Σ dp_j / l, which moves it by at most
+/// −ln(1 − Σ dp_j / l) more (l ≥ 1: the max's p is 1).
+///
+/// Output: against the exact attention with the *quantised* S (Q, K dequantised, in f64), out =
+/// Σ (p_j + e_j)(v_j + ε_j) / Σ (p_j + e_j), and Σ p_j (v_j − want) = 0 leaves |Δout_id| ≤
+/// (Σⱼ dp_j |v_jd − want| + (p_j + dp_j)|ε_j|) / (l − Σⱼ dp_j) + f32 terms.
 #[test]
 fn fp8_attention_is_exact_attention_within_the_quantisation_bounds() -> crate::Result<()> {
     let (b, sq, sk, h, d) = (1, 150, 300, 2, 32);
@@ -345,16 +351,20 @@ fn fp8_attention_is_exact_attention_within_the_quantisation_bounds() -> crate::R
                 let m = s.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
                 m + s.iter().map(|x| (x - m).exp()).sum::<f64>().ln()
             };
+            // P's rounding, relative to the quantised scores' softmax.
+            let m = quant.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+            let p: Vec<f64> = quant.iter().map(|s| (s - m).exp()).collect();
+            let l: f64 = p.iter().sum();
+            let dp: Vec<f64> = p.iter().map(|p| u * p + 2f64.powi(-10) / 448.0).collect();
+            let dl: f64 = dp.iter().sum();
             let got_lse = f64::from(lv[hi * sq + i]);
             assert!(
-                (got_lse - lse_of(&exact)).abs() <= ds_max + 1e-5 * got_lse.abs().max(1.0),
+                (got_lse - lse_of(&exact)).abs()
+                    <= ds_max - (1.0 - dl / l).ln() + 1e-5 * got_lse.abs().max(1.0),
                 "lse ({i}, {hi}): {got_lse} vs {}",
                 lse_of(&exact)
             );
             // Output against attention with the quantised scores and exact values.
-            let m = quant.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
-            let p: Vec<f64> = quant.iter().map(|s| (s - m).exp()).collect();
-            let l: f64 = p.iter().sum();
             for c in 0..d {
                 let want: f64 = (0..kv_len)
                     .map(|j| p[j] * f64::from(vv[at(j, hi) + c]))
@@ -362,12 +372,12 @@ fn fp8_attention_is_exact_attention_within_the_quantisation_bounds() -> crate::R
                     / l;
                 let bound: f64 = (0..kv_len)
                     .map(|j| {
-                        let vj = f64::from(vv[at(j, hi) + c].abs());
-                        p[j] * ((2.0 * u + u * u) * vj + (1.0 + u) * 2f64.powi(-10) * sv[c])
-                            + 2f64.powi(-10) / 448.0 * (vj + 2f64.powi(-10) * sv[c])
+                        let vj = f64::from(vv[at(j, hi) + c]);
+                        let ev = u * vj.abs() + 2f64.powi(-10) * sv[c];
+                        dp[j] * (vj - want).abs() + (p[j] + dp[j]) * ev
                     })
                     .sum::<f64>()
-                    / l
+                    / (l - dl)
                     + 1e-5 * (1.0 + want.abs());
                 let got = f64::from(ov[at(i, hi) + c]);
                 assert!(
@@ -409,10 +419,12 @@ fn fp8_attention_checks_its_inputs() -> crate::Result<()> {
 
 /// The FP8 attention's online schedule in closed form, at the default step and at the steps of
 /// every GPU kernel (192 keys straddle the 128-token K scale blocks): with M_b the running max
-/// after softmax step b and M the final one, the recipe computes out = Σⱼ e4m3(448·exp(S_j − M_b(j)))·exp(M_b(j) −
-/// M)·q_v[j]·s_v / (448·Σⱼ exp(S_j − M)). Evaluated here in f64 from the same f32 scores (so no
-/// e4m3 rounding can flip), it must equal the reference to f32 rounding: this pins P's scaling,
-/// the rescaling by the running max and V's scales, which the bounds above are too loose to.
+/// after softmax step b, M the final one and wⱼ = e4m3(448·exp(S_j − M_b(j)))·exp(M_b(j) − M) the
+/// weight of key j, the recipe computes out = Σⱼ wⱼ·q_v[j]·s_v / Σⱼ wⱼ (the rounded weights are
+/// what the row sum adds). Evaluated here in f64 from the same f32 scores (so no e4m3 rounding can
+/// flip), it must equal the reference to f32 rounding: this pins P's scaling, the sums of the
+/// rounded weights, the rescaling by the running max and V's scales, which the bounds above are
+/// too loose to.
 #[test]
 fn fp8_attention_follows_its_online_schedule() -> crate::Result<()> {
     let (sq, sk, h, d) = (3, 300, 1, 16);
@@ -424,30 +436,17 @@ fn fp8_attention_follows_its_online_schedule() -> crate::Result<()> {
     let v = Tensor::randn(&[1, sk, h, d], DType::F32, 33, Device::Cpu)?;
     let options = crate::AttentionOptions::default();
     let (default, _) = attention_fp8(&q, &k, &v, options)?;
-    let softmax = super::attention::SOFTMAX;
-    let (at_step, _) = attention_fp8_reference(&q, &k, &v, options, softmax)?;
+    let (at_step, _) = attention_fp8_reference(&q, &k, &v, options, super::attention::STEP)?;
     assert_eq!(default.to_vec_f32()?, at_step.to_vec_f32()?);
     let mut outs = Vec::new();
     for step in [64, 128, 192] {
-        let plain = crate::Fp8Softmax {
-            step,
-            mma_sums: false,
-            headroom: 0,
-        };
-        let (out, _) = attention_fp8_reference(&q, &k, &v, options, plain)?;
+        let (out, _) = attention_fp8_reference(&q, &k, &v, options, step)?;
         check_online_schedule(&q, &k, &v, &out, step)?;
         outs.push(out.to_vec_f32()?);
     }
     // The step is seen: P rounds at another running max.
     assert!(outs[0] != outs[1] && outs[1] != outs[2]);
-    let e = attention_fp8_reference(
-        &q,
-        &k,
-        &v,
-        options,
-        crate::Fp8Softmax { step: 0, ..softmax },
-    )
-    .unwrap_err();
+    let e = attention_fp8_reference(&q, &k, &v, options, 0).unwrap_err();
     assert!(e.to_string().contains("step"), "{e}");
     Ok(())
 }
@@ -500,17 +499,19 @@ fn check_online_schedule(
             running.push(m);
         }
         let total = f64::from(m);
-        let l: f64 = s.iter().map(|&x| (f64::from(x) - total).exp()).sum();
+        let w: Vec<f64> = (0..sk)
+            .map(|j| {
+                let mb = running[j / step];
+                let p8 = e4m3((f64::from(s[j] - mb).exp() as f32) * E4M3_MAX);
+                f64::from(p8) * (f64::from(mb) - total).exp()
+            })
+            .collect();
+        let l: f64 = w.iter().sum();
         for c in 0..d {
             let acc: f64 = (0..sk)
-                .map(|j| {
-                    let mb = running[j / step];
-                    let p8 = e4m3((f64::from(s[j] - mb).exp() as f32) * E4M3_MAX);
-                    let v8 = e4m3(vv[j * d + c] * (1.0 / sv[c]));
-                    f64::from(p8) * (f64::from(mb) - total).exp() * f64::from(v8)
-                })
+                .map(|j| w[j] * f64::from(e4m3(vv[j * d + c] * (1.0 / sv[c]))))
                 .sum();
-            let want = acc * f64::from(sv[c]) / (448.0 * l);
+            let want = acc * f64::from(sv[c]) / l;
             let got = f64::from(ov[i * d + c]);
             assert!(
                 (got - want).abs() <= 1e-5 * (1.0 + want.abs()),

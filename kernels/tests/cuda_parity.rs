@@ -1964,7 +1964,6 @@ fn fp8_norms_match_unfused() -> Result<()> {
 #[test]
 fn fp8_attention_matches_cpu() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
-    use ditstream_kernels as k;
     if !ditstream_kernels::cuda::supports_fp8(0)? {
         eprintln!("skipped: this GPU has no FP8 tensor cores");
         return Ok(());
@@ -1975,67 +1974,108 @@ fn fp8_attention_matches_cpu() -> Result<()> {
         (1, 640, 512, 2, 512, 2.0),
         (1, 100, 60, 1, 60, 4.0),
     ] {
-        let q = k::mul(
-            &randn(&[b, sq, h, 128], DType::F32, 41),
-            &Tensor::from_vec(vec![spread], &[1])?,
-        )?
-        .to_dtype(DType::BF16)?;
-        let kt = randn(&[b, sk, h, 128], DType::BF16, 42);
-        let v = randn(&[b, sk, h, 128], DType::BF16, 43);
-        let options = AttentionOptions {
-            scale: None,
-            kv_len: Some(kv_len),
-        };
-        let (eo, _) = k::attention(&q, &kt, &v, options)?;
-        let (gq, gk, gv) = (q.to_device(dev)?, kt.to_device(dev)?, v.to_device(dev)?);
-        // Each variant against the recipe at its own softmax step (its K/V block), once per step.
-        let mut references = std::collections::BTreeMap::new();
-        for (i, variant) in HOPPER_FP8_VARIANTS.iter().enumerate() {
-            if let std::collections::btree_map::Entry::Vacant(e) = references.entry(variant.keys) {
-                let (ro, rl) = k::attention_fp8_reference(&q, &kt, &v, options, variant.keys)?;
-                let quant = attention_rel_rms(&ro, &eo)?;
-                e.insert((ro, rl, quant));
-            }
-            let (ro, rl, quant) = &references[&variant.keys];
-            let quant = *quant;
-            let (go, gl) = with_attention_kernel(AttentionKernel::HopperFp8(i), || {
-                k::attention_fp8(&gq, &gk, &gv, options)
-            })?;
-            assert_eq!((go.shape(), gl.shape()), (ro.shape(), rl.shape()));
-            let (go, gl) = (go.to_device(Device::Cpu)?, gl.to_device(Device::Cpu)?);
-            let rms = attention_rel_rms(&go, ro)?;
-            let lse = max_abs_diff(&gl, rl)?;
-            let (gv, rv) = (gl.to_vec_f32()?, rl.to_vec_f32()?);
-            let rows = gv
-                .iter()
-                .zip(&rv)
-                .filter(|(g, r)| g.is_finite() || r.is_finite());
-            let (n, sum_sq) = rows.fold((0usize, 0f64), |(n, s), (g, r)| {
-                (n + 1, s + f64::from(g - r).powi(2))
-            });
-            let lse_rms = (sum_sq / n.max(1) as f64).sqrt();
-            println!(
-                "PARITY\tattention_fp8 {}\t({b},{sq},{sk},{h}) kv {kv_len}\trel rms {rms:.3e} (recipe vs exact {quant:.3e})\tlse max|diff| {lse:.3e} rms {lse_rms:.3e}",
-                variant.name
-            );
-            assert!(
-                rms <= 1e-2,
-                "{}: rel rms {rms} against the reference",
-                variant.name
-            );
-            assert!(
-                3.0 * rms <= quant,
-                "{}: rel rms {rms}, not well below the quantisation's {quant}",
-                variant.name
-            );
-            let tip = -(1.0 - 2f32.powi(-3)).ln();
-            assert!(lse <= tip + 1e-2, "{}: lse max|diff| {lse}", variant.name);
-            assert!(
-                lse_rms <= 2f64.powi(-6) + 1e-2,
-                "{}: lse rms {lse_rms}",
-                variant.name
-            );
+        fp8_attention_case(dev, [b, sq, sk, h, kv_len], spread, 0.0, true)?;
+    }
+    Ok(())
+}
+
+/// `fp8_attention_matches_cpu` over a long run of keys with flat scores (spread 0.25) and V of
+/// mean 0.5 besides its N(0, 1) part, the case where the tensor cores' FP8 accumulation shows: a
+/// wgmma adds its e4m3 products to the f32 accumulator keeping ~14 bits relative to the larger
+/// (DeepSeek-V3 measured it in FP8 GEMMs), so over 1,024 k-steps a sum of positive terms that
+/// grows as it goes loses a large share of its later terms. On an H100 (bench/RESULTS.md,
+/// 2026-12-06, third session) the row sums taken in the P·V GEMM came out off by factors e^0.63
+/// and e^1.06 at 32,760 and 75,600 keys of N(0, 1) inputs; O's columns of non-zero mean
+/// accumulate the same way. Ignored until O and its sums are moved to f32 every block or few
+/// (notes of issue 24); run it with `--ignored` on a GPU to check a fix.
+#[test]
+#[ignore = "issue 24: fails until the FP8 attention promotes its P·V accumulators to f32 over long key runs"]
+fn fp8_attention_matches_cpu_over_long_flat_key_runs() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    if !ditstream_kernels::cuda::supports_fp8(0)? {
+        eprintln!("skipped: this GPU has no FP8 tensor cores");
+        return Ok(());
+    }
+    // Flat scores average the quantisation away, so its error is no yardstick here.
+    fp8_attention_case(dev, [1, 128, 32768, 1, 32768], 0.25, 0.5, false)
+}
+
+/// Every FP8 variant against the recipe at its own softmax step on q [b, sq, h, 128] (N(0, 1)
+/// times `spread`), k and v [b, sk, h, 128] (N(0, 1), v plus `v_mean`), kv_len valid keys, with
+/// the tolerances of `fp8_attention_matches_cpu` (the distance ≤ a third of the quantisation's
+/// own when `below_quantisation`).
+fn fp8_attention_case(
+    dev: Device,
+    [b, sq, sk, h, kv_len]: [usize; 5],
+    spread: f32,
+    v_mean: f32,
+    below_quantisation: bool,
+) -> Result<()> {
+    use ditstream_kernels as k;
+    let q = k::mul(
+        &randn(&[b, sq, h, 128], DType::F32, 41),
+        &Tensor::from_vec(vec![spread], &[1])?,
+    )?
+    .to_dtype(DType::BF16)?;
+    let kt = randn(&[b, sk, h, 128], DType::BF16, 42);
+    let v = k::add(
+        &randn(&[b, sk, h, 128], DType::F32, 43),
+        &Tensor::from_vec(vec![v_mean], &[1])?,
+    )?
+    .to_dtype(DType::BF16)?;
+    let options = AttentionOptions {
+        scale: None,
+        kv_len: Some(kv_len),
+    };
+    let (eo, _) = k::attention(&q, &kt, &v, options)?;
+    let (gq, gk, gv) = (q.to_device(dev)?, kt.to_device(dev)?, v.to_device(dev)?);
+    // Each variant against the recipe at its own softmax step (its K/V block), once per step.
+    let mut references = std::collections::BTreeMap::new();
+    for (i, variant) in HOPPER_FP8_VARIANTS.iter().enumerate() {
+        if let std::collections::btree_map::Entry::Vacant(e) = references.entry(variant.keys) {
+            let (ro, rl) = k::attention_fp8_reference(&q, &kt, &v, options, variant.keys)?;
+            let quant = attention_rel_rms(&ro, &eo)?;
+            e.insert((ro, rl, quant));
         }
+        let (ro, rl, quant) = &references[&variant.keys];
+        let quant = *quant;
+        let (go, gl) = with_attention_kernel(AttentionKernel::HopperFp8(i), || {
+            k::attention_fp8(&gq, &gk, &gv, options)
+        })?;
+        assert_eq!((go.shape(), gl.shape()), (ro.shape(), rl.shape()));
+        let (go, gl) = (go.to_device(Device::Cpu)?, gl.to_device(Device::Cpu)?);
+        let rms = attention_rel_rms(&go, ro)?;
+        let lse = max_abs_diff(&gl, rl)?;
+        let (gv, rv) = (gl.to_vec_f32()?, rl.to_vec_f32()?);
+        let rows = gv
+            .iter()
+            .zip(&rv)
+            .filter(|(g, r)| g.is_finite() || r.is_finite());
+        let (n, sum_sq) = rows.fold((0usize, 0f64), |(n, s), (g, r)| {
+            (n + 1, s + f64::from(g - r).powi(2))
+        });
+        let lse_rms = (sum_sq / n.max(1) as f64).sqrt();
+        println!(
+            "PARITY\tattention_fp8 {}\t({b},{sq},{sk},{h}) kv {kv_len} v mean {v_mean}\trel rms {rms:.3e} (recipe vs exact {quant:.3e})\tlse max|diff| {lse:.3e} rms {lse_rms:.3e}",
+            variant.name
+        );
+        assert!(
+            rms <= 1e-2,
+            "{}: rel rms {rms} against the reference",
+            variant.name
+        );
+        assert!(
+            !below_quantisation || 3.0 * rms <= quant,
+            "{}: rel rms {rms}, not well below the quantisation's {quant}",
+            variant.name
+        );
+        let tip = -(1.0 - 2f32.powi(-3)).ln();
+        assert!(lse <= tip + 1e-2, "{}: lse max|diff| {lse}", variant.name);
+        assert!(
+            lse_rms <= 2f64.powi(-6) + 1e-2,
+            "{}: lse rms {lse_rms}",
+            variant.name
+        );
     }
     Ok(())
 }

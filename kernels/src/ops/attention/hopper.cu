@@ -774,9 +774,9 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // grows over a long key run loses its later terms. The sums grow with every key: over flat N(0, 1)
 // scores they came out off by factors e^0.63 and e^1.06 at 32,760 and 75,600 keys, which inflates
 // O's zero-mean columns (their accumulators stay small and keep their terms). O's columns of
-// non-zero mean lose terms as the sums do and stay in proportion, where exact f32 sums (this
-// kernel before) left them shrunk: the DiT's FP8 forward moved half as far from bf16 with these
-// sums. The fix is to promote O and the sums to f32 every block or few, as DeepSeek-V3 does; the
+// non-zero mean should lose terms as the sums do and stay in proportion, where exact f32 sums
+// (this kernel before) would leave them shrunk: the likeliest reason the DiT's FP8 forward moved
+// half as far from bf16 with these sums (inferred, not measured column by column). The fix is to promote O and the sums to f32 every block or few, as DeepSeek-V3 does; the
 // GPU test `fp8_attention_matches_cpu_over_long_flat_key_runs` (ignored until then) checks it.
 // Softmax in base 2 on descaled scores: a segment g of 64 keys of block j, each inside one of K's
 // 128-token scale blocks, has raw scores (integer-valued products of codes, summed in f32) times

@@ -1974,7 +1974,7 @@ fn fp8_attention_matches_cpu() -> Result<()> {
         (1, 640, 512, 2, 512, 2.0),
         (1, 100, 60, 1, 60, 4.0),
     ] {
-        fp8_attention_case(dev, [b, sq, sk, h, kv_len], spread, 0.0, true)?;
+        fp8_attention_case(dev, [b, sq, sk, h, kv_len], spread, 0.0, true, |_| true)?;
     }
     Ok(())
 }
@@ -1986,10 +1986,10 @@ fn fp8_attention_matches_cpu() -> Result<()> {
 /// grows as it goes loses a large share of its later terms. On an H100 (bench/RESULTS.md,
 /// 2026-12-06, third session) the row sums taken in the P·V GEMM came out off by factors e^0.63
 /// and e^1.06 at 32,760 and 75,600 keys of N(0, 1) inputs; O's columns of non-zero mean
-/// accumulate the same way. Ignored until O and its sums are moved to f32 every block or few
-/// (notes of issue 24); run it with `--ignored` on a GPU to check a fix.
+/// accumulate the same way. Asserted for the two-level variants (`_2l`: each block's P·V from
+/// zero, added into an f32 O), which are built for it; the others' distances are printed (they
+/// are expected to fail it).
 #[test]
-#[ignore = "issue 24: fails until the FP8 attention promotes its P·V accumulators to f32 over long key runs"]
 fn fp8_attention_matches_cpu_over_long_flat_key_runs() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     if !ditstream_kernels::cuda::supports_fp8(0)? {
@@ -1997,19 +1997,23 @@ fn fp8_attention_matches_cpu_over_long_flat_key_runs() -> Result<()> {
         return Ok(());
     }
     // Flat scores average the quantisation away, so its error is no yardstick here.
-    fp8_attention_case(dev, [1, 128, 32768, 1, 32768], 0.25, 0.5, false)
+    fp8_attention_case(dev, [1, 128, 32768, 1, 32768], 0.25, 0.5, false, |v| {
+        v.two_level
+    })
 }
 
 /// Every FP8 variant against the recipe at its own softmax step on q [b, sq, h, 128] (N(0, 1)
 /// times `spread`), k and v [b, sk, h, 128] (N(0, 1), v plus `v_mean`), kv_len valid keys, with
 /// the tolerances of `fp8_attention_matches_cpu` (the distance ≤ a third of the quantisation's
-/// own when `below_quantisation`).
+/// own when `below_quantisation`), asserted for the variants `held` holds to them and printed for
+/// every one.
 fn fp8_attention_case(
     dev: Device,
     [b, sq, sk, h, kv_len]: [usize; 5],
     spread: f32,
     v_mean: f32,
     below_quantisation: bool,
+    held: fn(&ditstream_kernels::cuda::HopperFp8Variant) -> bool,
 ) -> Result<()> {
     use ditstream_kernels as k;
     let q = k::mul(
@@ -2059,6 +2063,9 @@ fn fp8_attention_case(
             "PARITY\tattention_fp8 {}\t({b},{sq},{sk},{h}) kv {kv_len} v mean {v_mean}\trel rms {rms:.3e} (recipe vs exact {quant:.3e})\tlse max|diff| {lse:.3e} rms {lse_rms:.3e}",
             variant.name
         );
+        if !held(variant) {
+            continue;
+        }
         assert!(
             rms <= 1e-2,
             "{}: rel rms {rms} against the reference",

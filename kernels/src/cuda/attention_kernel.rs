@@ -130,10 +130,10 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
 ];
 
 /// One compiled configuration of the FP8 Hopper kernel
-/// (`hopper_fp8_fwd_d128_br128_bc{KEYS}_s{STAGES}`, namespace `fp8` of `ops/attention/hopper.cu`):
-/// the warp-specialised layout with e4m3 Q tiles of [128 × 128] bytes, K/V blocks of `keys` keys
-/// (also the online softmax's step, which the CPU reference takes the same:
-/// `crate::attention_fp8_reference`), and `stages` deep K and Vᵀ rings.
+/// (`hopper_fp8_fwd_d128_br128_bc{KEYS}_s{STAGES}[_2l]`, namespace `fp8` of
+/// `ops/attention/hopper.cu`): the warp-specialised layout with e4m3 Q tiles of [128 × 128] bytes,
+/// K/V blocks of `keys` keys (also the online softmax's step, which the CPU reference takes the
+/// same: `crate::attention_fp8_reference`), and `stages` deep K and Vᵀ rings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HopperFp8Variant {
     /// Kernel name in hopper.cu.
@@ -142,6 +142,11 @@ pub struct HopperFp8Variant {
     pub keys: usize,
     /// K and Vᵀ stages.
     pub stages: usize,
+    /// `_2l`: each block's P·V and row sums start from zero in the tensor cores and are added
+    /// into an f32 O in the ALU (two-level accumulation), so no accumulator grows over the key
+    /// run (hopper.cu's "Known limit"). Compiled (128 keys: a second O does not fit beside 192-key
+    /// S), not yet run on a GPU.
+    pub two_level: bool,
 }
 
 impl HopperFp8Variant {
@@ -154,17 +159,29 @@ impl HopperFp8Variant {
     }
 }
 
-const fn fp8_variant(name: &'static str, keys: usize, stages: usize) -> HopperFp8Variant {
-    HopperFp8Variant { name, keys, stages }
+const fn fp8_variant(
+    name: &'static str,
+    keys: usize,
+    stages: usize,
+    two_level: bool,
+) -> HopperFp8Variant {
+    HopperFp8Variant {
+        name,
+        keys,
+        stages,
+        two_level,
+    }
 }
 
 /// Every compiled FP8 Hopper variant (keep in step with `HOPPER_FP8_KERNEL(...)` in hopper.cu), the
 /// default first (`ops/quant/cuda.rs` says why it is), then the 128-key kernels it is measured
-/// against.
+/// against, then the two-level accumulation for the next GPU run (last: a parity failure of the
+/// new kernel comes after every other variant's check).
 pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3", 192, 3),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3", 128, 3),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2", 128, 2),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3", 192, 3, false),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3", 128, 3, false),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2", 128, 2, false),
+    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_2l", 128, 3, true),
 ];
 
 /// One compiled tile configuration of the tensor-core kernel
@@ -320,7 +337,8 @@ mod tests {
         }
         assert!(default_flash_variant(96).is_none());
         for v in HOPPER_FP8_VARIANTS {
-            let tail = format!("_bc{}_s{}", v.keys, v.stages);
+            let two = if v.two_level { "_2l" } else { "" };
+            let tail = format!("_bc{}_s{}{two}", v.keys, v.stages);
             assert!(v.name.ends_with(&tail), "{}", v.name);
             assert!([128, 192].contains(&v.keys), "{}", v.name);
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);

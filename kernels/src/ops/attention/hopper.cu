@@ -164,12 +164,13 @@ __device__ __forceinline__ void wgmma_ss192_e4m3(float* d, u64 da, u64 db, int a
 // e4m3: a[0] row g, k 4t…4t+3; a[1] row g + 8, same k; a[2], a[3] the same at k + 16, with g =
 // lane/4, t = lane%4, as mma.m16n8k32's 8-bit A), B from shared memory, K-major. The FP8 P·V: B is
 // Vᵀ's 128 channels and 8 rows of e4m3 1.0, so columns 128–135 are the row sums of P.
-__device__ __forceinline__ void wgmma_rs136_e4m3(float* d, const unsigned* a, u64 db) {
+// `accumulate` = 0 gives d = A·B (scale-d false).
+__device__ __forceinline__ void wgmma_rs136_e4m3(float* d, const unsigned* a, u64 db, int accumulate) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %73, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67}, {%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
 // The helpers below take N, the keys per K/V block: S holds N/2 registers per thread.
@@ -776,8 +777,11 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // O's zero-mean columns (their accumulators stay small and keep their terms). O's columns of
 // non-zero mean should lose terms as the sums do and stay in proportion, where exact f32 sums
 // (this kernel before) would leave them shrunk: the likeliest reason the DiT's FP8 forward moved
-// half as far from bf16 with these sums (inferred, not measured column by column). The fix is to promote O and the sums to f32 every block or few, as DeepSeek-V3 does; the
-// GPU test `fp8_attention_matches_cpu_over_long_flat_key_runs` (ignored until then) checks it.
+// half as far from bf16 with these sums (inferred, not measured column by column). The fix is to
+// promote O and the sums to f32 every block or few, as DeepSeek-V3 does: TWO (`_2l`, 128-key
+// blocks only, as a second O does not fit beside 192-key S) starts each block's P·V from zero and
+// adds it into an f32 O (`promote`); compiled without spills, not yet run on a GPU. The GPU test
+// `fp8_attention_matches_cpu_over_long_flat_key_runs` (ignored until a fix passes it) checks it.
 // Softmax in base 2 on descaled scores: a segment g of 64 keys of block j, each inside one of K's
 // 128-token scale blocks, has raw scores (integer-valued products of codes, summed in f32) times
 // c_jg = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 = 2^(s·c_jg − m + log2 448)
@@ -855,11 +859,25 @@ __device__ __forceinline__ void qk(float* s, unsigned q_wg, unsigned kt) {
 // swizzle, then (KB = 192) keys 128–191 as [128 channels × 64 bytes] in the 64B swizzle: a
 // swizzle's rows are as long as its span, so each part is its own box, from its own tensor map of
 // the same Vᵀ.
-template <int KB>
+// FRESH: the block's products alone (the first k-step overwrites the accumulator), else added to it.
+template <int KB, bool FRESH>
 __device__ __forceinline__ void pv(float* o, unsigned (*p)[4], unsigned vt) {
 #pragma unroll
     for (int kk = 0; kk < KB / 32; ++kk)
-        wgmma_rs136_e4m3(o, p[kk], kk < 4 ? desc(vt + kk * 32, 16, 1024) : desc64(vt + VT_64 + (kk - 4) * 32, 16, 512));
+        wgmma_rs136_e4m3(o, p[kk], kk < 4 ? desc(vt + kk * 32, 16, 1024) : desc64(vt + VT_64 + (kk - 4) * 32, 16, 512),
+                         !FRESH || kk > 0);
+}
+
+// TWO (two-level accumulation): O and its row sums in f32 registers, one block behind the wgmma
+// accumulator `o`, which holds one block's P·V and sums: ot = ot·α_prev + o, lt = lt·α_prev + sum,
+// with α_prev the α of the block whose max `o` was computed at (so ot stays at that block's max).
+__device__ __forceinline__ void promote(float* ot, float* lt, const float* ap, const float* o) {
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ot[4 * dt + e] = fmaf(ot[4 * dt + e], ap[e >> 1], o[4 * dt + e]);
+    lt[0] = fmaf(lt[0], ap[0], o[64]);
+    lt[1] = fmaf(lt[1], ap[1], o[66]);
 }
 
 // Four e4m3 codes in one word, `a` in the low byte.
@@ -944,12 +962,14 @@ __device__ __forceinline__ void descales(float* c, const float* ks, int i, int k
 
 // Block i ≥ 1: waits K_i and V_{i−1}, issues S = Q·K_iᵀ and O += P_{i−1}·V_{i−1} (P_{i−1} in
 // p), waits for S only, runs block i's softmax and packs the new P into pn (the other buffer)
-// while P·V runs, waits for P·V, then O·α. Nothing is in flight on return.
-template <int STAGES, int KB>
-__device__ __forceinline__ void step(float* s, float* o, unsigned (*p)[4], unsigned (*pn)[4], float* m, float* c,
-                                     const float* ks, int k_blocks, float cq, float cs, int i, int kv_len,
-                                     unsigned q_wg, unsigned sk, unsigned sv, unsigned full_k, unsigned full_v,
-                                     unsigned empty_k, unsigned empty_v, unsigned scratch, bool leader, int lane) {
+// while P·V runs, waits for P·V, then O·α (TWO: P_{i−1}·V_{i−1} alone, then `promote` with the α
+// of block i − 1 in ap, which then takes block i's). Nothing is in flight on return.
+template <int STAGES, int KB, bool TWO>
+__device__ __forceinline__ void step(float* s, float* o, float* ot, float* lt, float* ap, unsigned (*p)[4],
+                                     unsigned (*pn)[4], float* m, float* c, const float* ks, int k_blocks, float cq,
+                                     float cs, int i, int kv_len, unsigned q_wg, unsigned sk, unsigned sv,
+                                     unsigned full_k, unsigned full_v, unsigned empty_k, unsigned empty_v,
+                                     unsigned scratch, bool leader, int lane) {
     using namespace ws;
     constexpr int STAGE = KB * 128, VSTAGE = vt_stage<KB>();
     const int st = i % STAGES, prev = (i - 1) % STAGES;
@@ -963,29 +983,42 @@ __device__ __forceinline__ void step(float* s, float* o, unsigned (*p)[4], unsig
     wgmma_fence();
     qk<KB>(s, q_wg, sk + st * STAGE);
     wgmma_commit();
-    pv<KB>(o, p, sv + prev * VSTAGE);
+    pv<KB, TWO>(o, p, sv + prev * VSTAGE);
     wgmma_commit();
     wgmma_wait1();  // S is in; P·V of block i − 1 may still run
     fence_regs<KB / 2>(s);
     if (leader) mbar_arrive(empty_k + 8 * st);
     if ((i + 1) * KB > kv_len) mask_keys<KB>(s, kv_len - i * KB, lane);
     float alpha[2];
-    const bool rescale = online_softmax<KB>(s, m, alpha, c);
-    pack_p<KB>(s, pn);
+    [[maybe_unused]] const bool rescale = online_softmax<KB>(s, m, alpha, c);  // TWO: ap takes α
     // Keeps the P·V wait below the exponentials (see ws::fwd): a store of a word that needs every
-    // one of them, the new P's words folded by XOR (3 LOP3 per 4 words).
+    // one of them, the new P's words folded by XOR (3 LOP3 per 4 words); TWO, short of registers
+    // for a second P, folds the exponentials' bits instead and packs P after the wait (pn = p).
     unsigned x = 0;
+    if constexpr (TWO) {
 #pragma unroll
-    for (int kk = 0; kk < KB / 32; ++kk) x ^= (pn[kk][0] ^ pn[kk][1]) ^ (pn[kk][2] ^ pn[kk][3]);
+        for (int j = 0; j < KB / 2; j += 2) x ^= __float_as_uint(s[j]) ^ __float_as_uint(s[j + 1]);
+    } else {
+        pack_p<KB>(s, pn);
+#pragma unroll
+        for (int kk = 0; kk < KB / 32; ++kk) x ^= (pn[kk][0] ^ pn[kk][1]) ^ (pn[kk][2] ^ pn[kk][3]);
+    }
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(scratch), "r"(x) : "memory");
     wgmma_wait0();
     fence_regs<ON>(o);
     fence_regs(&p[0][0], KB / 8);
     if (leader) mbar_arrive(empty_v + 8 * prev);
-    rescale_o<ON>(o, alpha, rescale);
+    if constexpr (TWO) {
+        promote(ot, lt, ap, o);
+        ap[0] = alpha[0];
+        ap[1] = alpha[1];
+        pack_p<KB>(s, pn);
+    } else {
+        rescale_o<ON>(o, alpha, rescale);
+    }
 }
 
-template <int STAGES, int KB>
+template <int STAGES, int KB, bool TWO>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tv64,
                                     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
                                     const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
@@ -1065,6 +1098,10 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     float o[ON];
 #pragma unroll
     for (int i = 0; i < ON; ++i) o[i] = 0.0f;
+    // TWO: O and its sums in f32 (`promote`), and the α they wait for.
+    float ot[TWO ? 64 : 1], lt[2] = {0.0f, 0.0f}, ap[2];
+#pragma unroll
+    for (int i = 0; i < (TWO ? 64 : 1); ++i) ot[i] = 0.0f;
     const bool leader = threadIdx.x % 128 == 0;
     const unsigned q_wg = sq + w * 64 * 128;
     const unsigned scratch = smem_addr(&pin[threadIdx.x]);
@@ -1084,10 +1121,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     fence_regs<KB / 2>(s);
     if (leader) mbar_arrive(empty_k);
     if (KB > kv_len) mask_keys<KB>(s, kv_len, lane);
-    {
-        float alpha[2];
-        online_softmax<KB>(s, m, alpha, c);  // O = 0: nothing to rescale
-    }
+    online_softmax<KB>(s, m, ap, c);  // O = 0: nothing to rescale; ap = 0 (TWO: ot = 0·0 + block 0)
     pack_p<KB>(s, p);
 
     // The last block's P·V, from P in pl.
@@ -1097,46 +1131,53 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         fence_regs<ON>(o);
         fence_regs(&pl[0][0], KB / 8);
         wgmma_fence();
-        pv<KB>(o, pl, sv + last_stage * VSTAGE);
+        pv<KB, TWO>(o, pl, sv + last_stage * VSTAGE);
         wgmma_commit();
         wgmma_wait0();
         fence_regs<ON>(o);
+        if constexpr (TWO) promote(ot, lt, ap, o);
     };
     // P alternates between two buffers (the next one is packed while P·V reads the other): the
     // loop is unrolled by two so that each buffer stays in its registers.
-#define FP8_STEP(I, P, PN)                                                                                 \
-    step<STAGES, KB>(s, o, P, PN, m, c, ks, k_blocks, cq, cs, I, kv_len, q_wg, sk, sv, full_k, full_v, empty_k, \
-                     empty_v, scratch, leader, lane)
-    unsigned p2[KB / 32][4];
-    int i = 1;
-    for (; i + 1 < nblk; i += 2) {
-        FP8_STEP(i, p, p2);
-        FP8_STEP(i + 1, p2, p);
-    }
-    if (i < nblk) {
-        FP8_STEP(i, p, p2);
-        last_pv(p2);
-    } else {
+#define FP8_STEP(I, P, PN)                                                                                    \
+    step<STAGES, KB, TWO>(s, o, ot, lt, ap, P, PN, m, c, ks, k_blocks, cq, cs, I, kv_len, q_wg, sk, sv, full_k,    \
+                          full_v, empty_k, empty_v, scratch, leader, lane)
+    if constexpr (TWO) {  // one P buffer (`step`)
+        for (int i = 1; i < nblk; ++i) FP8_STEP(i, p, p);
         last_pv(p);
+    } else {
+        unsigned p2[KB / 32][4];
+        int i = 1;
+        for (; i + 1 < nblk; i += 2) {
+            FP8_STEP(i, p, p2);
+            FP8_STEP(i + 1, p2, p);
+        }
+        if (i < nblk) {
+            FP8_STEP(i, p, p2);
+            last_pv(p2);
+        } else {
+            last_pv(p);
+        }
     }
 #undef FP8_STEP
 
     // out = O·s_v / l, lse = m·ln 2 + ln l − ln 448; register 4·dt + 2·hf + e holds channel
     // 8·dt + 2·(lane % 4) + e, and l (column 128 + 2·(lane % 4)) the whole row's sum in every thread.
+    float* of = TWO ? ot : o;
     const float* vs = v_scales + head * D + 2 * (lane & 3);
     float row_lse[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        const float sum = o[64 + 2 * hf];
+        const float sum = TWO ? lt[hf] : o[64 + 2 * hf];
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
-            o[4 * dt + 2 * hf] *= inv * __ldg(vs + 8 * dt);
-            o[4 * dt + 2 * hf + 1] *= inv * __ldg(vs + 8 * dt + 1);
+            of[4 * dt + 2 * hf] *= inv * __ldg(vs + 8 * dt);
+            of[4 * dt + 2 * hf + 1] *= inv * __ldg(vs + 8 * dt + 1);
         }
         row_lse[hf] = sum > 0.0f ? m[hf] * 0.69314718055994531f + logf(sum) - LN_448 : -INFINITY;
     }
-    write_rows(out, lse, o, row_lse, b, h, q0 + w * 64 + warp * 16, lane, seq_q, heads);
+    write_rows(out, lse, of, row_lse, b, h, q0 + w * 64 + warp * 16, lane, seq_q, heads);
 }
 
 }  // namespace fp8
@@ -1194,18 +1235,20 @@ HOPPER_WS_KERNEL(2, 192)
 // boxes of 128 and 64 keys × 128 channels in the 128B and 64B swizzles, the second read at KB = 192
 // only), their scales (q, k [B, H, ⌈S/128⌉], v [B, H, 128]).
 #ifdef HOPPER_WGMMA
-#define HOPPER_FP8_BODY(STAGES, KB) \
-    hopper::fp8::fwd<STAGES, KB>(tq, tk, tv, tv64, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, tiles_x);
+#define HOPPER_FP8_BODY(STAGES, KB, TWO)                                                                     \
+    hopper::fp8::fwd<STAGES, KB, TWO>(tq, tk, tv, tv64, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, \
+                                      scale, tiles_x);
 #else
-#define HOPPER_FP8_BODY(STAGES, KB)
+#define HOPPER_FP8_BODY(STAGES, KB, TWO)
 #endif
-#define HOPPER_FP8_KERNEL(KB, STAGES)                                                                            \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES(          \
+#define HOPPER_FP8_KERNEL(KB, STAGES, SUFFIX, TWO)                                                              \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES##SUFFIX( \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         const __grid_constant__ TmaMap tv64, const float* q_scales, const float* k_scales, const float* v_scales, \
         bf16* out, float* lse, int seq_q, int heads, int kv_len, float scale, int tiles_x) {                     \
-        HOPPER_FP8_BODY(STAGES, KB)                                                                              \
+        HOPPER_FP8_BODY(STAGES, KB, TWO)                                                                         \
     }
-HOPPER_FP8_KERNEL(192, 3)
-HOPPER_FP8_KERNEL(128, 3)
-HOPPER_FP8_KERNEL(128, 2)
+HOPPER_FP8_KERNEL(192, 3, , false)
+HOPPER_FP8_KERNEL(128, 3, , false)
+HOPPER_FP8_KERNEL(128, 2, , false)
+HOPPER_FP8_KERNEL(128, 3, _2l, true)

@@ -781,7 +781,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // promote O and the sums to f32 every block or few, as DeepSeek-V3 does: TWO (`_2l`, 128-key
 // blocks only, as a second O does not fit beside 192-key S) starts each block's P·V from zero and
 // adds it into an f32 O (`promote`); compiled without spills, not yet run on a GPU. The GPU test
-// `fp8_attention_matches_cpu_over_long_flat_key_runs` (ignored until a fix passes it) checks it.
+// `fp8_attention_matches_cpu_over_long_flat_key_runs` holds `_2l` to the recipe there.
 // Softmax in base 2 on descaled scores: a segment g of 64 keys of block j, each inside one of K's
 // 128-token scale blocks, has raw scores (integer-valued products of codes, summed in f32) times
 // c_jg = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 = 2^(s·c_jg − m + log2 448)

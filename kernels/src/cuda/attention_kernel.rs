@@ -129,59 +129,48 @@ pub const HOPPER_VARIANTS: &[HopperVariant] = &[
     },
 ];
 
+/// Keys per K/V block of every FP8 Hopper variant: also the online softmax's step, which the CPU
+/// reference takes the same (`crate::attention_fp8_reference`), and K's scale block.
+pub const HOPPER_FP8_KEYS: usize = 128;
+
 /// One compiled configuration of the FP8 Hopper kernel
-/// (`hopper_fp8_fwd_d128_br128_bc{KEYS}_s{STAGES}[_2l]`, namespace `fp8` of
+/// (`hopper_fp8_fwd_d128_br128_bc128_s{STAGES}_win{WINDOW}`, namespace `fp8` of
 /// `ops/attention/hopper.cu`): the warp-specialised layout with e4m3 Q tiles of [128 × 128] bytes,
-/// K/V blocks of `keys` keys (also the online softmax's step, which the CPU reference takes the
-/// same: `crate::attention_fp8_reference`), and `stages` deep K and Vᵀ rings.
+/// K/V blocks of `HOPPER_FP8_KEYS`, `stages` deep K and Vᵀ rings, and two-level accumulation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HopperFp8Variant {
     /// Kernel name in hopper.cu.
     pub name: &'static str,
-    /// Keys per K/V block and softmax step (128 or 192).
-    pub keys: usize,
     /// K and Vᵀ stages.
     pub stages: usize,
-    /// `_2l`: each block's P·V and row sums start from zero in the tensor cores and are added
-    /// into an f32 O in the ALU (two-level accumulation), so no accumulator grows over the key
-    /// run (hopper.cu's "Known limit"). Compiled (128 keys: a second O does not fit beside 192-key
-    /// S), not yet run on a GPU.
-    pub two_level: bool,
+    /// Blocks whose P·V and row sums the tensor cores accumulate from zero before the ALU adds
+    /// them into an f32 O, so that no tensor-core accumulator grows over the key run (hopper.cu's
+    /// namespace `fp8` says why).
+    pub window: usize,
 }
 
 impl HopperFp8Variant {
-    /// Dynamic shared memory: Q (16 KiB), `stages` K stages of `keys` × 128 bytes and as many Vᵀ
-    /// stages, each of which holds 8 rows of ones after each of its parts (1 KiB at 128 keys,
-    /// 1.5 KiB rounded up to 2 at 192: hopper.cu's `vt_stage`), plus 1 KiB of alignment slack.
+    /// Dynamic shared memory: Q (16 KiB), `stages` K stages of 16 KiB and as many Vᵀ stages of 17
+    /// (the block, then 8 rows of ones: hopper.cu's `VSTAGE`), plus 1 KiB of alignment slack.
     pub fn shared_bytes(&self) -> usize {
-        let vt = self.keys * 128 + if self.keys == 128 { 1024 } else { 2048 };
-        128 * 128 + self.stages * (self.keys * 128 + vt) + 1024
-    }
-}
-
-const fn fp8_variant(
-    name: &'static str,
-    keys: usize,
-    stages: usize,
-    two_level: bool,
-) -> HopperFp8Variant {
-    HopperFp8Variant {
-        name,
-        keys,
-        stages,
-        two_level,
+        let tile = HOPPER_FP8_KEYS * 128;
+        tile + self.stages * (2 * tile + 1024) + 1024
     }
 }
 
 /// Every compiled FP8 Hopper variant (keep in step with `HOPPER_FP8_KERNEL(...)` in hopper.cu), the
-/// default first (`ops/quant/cuda.rs` says why it is), then the 128-key kernels it is measured
-/// against, then the two-level accumulation for the next GPU run (last: a parity failure of the
-/// new kernel comes after every other variant's check).
+/// default first (`ops/quant/cuda.rs` says why it is).
 pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc192_s3", 192, 3, false),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3", 128, 3, false),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s2", 128, 2, false),
-    fp8_variant("hopper_fp8_fwd_d128_br128_bc128_s3_2l", 128, 3, true),
+    HopperFp8Variant {
+        name: "hopper_fp8_fwd_d128_br128_bc128_s3_win2",
+        stages: 3,
+        window: 2,
+    },
+    HopperFp8Variant {
+        name: "hopper_fp8_fwd_d128_br128_bc128_s3_win1",
+        stages: 3,
+        window: 1,
+    },
 ];
 
 /// One compiled tile configuration of the tensor-core kernel
@@ -337,10 +326,9 @@ mod tests {
         }
         assert!(default_flash_variant(96).is_none());
         for v in HOPPER_FP8_VARIANTS {
-            let two = if v.two_level { "_2l" } else { "" };
-            let tail = format!("_bc{}_s{}{two}", v.keys, v.stages);
+            let tail = format!("_bc{HOPPER_FP8_KEYS}_s{}_win{}", v.stages, v.window);
             assert!(v.name.ends_with(&tail), "{}", v.name);
-            assert!([128, 192].contains(&v.keys), "{}", v.name);
+            assert!((1..=4).contains(&v.window), "{}", v.name);
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);
         }
         for v in HOPPER_VARIANTS {

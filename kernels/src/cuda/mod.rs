@@ -32,8 +32,8 @@ use cudarc::driver::{
 };
 
 pub use attention_kernel::{
-    AttentionKernel, FLASH_VARIANTS, FlashVariant, HOPPER_FP8_VARIANTS, HOPPER_VARIANTS,
-    HopperFp8Variant, HopperVariant, with_attention_kernel,
+    AttentionKernel, FLASH_VARIANTS, FlashVariant, HOPPER_FP8_KEYS, HOPPER_FP8_VARIANTS,
+    HOPPER_VARIANTS, HopperFp8Variant, HopperVariant, with_attention_kernel,
 };
 pub use conv_algo::{
     AUTO_CONV_ALGO, AUTO_POINTWISE_CONV_ALGO, ConvAlgo, auto_conv_algo, conv_algo, with_conv_algo,

@@ -96,12 +96,6 @@ __device__ __forceinline__ u64 desc(unsigned addr, unsigned lbo, unsigned sbo) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
            ((u64)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
-// The same with the 64B swizzle (mode 2: rows of 64 bytes, the pattern repeating every 8 rows,
-// 512-aligned), as TMA's CU_TENSOR_MAP_SWIZZLE_64B writes it.
-__device__ __forceinline__ u64 desc64(unsigned addr, unsigned lbo, unsigned sbo) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
-           ((u64)((sbo >> 4) & 0x3FFF) << 32) | (2ull << 62);
-}
 
 // d (+)= A·B over one k16 step, m64n128: A and B from shared memory through descriptors, both K-major
 // (trans 0/0). `accumulate` = 0 gives d = A·B (scale-d false), so the accumulator needs no zeroing.
@@ -148,15 +142,6 @@ __device__ __forceinline__ void wgmma_ss_e4m3(float* d, u64 da, u64 db, int accu
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "r"(accumulate));
-}
-
-// As wgmma_ss_e4m3, m64n192k32 (96 accumulators): the FP8 Q·Kᵀ over K blocks of 192 keys.
-__device__ __forceinline__ void wgmma_ss192_e4m3(float* d, u64 da, u64 db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
@@ -756,80 +741,66 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // 128, S_pad] (S_pad = kv_len rounded up to 128, zero past kv_len), with one scale per (batch, head,
 // channel), and its keys permuted within each run of 32 (below).
 // Q tiles are [128 × 128] bytes, one 128B-swizzle region (a row of 128 e4m3 is one 128-byte line),
-// by TMA. K/V blocks are KB = 128 or 192 keys, each the reference's softmax step
-// (`attention_fp8_reference` at step KB), taken first to last as the reference takes them, so the
-// running max (which sets how each P rounds to e4m3) follows the same sequence; the partial last
-// block is masked where it comes. No split of the last wave (the merge would change that sequence
-// too). A K block is KB rows of 128 bytes, one box; a Vᵀ block is [128 channels × 128 keys] (128B
-// swizzle), then [128 × 64 keys] (64B swizzle) at KB = 192, one box each (`pv`).
-// GEMMs: wgmma e4m3 (8-bit operands are K-major only): S = Q·Kᵀ (m64nKBk32) as 4 SS k-steps of 32
-// bytes into each 128-byte row; O += P·V as KB/32 RS k-steps with P in registers and Vᵀ K-major
-// (keys contiguous), the same descriptors as Q and K. P·V is m64n136k32: after each part of a Vᵀ
-// stage sit 8 rows of e4m3 1.0 (`vt_stage`), so columns 128–135 of the accumulator are P's row
-// sums, as rounded, added by the tensor cores and rescaled with O: the softmax has no sums of its
-// own (96 FADDs fewer per block and thread, a sixth of the loop's issued instructions; 7 % faster
-// on an H100, bench/RESULTS.md, 2026-12-06, third session), and O is divided by the sum of the
-// weights it holds.
-// Known limit (issue 24, open): a wgmma adds its e4m3 products to the f32 accumulator keeping ~14
-// bits relative to the larger (DeepSeek-V3's measurement of FP8 GEMMs), so an accumulator that
-// grows over a long key run loses its later terms. The sums grow with every key: over flat N(0, 1)
-// scores they came out off by factors e^0.63 and e^1.06 at 32,760 and 75,600 keys, which inflates
-// O's zero-mean columns (their accumulators stay small and keep their terms). O's columns of
-// non-zero mean should lose terms as the sums do and stay in proportion, where exact f32 sums
-// (this kernel before) would leave them shrunk: the likeliest reason the DiT's FP8 forward moved
-// half as far from bf16 with these sums (inferred, not measured column by column). The fix is to
-// promote O and the sums to f32 every block or few, as DeepSeek-V3 does: TWO (`_2l`, 128-key
-// blocks only, as a second O does not fit beside 192-key S) starts each block's P·V from zero and
-// adds it into an f32 O (`promote`); compiled without spills, not yet run on a GPU. The GPU test
-// `fp8_attention_matches_cpu_over_long_flat_key_runs` holds `_2l` to the recipe there.
-// Softmax in base 2 on descaled scores: a segment g of 64 keys of block j, each inside one of K's
-// 128-token scale blocks, has raw scores (integer-valued products of codes, summed in f32) times
-// c_jg = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 = 2^(s·c_jg − m + log2 448)
-// straight from ex2 (the ×448 of the reference folded into the exponent), rounded to e4m3 for P·V
-// (and its sums, which are then 448·Σ rounded p).
+// by TMA. K/V blocks are KB = 128 keys, each the reference's softmax step
+// (`attention_fp8_reference` at step 128) and one K scale block, taken first to last as the
+// reference takes them, so the running max (which sets how each P rounds to e4m3) follows the same
+// sequence; the partial last block is masked where it comes. No split of the last wave (the merge
+// would change that sequence too). A K block is 128 rows of 128 bytes, a Vᵀ block [128 channels ×
+// 128 keys], one box each.
+// GEMMs: wgmma e4m3 (8-bit operands are K-major only): S = Q·Kᵀ (m64n128k32) as 4 SS k-steps of 32
+// bytes into each 128-byte row; P·V as 4 RS k-steps with P in registers and Vᵀ K-major (keys
+// contiguous), the same descriptors as Q and K. P·V is m64n136k32: after each Vᵀ stage sit 8 rows
+// of e4m3 1.0 (`VSTAGE`), so columns 128–135 of the accumulator are P's row sums, as rounded, added
+// by the tensor cores: the softmax has no sums of its own (96 FADDs fewer per block and thread, a
+// sixth of the loop's issued instructions; 7 % faster on an H100, bench/RESULTS.md, 2026-12-06,
+// third session), and O is divided by the sum of the weights it holds.
+// Two-level accumulation: a wgmma adds its e4m3 products to the f32 accumulator keeping ~14 bits
+// relative to the larger (DeepSeek-V3's measurement of FP8 GEMMs), so an accumulator that grows
+// over a long key run loses its later terms. With one accumulator over all keys, O and its sums
+// came out off by factors e^0.63 and e^1.06 at 32,760 and 75,600 keys of flat N(0, 1) scores (an
+// H100, RESULTS 2026-12-06, third and fourth sessions). So the tensor cores accumulate one window
+// of WIN blocks from zero, and `promote` adds it into an f32 O in the ALU (DeepSeek-V3's promotion;
+// SageAttention2's two-level accumulation): at 32,768 flat keys the result is then within 1.1e-3
+// of the recipe (`fp8_attention_matches_cpu_over_long_flat_key_runs`; 0.83 with one accumulator).
+// Windows of 2 blocks cost 4 % against one accumulator, of 1 block 8 % (RESULTS, fourth session).
+// Softmax in base 2 on descaled scores: block j's raw scores (integer-valued products of codes,
+// summed in f32) times c_j = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 =
+// 2^(s·c − m + log2 448) straight from ex2 (the ×448 of the reference folded into the exponent),
+// rounded to e4m3 for P·V (and its sums, which are then 448·Σ rounded p).
 // P's registers: the S accumulator gives a thread, in each 32 keys, rows g and g + 8 of keys
 // {2t, 2t+1, 8+2t, 9+2t} and the same + 16 (g = lane/4, t = lane%4), while an 8-bit A fragment
 // wants k = 4t…4t+3 and 16+4t…16+4t+3. Rather than shuffle registers (FlashAttention-3), the
 // quantisation of V stores key 16h + 8j + 2t + e of each 32 at column 16h + 4t + 2j + e of Vᵀ, so a
 // thread's accumulators are its A fragment as they stand (`pack_p`) and the sum over keys is
 // unchanged.
-// End: O·(s_v[col] / l) with l from column 128, lse = m·ln 2 + ln l − ln 448 (the reference's m +
+// End: O·(s_v[col] / l) with l the promoted sums, lse = m·ln 2 + ln l − ln 448 (the reference's m +
 // ln Σp).
 // The two consumers issue their GEMMs as soon as their operands are in, without the bf16 kernel's
 // turns: in FP8 a block's GEMMs take about as long as the MUFU's share of its softmax, so waiting
 // for the other consumer's turn cost more than the order gave (4 % on an H100, bench/RESULTS.md,
-// 2026-12-06). Measured and removed: turns, 224-key blocks, exponentials on the FMA pipes, S of the
-// next block queued before this one's softmax, S in runs whose row max is taken under the next
-// run's GEMM, Q in registers, a running max with headroom (kept until a block passes it by 2
-// powers of 2, so O rarely rescales: level) (RESULTS, 2026-12-03 to 2026-12-06).
+// 2026-12-06). Measured and removed: turns, 192- and 224-key blocks (192 was 4 % faster with one
+// accumulator; with two levels a second O does not fit in registers beside 192-key S), windows of
+// 4 blocks (level with 2), exponentials on the FMA pipes, S of the next block queued before this
+// one's softmax, S in runs whose row max is taken under the next run's GEMM, Q in registers, a
+// running max with headroom (RESULTS, 2026-12-03 to 2026-12-06).
 namespace fp8 {
 
-constexpr int SCALE_BLOCK = 128;                   // tokens per K scale (the recipe's block)
-constexpr int SEG = 64;                            // keys per descale segment (each in one K scale block)
-constexpr int TILE8 = 128 * 128;                   // bytes of a [128 × 128] e4m3 tile
+constexpr int KB = 128;                            // keys per K/V block: the softmax step, one K scale block
+constexpr int TILE8 = 128 * 128;                   // bytes of a [128 × 128] e4m3 tile: Q, a K block, a Vᵀ block
+constexpr int VSTAGE = TILE8 + 1024;               // a Vᵀ stage: the block, then 8 rows of ones (1 KiB)
 constexpr float LOG2_448 = 8.8073549220576041f;    // log2 448
 constexpr float LN_448 = 6.1047932324149849f;      // ln 448
 constexpr unsigned ONES = 0x38383838u;             // four e4m3 1.0
-constexpr int ON = 68;                             // O's accumulators: 64 of O, 4 of the row sums
+constexpr int ON = 68;                             // P·V's accumulators: 64 of O, 4 of the row sums
 
-// A Vᵀ stage: keys 0–127 as [128 channels × 128 bytes] (128B swizzle), each followed by 8 rows of
-// ones that its m64n136 wgmma reads as columns 128–135 (the 17th group of 8 rows at the SBO stride
-// of 1 KiB), then at KB = 192 keys 128–191 as [128 × 64] (64B swizzle) at VT_64 and its 8 rows of
-// ones (at its SBO of 512 bytes), the stage rounded up to 1 KiB.
-constexpr int VT_64 = TILE8 + 1024;
-template <int KB>
-__device__ constexpr int vt_stage() {
-    return KB == 128 ? TILE8 + 1024 : VT_64 + 8192 + 1024;
-}
-
-// Writes the rows of ones of every Vᵀ stage: every byte 0x38, so the swizzle does not matter. TMA
-// never writes there; the fence makes the stores visible to wgmma (the async proxy).
-template <int STAGES, int KB>
+// Writes the rows of ones after every Vᵀ stage, which its m64n136 wgmma reads as columns 128–135
+// (the 17th group of 8 rows at the SBO stride of 1 KiB): every byte 0x38, so the swizzle does not
+// matter. TMA never writes there; the fence makes the stores visible to wgmma (the async proxy).
+template <int STAGES>
 __device__ __forceinline__ void write_ones(unsigned sv) {
-    constexpr int W1 = 1024 / 4, W2 = KB == 192 ? 512 / 4 : 0, STAGE = vt_stage<KB>();
-    for (int i = threadIdx.x; i < STAGES * (W1 + W2); i += blockDim.x) {
-        const int s = i / (W1 + W2), w = i % (W1 + W2);
-        const unsigned at = sv + s * STAGE + (w < W1 ? TILE8 + 4 * w : VT_64 + 8192 + 4 * (w - W1));
+    constexpr int W = 1024 / 4;
+    for (int i = threadIdx.x; i < STAGES * W; i += blockDim.x) {
+        const unsigned at = sv + (i / W) * VSTAGE + TILE8 + 4 * (i % W);
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(ONES) : "memory");
     }
     fence_proxy_async();
@@ -843,41 +814,30 @@ __device__ __forceinline__ void tma_box(unsigned dst, const TmaMap& map, unsigne
         : "memory");
 }
 
-// S = Q·Kᵀ over D = 128 bytes for a K block of KB keys (KB rows of 128 bytes): 4 k-steps of 32.
-template <int KB>
+// S = Q·Kᵀ over D = 128 bytes for a K block (128 rows of 128 bytes): 4 k-steps of 32.
 __device__ __forceinline__ void qk(float* s, unsigned q_wg, unsigned kt) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-        const u64 da = desc(q_wg + kk * 32, 16, 1024), db = desc(kt + kk * 32, 16, 1024);
-        if constexpr (KB == 128) wgmma_ss_e4m3(s, da, db, kk > 0);
-        else wgmma_ss192_e4m3(s, da, db, kk > 0);
-    }
+    for (int kk = 0; kk < 4; ++kk)
+        wgmma_ss_e4m3(s, desc(q_wg + kk * 32, 16, 1024), desc(kt + kk * 32, 16, 1024), kk > 0);
 }
 
-// O += P·V over KB keys, and the row sums of P (`vt_stage`): k-steps of 32 (Vᵀ K-major, 32 bytes
-// into each channel's row per step). A Vᵀ stage holds keys 0–127 as a [128 × 128] tile in the 128B
-// swizzle, then (KB = 192) keys 128–191 as [128 channels × 64 bytes] in the 64B swizzle: a
-// swizzle's rows are as long as its span, so each part is its own box, from its own tensor map of
-// the same Vᵀ.
-// FRESH: the block's products alone (the first k-step overwrites the accumulator), else added to it.
-template <int KB, bool FRESH>
-__device__ __forceinline__ void pv(float* o, unsigned (*p)[4], unsigned vt) {
+// o (+)= P·V over a block, and the row sums of P (`VSTAGE`): 4 k-steps of 32 (Vᵀ K-major, 32
+// bytes into each channel's row per step). fresh: the block's products alone (the first k-step
+// overwrites the accumulator), else added to it.
+__device__ __forceinline__ void pv(float* o, unsigned (*p)[4], unsigned vt, bool fresh) {
 #pragma unroll
-    for (int kk = 0; kk < KB / 32; ++kk)
-        wgmma_rs136_e4m3(o, p[kk], kk < 4 ? desc(vt + kk * 32, 16, 1024) : desc64(vt + VT_64 + (kk - 4) * 32, 16, 512),
-                         !FRESH || kk > 0);
+    for (int kk = 0; kk < KB / 32; ++kk) wgmma_rs136_e4m3(o, p[kk], desc(vt + kk * 32, 16, 1024), !fresh || kk > 0);
 }
 
-// TWO (two-level accumulation): O and its row sums in f32 registers, one block behind the wgmma
-// accumulator `o`, which holds one block's P·V and sums: ot = ot·α_prev + o, lt = lt·α_prev + sum,
-// with α_prev the α of the block whose max `o` was computed at (so ot stays at that block's max).
-__device__ __forceinline__ void promote(float* ot, float* lt, const float* ap, const float* o) {
+// The f32 O and its row sums take a window's P·V (`o`, at the max of its last block):
+// ot = ot·a + o, lt = lt·a + sums, with a = 2^(m at the previous promotion − m of o).
+__device__ __forceinline__ void promote(float* ot, float* lt, const float* a, const float* o) {
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ot[4 * dt + e] = fmaf(ot[4 * dt + e], ap[e >> 1], o[4 * dt + e]);
-    lt[0] = fmaf(lt[0], ap[0], o[64]);
-    lt[1] = fmaf(lt[1], ap[1], o[66]);
+        for (int e = 0; e < 4; ++e) ot[4 * dt + e] = fmaf(ot[4 * dt + e], a[e >> 1], o[4 * dt + e]);
+    lt[0] = fmaf(lt[0], a[0], o[64]);
+    lt[1] = fmaf(lt[1], a[1], o[66]);
 }
 
 // Four e4m3 codes in one word, `a` in the low byte.
@@ -888,8 +848,7 @@ __device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {
     return (unsigned)lo | ((unsigned)hi << 16);
 }
 
-// P (s = p·448) as the A fragments of the KB/32 k-steps (see the namespace comment).
-template <int KB>
+// P (s = p·448) as the A fragments of the 4 k-steps (see the namespace comment).
 __device__ __forceinline__ void pack_p(const float* s, unsigned (*p)[4]) {
 #pragma unroll
     for (int kk = 0; kk < KB / 32; ++kk) {
@@ -901,34 +860,20 @@ __device__ __forceinline__ void pack_p(const float* s, unsigned (*p)[4]) {
     }
 }
 
-// One block's online softmax for this thread's rows r0 and r0 + 8, with the descale c[g] > 0 of
-// each segment g of SEG keys (each inside one K scale block): m ← max(m, max_g rowmax_g(s)·c[g])
-// (the max of the rounded products is the rounded max), α = 2^(m_old − m) (0 on the first block),
-// s ← 2^(s·c[g] − m + log2 448) (the row sums come from P·V). Needs a finite score per row.
-// Returns whether some row of the warp has a new max.
-template <int KB>
-__device__ __forceinline__ bool online_softmax(float* s, float* m, float* alpha, const float* c) {
-    constexpr int GROUPS = SEG / 8;  // column groups of 8 keys per segment
+// One block's online softmax for this thread's rows r0 and r0 + 8, with the block's descale c > 0:
+// m ← max(m, rowmax(s)·c) (the max of the rounded products is the rounded max), α = 2^(m_old − m)
+// (0 on the first block), s ← 2^(s·c − m + log2 448) (the row sums come from P·V). Needs a finite
+// score per row. Returns whether some row of the warp has a new max.
+__device__ __forceinline__ bool online_softmax(float* s, float* m, float* alpha, float c) {
     bool rescale = false;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        // The row max as four interleaved chains (within a segment, then across them): the
-        // exponentials wait for it.
+        // The row max as four interleaved chains: the exponentials wait for it.
         float part[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-        for (int g = 0; g < KB / SEG; ++g) {
-            float sp[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int nt = g * GROUPS + k;
-                sp[k] = fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]);
-            }
-#pragma unroll
-            for (int nt = g * GROUPS + 4; nt < (g + 1) * GROUPS; ++nt)
-                sp[nt % 4] = fmaxf(sp[nt % 4], fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
-            part[g % 4] = fmaxf(part[g % 4], fmaxf(fmaxf(sp[0], sp[1]), fmaxf(sp[2], sp[3])) * c[g]);
-        }
-        float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+        for (int nt = 0; nt < KB / 8; ++nt)
+            part[nt % 4] = fmaxf(part[nt % 4], fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+        float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])) * c;
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         mx = fmaxf(m[hf], mx);
@@ -938,109 +883,87 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* alpha,
         const float off = mx - LOG2_448;
 #pragma unroll
         for (int nt = 0; nt < KB / 8; ++nt) {
-            const float cg = c[nt / GROUPS];
-            s[4 * nt + 2 * hf] = ex2(fmaf(s[4 * nt + 2 * hf], cg, -off));
-            s[4 * nt + 2 * hf + 1] = ex2(fmaf(s[4 * nt + 2 * hf + 1], cg, -off));
+            s[4 * nt + 2 * hf] = ex2(fmaf(s[4 * nt + 2 * hf], c, -off));
+            s[4 * nt + 2 * hf + 1] = ex2(fmaf(s[4 * nt + 2 * hf + 1], c, -off));
         }
     }
     return __any_sync(0xffffffffu, rescale);
 }
 
-// The descales of block i's segments: c[g] = (s_q·s_k)·scale·log2 e with s_k the scale of the K
-// block holding keys i·KB + g·SEG on (the last one for segments wholly past kv_len: their keys are
-// masked, but their descale must stay finite and > 0).
-template <int KB>
-__device__ __forceinline__ void descales(float* c, const float* ks, int i, int k_blocks, float cq, float cs) {
-    if constexpr (KB == SCALE_BLOCK) {  // one scale block: one load
-        c[0] = c[1] = (cq * __ldg(ks + i)) * cs;
-    } else {
-#pragma unroll
-        for (int g = 0; g < KB / SEG; ++g)
-            c[g] = (cq * __ldg(ks + min((i * KB + g * SEG) / SCALE_BLOCK, k_blocks - 1))) * cs;
-    }
-}
-
-// Block i ≥ 1: waits K_i and V_{i−1}, issues S = Q·K_iᵀ and O += P_{i−1}·V_{i−1} (P_{i−1} in
-// p), waits for S only, runs block i's softmax and packs the new P into pn (the other buffer)
-// while P·V runs, waits for P·V, then O·α (TWO: P_{i−1}·V_{i−1} alone, then `promote` with the α
-// of block i − 1 in ap, which then takes block i's). Nothing is in flight on return.
-template <int STAGES, int KB, bool TWO>
-__device__ __forceinline__ void step(float* s, float* o, float* ot, float* lt, float* ap, unsigned (*p)[4],
-                                     unsigned (*pn)[4], float* m, float* c, const float* ks, int k_blocks, float cq,
-                                     float cs, int i, int kv_len, unsigned q_wg, unsigned sk, unsigned sv,
-                                     unsigned full_k, unsigned full_v, unsigned empty_k, unsigned empty_v,
-                                     unsigned scratch, bool leader, int lane) {
+// Block i ≥ 1: waits K_i and V_{i−1}, issues S = Q·K_iᵀ and P_{i−1}·V_{i−1} (P_{i−1} in p; from
+// zero when block i − 1 opens a window, FRESH), waits for S only, runs block i's softmax while P·V
+// runs, waits for P·V, then packs block i's P into p. When block i − 1 closes a window (PROMOTE),
+// the window goes into the f32 O (`promote`, with a = 2^(m at the last promotion − m_{i−1})) and a
+// takes block i's α; else the window's accumulator and a take α. Nothing is in flight on return.
+template <int STAGES, bool FRESH, bool PROMOTE>
+__device__ __forceinline__ void step(float* s, float* o, float* ot, float* lt, float* a, unsigned (*p)[4], float* m,
+                                     const float* ks, float cq, float cs, int i, int kv_len, unsigned q_wg,
+                                     unsigned sk, unsigned sv, unsigned full_k, unsigned full_v, unsigned empty_k,
+                                     unsigned empty_v, unsigned scratch, bool leader, int lane) {
     using namespace ws;
-    constexpr int STAGE = KB * 128, VSTAGE = vt_stage<KB>();
     const int st = i % STAGES, prev = (i - 1) % STAGES;
     const unsigned phase = (i / STAGES) & 1, prev_phase = ((i - 1) / STAGES) & 1;
-    descales<KB>(c, ks, i, k_blocks, cq, cs);
+    const float c = (cq * __ldg(ks + i)) * cs;
     mbar_wait(full_k + 8 * st, phase);
     mbar_wait(full_v + 8 * prev, prev_phase);
     fence_regs<KB / 2>(s);
     fence_regs<ON>(o);
     fence_regs(&p[0][0], KB / 8);
     wgmma_fence();
-    qk<KB>(s, q_wg, sk + st * STAGE);
+    qk(s, q_wg, sk + st * TILE8);
     wgmma_commit();
-    pv<KB, TWO>(o, p, sv + prev * VSTAGE);
+    pv(o, p, sv + prev * VSTAGE, FRESH);
     wgmma_commit();
     wgmma_wait1();  // S is in; P·V of block i − 1 may still run
     fence_regs<KB / 2>(s);
     if (leader) mbar_arrive(empty_k + 8 * st);
     if ((i + 1) * KB > kv_len) mask_keys<KB>(s, kv_len - i * KB, lane);
     float alpha[2];
-    [[maybe_unused]] const bool rescale = online_softmax<KB>(s, m, alpha, c);  // TWO: ap takes α
+    const bool rescale = online_softmax(s, m, alpha, c);
     // Keeps the P·V wait below the exponentials (see ws::fwd): a store of a word that needs every
-    // one of them, the new P's words folded by XOR (3 LOP3 per 4 words); TWO, short of registers
-    // for a second P, folds the exponentials' bits instead and packs P after the wait (pn = p).
+    // one of them, their bits folded by XOR. P is packed after the wait: there are no registers
+    // for a second P beside the f32 O.
     unsigned x = 0;
-    if constexpr (TWO) {
 #pragma unroll
-        for (int j = 0; j < KB / 2; j += 2) x ^= __float_as_uint(s[j]) ^ __float_as_uint(s[j + 1]);
-    } else {
-        pack_p<KB>(s, pn);
-#pragma unroll
-        for (int kk = 0; kk < KB / 32; ++kk) x ^= (pn[kk][0] ^ pn[kk][1]) ^ (pn[kk][2] ^ pn[kk][3]);
-    }
+    for (int j = 0; j < KB / 2; j += 2) x ^= __float_as_uint(s[j]) ^ __float_as_uint(s[j + 1]);
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(scratch), "r"(x) : "memory");
     wgmma_wait0();
     fence_regs<ON>(o);
     fence_regs(&p[0][0], KB / 8);
     if (leader) mbar_arrive(empty_v + 8 * prev);
-    if constexpr (TWO) {
-        promote(ot, lt, ap, o);
-        ap[0] = alpha[0];
-        ap[1] = alpha[1];
-        pack_p<KB>(s, pn);
+    if constexpr (PROMOTE) {
+        promote(ot, lt, a, o);
+        a[0] = alpha[0];
+        a[1] = alpha[1];
     } else {
         rescale_o<ON>(o, alpha, rescale);
+        a[0] *= alpha[0];
+        a[1] *= alpha[1];
     }
+    pack_p(s, p);
 }
 
-template <int STAGES, int KB, bool TWO>
-__device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tv64,
+template <int STAGES, int WIN>
+__device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
                                     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
                                     const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
                                     int seq_q, int heads, int kv_len, float scale, int tiles_x) {
-    static_assert(KB == 128 || KB == 192, "K/V blocks of 128 or 192 keys");
-    constexpr int STAGE = KB * 128, VSTAGE = vt_stage<KB>();  // bytes of a K stage, a Vᵀ stage
-    static_assert(TILE8 + STAGES * (STAGE + VSTAGE) + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024,
+    static_assert(WIN >= 1 && WIN <= 4, "windows of 1 to 4 blocks");
+    static_assert(TILE8 + STAGES * (TILE8 + VSTAGE) + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024,
                   "shared memory");
     using namespace ws;
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) u64 bars[1 + 4 * STAGES];  // full Q, full K[], full V[], empty K[], empty V[]
     __shared__ float pin[256];
     const unsigned base = (smem_addr(smem) + 1023u) & ~1023u;
-    const unsigned sq = base, sk = base + TILE8, sv = base + TILE8 + STAGES * STAGE;
+    const unsigned sq = base, sk = base + TILE8, sv = base + TILE8 + STAGES * TILE8;
     const unsigned full_q = smem_addr(&bars[0]);
     const unsigned full_k = full_q + 8, full_v = full_k + 8 * STAGES;
     const unsigned empty_k = full_v + 8 * STAGES, empty_v = empty_k + 8 * STAGES;
 
     const int tile = blockIdx.x;
     const int q0 = (tile % tiles_x) * BR, h = (tile / tiles_x) % heads, b = tile / (tiles_x * heads);
-    const int nblk = (kv_len + KB - 1) / KB;
-    const int k_blocks = (kv_len + SCALE_BLOCK - 1) / SCALE_BLOCK;  // K scales per head
+    const int nblk = (kv_len + KB - 1) / KB;  // also K's scale blocks
     const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
     const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     if (nblk <= 0) {  // no valid key: out = 0, lse = −∞
@@ -1063,7 +986,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    write_ones<STAGES, KB>(sv);
+    write_ones<STAGES>(sv);
     __syncthreads();
 
     if (wg == 2) {  // producer
@@ -1075,13 +998,11 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             const int s = i % STAGES;
             const unsigned phase = (i / STAGES) & 1;
             mbar_wait(empty_k + 8 * s, phase ^ 1);
-            mbar_expect_tx(full_k + 8 * s, STAGE);
-            tma_box(sk + s * STAGE, tk, full_k + 8 * s, 0, i * KB, h, b);
+            mbar_expect_tx(full_k + 8 * s, TILE8);
+            tma_box(sk + s * TILE8, tk, full_k + 8 * s, 0, i * KB, h, b);
             mbar_wait(empty_v + 8 * s, phase ^ 1);
-            mbar_expect_tx(full_v + 8 * s, STAGE);
+            mbar_expect_tx(full_v + 8 * s, TILE8);
             tma_box(sv + s * VSTAGE, tv, full_v + 8 * s, i * KB, 0, h, b);
-            if constexpr (KB == 192)
-                tma_box(sv + s * VSTAGE + VT_64, tv64, full_v + 8 * s, i * KB + 128, 0, h, b);
         }
         return;
     }
@@ -1089,19 +1010,18 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
     const int w = wg;
     const i64 head = (i64)b * heads + h;
-    const float* ks = k_scales + head * k_blocks;
-    // cq = s_q, cs = scale·log2 e; a segment's descale is (cq·s_k)·cs (`descales`: the reference's
+    const float* ks = k_scales + head * nblk;
+    // cq = s_q, cs = scale·log2 e; a block's descale is (cq·s_k)·cs (the reference's
     // (s_q·s_k)·scale in base 2, a rounding apart).
     const float cq = q_scales[head * tiles_x + q0 / BR];
     const float cs = scale * 1.4426950408889634f;
     float m[2] = {-INFINITY, -INFINITY};
-    float o[ON];
+    float o[ON];  // the open window's P·V and sums (the tensor cores')
 #pragma unroll
     for (int i = 0; i < ON; ++i) o[i] = 0.0f;
-    // TWO: O and its sums in f32 (`promote`), and the α they wait for.
-    float ot[TWO ? 64 : 1], lt[2] = {0.0f, 0.0f}, ap[2];
+    float ot[64], lt[2] = {0.0f, 0.0f}, a[2];  // O and its sums in f32, and the factor they wait for
 #pragma unroll
-    for (int i = 0; i < (TWO ? 64 : 1); ++i) ot[i] = 0.0f;
+    for (int i = 0; i < 64; ++i) ot[i] = 0.0f;
     const bool leader = threadIdx.x % 128 == 0;
     const unsigned q_wg = sq + w * 64 * 128;
     const unsigned scratch = smem_addr(&pin[threadIdx.x]);
@@ -1109,75 +1029,67 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     unsigned p[KB / 32][4];
 
     // Prologue: block 0.
-    float c[KB / SEG];
-    descales<KB>(c, ks, 0, k_blocks, cq, cs);
+    const float c0 = (cq * __ldg(ks)) * cs;
     mbar_wait(full_q, 0);
     mbar_wait(full_k, 0);
     fence_regs<KB / 2>(s);
     wgmma_fence();
-    qk<KB>(s, q_wg, sk);
+    qk(s, q_wg, sk);
     wgmma_commit();
     wgmma_wait0();
     fence_regs<KB / 2>(s);
     if (leader) mbar_arrive(empty_k);
     if (KB > kv_len) mask_keys<KB>(s, kv_len, lane);
-    online_softmax<KB>(s, m, ap, c);  // O = 0: nothing to rescale; ap = 0 (TWO: ot = 0·0 + block 0)
-    pack_p<KB>(s, p);
+    online_softmax(s, m, a, c0);  // a = 0: ot = 0·0 + the first window
+    pack_p(s, p);
 
-    // The last block's P·V, from P in pl.
-    const auto last_pv = [&](unsigned (*pl)[4]) {
-        const int last_stage = (nblk - 1) % STAGES;
-        mbar_wait(full_v + 8 * last_stage, ((nblk - 1) / STAGES) & 1);
-        fence_regs<ON>(o);
-        fence_regs(&pl[0][0], KB / 8);
-        wgmma_fence();
-        pv<KB, TWO>(o, pl, sv + last_stage * VSTAGE);
-        wgmma_commit();
-        wgmma_wait0();
-        fence_regs<ON>(o);
-        if constexpr (TWO) promote(ot, lt, ap, o);
-    };
-    // P alternates between two buffers (the next one is packed while P·V reads the other): the
-    // loop is unrolled by two so that each buffer stays in its registers.
-#define FP8_STEP(I, P, PN)                                                                                    \
-    step<STAGES, KB, TWO>(s, o, ot, lt, ap, P, PN, m, c, ks, k_blocks, cq, cs, I, kv_len, q_wg, sk, sv, full_k,    \
-                          full_v, empty_k, empty_v, scratch, leader, lane)
-    if constexpr (TWO) {  // one P buffer (`step`)
-        for (int i = 1; i < nblk; ++i) FP8_STEP(i, p, p);
-        last_pv(p);
-    } else {
-        unsigned p2[KB / 32][4];
-        int i = 1;
-        for (; i + 1 < nblk; i += 2) {
-            FP8_STEP(i, p, p2);
-            FP8_STEP(i + 1, p2, p);
-        }
-        if (i < nblk) {
-            FP8_STEP(i, p, p2);
-            last_pv(p2);
-        } else {
-            last_pv(p);
-        }
+#define FP8_STEP(I, FRESH, PROMOTE)                                                                          \
+    step<STAGES, FRESH, PROMOTE>(s, o, ot, lt, a, p, m, ks, cq, cs, I, kv_len, q_wg, sk, sv, full_k, full_v, \
+                                 empty_k, empty_v, scratch, leader, lane)
+    // Window w holds blocks w·WIN … w·WIN + WIN − 1, so step i opens one (P·V_{i−1} fresh) when
+    // i ≡ 1 and closes one when i ≡ 0 (mod WIN): the loop is unrolled by WIN so that both are known
+    // at compile time; the steps left after it open at most one and close none.
+    int i = 1;
+    for (; i + WIN - 1 < nblk; i += WIN) {
+        FP8_STEP(i, true, WIN == 1);
+        if constexpr (WIN > 1) FP8_STEP(i + 1, false, WIN == 2);
+        if constexpr (WIN > 2) FP8_STEP(i + 2, false, WIN == 3);
+        if constexpr (WIN > 3) FP8_STEP(i + 3, false, WIN == 4);
+    }
+    bool fresh = true;  // the last block opens a window
+    if (WIN > 1 && i < nblk) {
+        FP8_STEP(i, true, false);
+        for (++i; i < nblk; ++i) FP8_STEP(i, false, false);
+        fresh = false;
     }
 #undef FP8_STEP
+    // The last block's P·V, then the last promotion.
+    const int last_stage = (nblk - 1) % STAGES;
+    mbar_wait(full_v + 8 * last_stage, ((nblk - 1) / STAGES) & 1);
+    fence_regs<ON>(o);
+    fence_regs(&p[0][0], KB / 8);
+    wgmma_fence();
+    pv(o, p, sv + last_stage * VSTAGE, fresh);
+    wgmma_commit();
+    wgmma_wait0();
+    fence_regs<ON>(o);
+    promote(ot, lt, a, o);
 
     // out = O·s_v / l, lse = m·ln 2 + ln l − ln 448; register 4·dt + 2·hf + e holds channel
-    // 8·dt + 2·(lane % 4) + e, and l (column 128 + 2·(lane % 4)) the whole row's sum in every thread.
-    float* of = TWO ? ot : o;
+    // 8·dt + 2·(lane % 4) + e, and lt the whole row's sum in every thread of its quad.
     const float* vs = v_scales + head * D + 2 * (lane & 3);
     float row_lse[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        const float sum = TWO ? lt[hf] : o[64 + 2 * hf];
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const float inv = lt[hf] > 0.0f ? 1.0f / lt[hf] : 0.0f;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
-            of[4 * dt + 2 * hf] *= inv * __ldg(vs + 8 * dt);
-            of[4 * dt + 2 * hf + 1] *= inv * __ldg(vs + 8 * dt + 1);
+            ot[4 * dt + 2 * hf] *= inv * __ldg(vs + 8 * dt);
+            ot[4 * dt + 2 * hf + 1] *= inv * __ldg(vs + 8 * dt + 1);
         }
-        row_lse[hf] = sum > 0.0f ? m[hf] * 0.69314718055994531f + logf(sum) - LN_448 : -INFINITY;
+        row_lse[hf] = lt[hf] > 0.0f ? m[hf] * 0.69314718055994531f + logf(lt[hf]) - LN_448 : -INFINITY;
     }
-    write_rows(out, lse, of, row_lse, b, h, q0 + w * 64 + warp * 16, lane, seq_q, heads);
+    write_rows(out, lse, ot, row_lse, b, h, q0 + w * 64 + warp * 16, lane, seq_q, heads);
 }
 
 }  // namespace fp8
@@ -1227,28 +1139,26 @@ HOPPER_WS_KERNEL(3, 128)
 HOPPER_WS_KERNEL(2, 176)
 HOPPER_WS_KERNEL(2, 192)
 
-// hopper_fp8_fwd_d128_br128_bc<KB>_s<STAGES> (the FP8 forward, namespace fp8; launched by
+// hopper_fp8_fwd_d128_br128_bc128_s<STAGES>_win<WIN> (the FP8 forward, namespace fp8; launched by
 // ops/attention/hopper.rs's `attention_fp8`): 384 threads, one CTA per tile of 128 query rows of one
-// (batch, head) (tile = q-tile + tiles_x·(h + heads·b)), dynamic shared memory Q (16 KiB) + 2·STAGES
-// stages of KB·128 bytes + 1 KiB alignment slack; the tensor maps of the codes of q and k ([B, S,
-// H, 128] u8, boxes 128 × 128 and 128 × KB; k's S = kv_len) and two of vᵀ ([B, H, 128, S_pad] u8,
-// boxes of 128 and 64 keys × 128 channels in the 128B and 64B swizzles, the second read at KB = 192
-// only), their scales (q, k [B, H, ⌈S/128⌉], v [B, H, 128]).
+// (batch, head) (tile = q-tile + tiles_x·(h + heads·b)), dynamic shared memory Q (16 KiB) + STAGES
+// K stages of 16 KiB and Vᵀ stages of 17 KiB + 1 KiB alignment slack; the tensor maps of the codes
+// of q and k ([B, S, H, 128] u8, boxes 128 × 128; k's S = kv_len) and of vᵀ ([B, H, 128, S_pad] u8,
+// boxes of 128 keys × 128 channels), all in the 128B swizzle, and their scales (q, k [B, H,
+// ⌈S/128⌉], v [B, H, 128]).
 #ifdef HOPPER_WGMMA
-#define HOPPER_FP8_BODY(STAGES, KB, TWO)                                                                     \
-    hopper::fp8::fwd<STAGES, KB, TWO>(tq, tk, tv, tv64, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, \
-                                      scale, tiles_x);
+#define HOPPER_FP8_BODY(STAGES, WIN)                                                                          \
+    hopper::fp8::fwd<STAGES, WIN>(tq, tk, tv, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, \
+                                  tiles_x);
 #else
-#define HOPPER_FP8_BODY(STAGES, KB, TWO)
+#define HOPPER_FP8_BODY(STAGES, WIN)
 #endif
-#define HOPPER_FP8_KERNEL(KB, STAGES, SUFFIX, TWO)                                                              \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc##KB##_s##STAGES##SUFFIX( \
+#define HOPPER_FP8_KERNEL(STAGES, WIN)                                                                            \
+    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc128_s##STAGES##_win##WIN(  \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
-        const __grid_constant__ TmaMap tv64, const float* q_scales, const float* k_scales, const float* v_scales, \
-        bf16* out, float* lse, int seq_q, int heads, int kv_len, float scale, int tiles_x) {                     \
-        HOPPER_FP8_BODY(STAGES, KB, TWO)                                                                         \
+        const float* q_scales, const float* k_scales, const float* v_scales, bf16* out, float* lse, int seq_q,   \
+        int heads, int kv_len, float scale, int tiles_x) {                                                       \
+        HOPPER_FP8_BODY(STAGES, WIN)                                                                              \
     }
-HOPPER_FP8_KERNEL(192, 3, , false)
-HOPPER_FP8_KERNEL(128, 3, , false)
-HOPPER_FP8_KERNEL(128, 2, , false)
-HOPPER_FP8_KERNEL(128, 3, _2l, true)
+HOPPER_FP8_KERNEL(3, 2)
+HOPPER_FP8_KERNEL(3, 1)

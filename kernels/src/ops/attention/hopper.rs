@@ -459,29 +459,25 @@ pub(crate) unsafe fn attention_fp8(
         unsafe { encode(op, backend, ptr, map) }
     };
     let s_pad = ops.s_pad as u64;
-    // Vᵀ by keys 0–127 of each block (128B swizzle) and 128–191 (64B), the parts of a block of up
-    // to 192 keys (hopper.cu's `fp8::pv`); boxes past s_pad read zeros.
-    let vt_map = |keys: u32, swizzle| {
-        let map = MapSpec {
-            bf16: false,
-            dims: [s_pad, HEAD_DIM as u64, heads as u64, batch as u64],
-            strides: [
-                s_pad,
-                HEAD_DIM as u64 * s_pad,
-                (heads * HEAD_DIM) as u64 * s_pad,
-            ],
-            boxes: [keys, HEAD_DIM as u32],
-            swizzle,
-        };
-        // SAFETY: the caller's contract: [B, H, 128, s_pad] bytes at vt; the box's inner extent
-        // (keys bytes) is its swizzle's span.
-        unsafe { encode(op, backend, ops.vt, map) }
+    let keys = crate::cuda::HOPPER_FP8_KEYS;
+    // Vᵀ by blocks of 128 keys × 128 channels; boxes past s_pad read zeros.
+    let vt_map = MapSpec {
+        bf16: false,
+        dims: [s_pad, HEAD_DIM as u64, heads as u64, batch as u64],
+        strides: [
+            s_pad,
+            HEAD_DIM as u64 * s_pad,
+            (heads * HEAD_DIM) as u64 * s_pad,
+        ],
+        boxes: [keys as u32, HEAD_DIM as u32],
+        swizzle: Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
     };
     let maps = [
         qk_map(ops.q, seq_q, seq_q, BLOCK_Q)?,
-        qk_map(ops.k, seq_k, kv_len, variant.keys)?,
-        vt_map(128, Swizzle::CU_TENSOR_MAP_SWIZZLE_128B)?,
-        vt_map(64, Swizzle::CU_TENSOR_MAP_SWIZZLE_64B)?,
+        qk_map(ops.k, seq_k, kv_len, keys)?,
+        // SAFETY: the caller's contract: [B, H, 128, s_pad] bytes at vt; the box's inner extent
+        // (128 bytes) is its swizzle's span.
+        unsafe { encode(op, backend, ops.vt, vt_map) }?,
     ];
     let f = backend.function(&SOURCE, variant.name)?;
     let smem = variant.shared_bytes();
@@ -514,7 +510,7 @@ pub(crate) unsafe fn attention_fp8(
         launch.arg(i);
     }
     launch.arg(&scale).arg(&tiles_x);
-    // SAFETY: hopper_fp8_fwd_* takes (tq, tk, tv, tv64, q_scales, k_scales, v_scales, out, lse, seq_q,
+    // SAFETY: hopper_fp8_fwd_* takes (tq, tk, tv, q_scales, k_scales, v_scales, out, lse, seq_q,
     // heads, kv_len, scale, tiles_x), one CTA of 384 threads per tile, the variant's dynamic shared
     // memory (opted into above, ≤ 227 KiB: a unit test); the maps and scales cover the buffers the
     // caller vouched for; out and lse were allocated here with the sizes the kernel writes.

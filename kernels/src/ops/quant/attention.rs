@@ -14,8 +14,10 @@
 //!   (the GPU kernel's K/V block), in f32, as a flash kernel runs it: per block m ← max(m, rowmax
 //!   S), the accumulator and the row sum l rescaled by exp(m_old − m), p = exp(S − m);
 //! - P·V on e4m3 operands: p scaled by 448 (so p ∈ [0, 1] uses the format's whole range) and
-//!   rounded, the products summed in f32; l sums the same rounded weights (the GPU kernel adds
-//!   them in its P·V GEMM, against a column of ones), so out = acc·s_v / (448·l), rounded once to
+//!   rounded, the products summed in f32 (the GPU kernel sums a window of blocks in the tensor
+//!   cores and adds it into an f32 accumulator, so no sum grows past a few hundred keys in the
+//!   tensor cores' accumulator); l sums the same rounded weights (the GPU kernel adds them in its
+//!   P·V GEMM, against a column of ones), so out = acc·s_v / (448·l), rounded once to
 //!   q's dtype, is a weighted mean of V with weights that sum to one;
 //! - lse = m + ln l over the valid keys (natural log, with the scale), as the bf16 kernel
 //!   returns it, so Ring and Attention2D merge FP8 partials the same way.
@@ -27,10 +29,11 @@ use crate::{AttentionOptions, DType, Device, KernelError, Result, Tensor};
 /// Tokens per Q and K scale block: the Hopper kernel's query tile.
 pub const BLOCK: usize = 128;
 
-/// Keys per online-softmax step: the K/V block of the GPU's default FP8 kernel. The running max
-/// moves once per step and sets the scale at which each p rounds to e4m3, so the reference takes
-/// the kernel's steps: then only the summation order separates the two.
-pub const STEP: usize = 192;
+/// Keys per online-softmax step: the K/V block of the GPU's FP8 kernels
+/// (`crate::cuda::HOPPER_FP8_KEYS`). The running max moves once per step and sets the scale at
+/// which each p rounds to e4m3, so the reference takes the kernel's steps: then only the summation
+/// order separates the two.
+pub const STEP: usize = 128;
 
 /// FP8 scaled-dot-product attention by the recipe of the module docs: q [B, S_q, H, D], k and v
 /// [B, S_k, H, D] (f32 or bf16, one dtype) → out [B, S_q, H, D] in q's dtype and lse [B, H, S_q]
@@ -54,8 +57,8 @@ pub fn attention_fp8(
 }
 
 /// The CPU recipe of [`attention_fp8`] with online-softmax steps of `step` keys (≥ 1): the
-/// reference each GPU kernel variant is held to at its K/V block (128 or 192 keys; K's scale
-/// blocks stay 128 tokens, which a step may straddle). Takes [`attention_fp8`]'s arguments
+/// reference the GPU kernel is held to at its K/V block ([`STEP`]; any other step works too, and
+/// K's scale blocks stay 128 tokens, which a step may straddle). Takes [`attention_fp8`]'s arguments
 /// (tensors anywhere, read on the host) and checks them the same.
 pub fn attention_fp8_reference(
     q: &Tensor,

@@ -417,8 +417,8 @@ fn fp8_attention_checks_its_inputs() -> crate::Result<()> {
     Ok(())
 }
 
-/// The FP8 attention's online schedule in closed form, at the default step and at the steps of
-/// every GPU kernel (192 keys straddle the 128-token K scale blocks): with M_b the running max
+/// The FP8 attention's online schedule in closed form, at the default step (the GPU kernels') and
+/// at others (192 keys straddle the 128-token K scale blocks): with M_b the running max
 /// after softmax step b, M the final one and wⱼ = e4m3(448·exp(S_j − M_b(j)))·exp(M_b(j) − M) the
 /// weight of key j, the recipe computes out = Σⱼ wⱼ·q_v[j]·s_v / Σⱼ wⱼ (the rounded weights are
 /// what the row sum adds). Evaluated here in f64 from the same f32 scores (so no e4m3 rounding can

@@ -760,9 +760,11 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // came out off by factors e^0.63 and e^1.06 at 32,760 and 75,600 keys of flat N(0, 1) scores (an
 // H100, RESULTS 2026-12-06, third and fourth sessions). So the tensor cores accumulate one window
 // of WIN blocks from zero, and `promote` adds it into an f32 O in the ALU (DeepSeek-V3's promotion;
-// SageAttention2's two-level accumulation): at 32,768 flat keys the result is then within 1.1e-3
-// of the recipe (`fp8_attention_matches_cpu_over_long_flat_key_runs`; 0.83 with one accumulator).
-// Windows of 2 blocks cost 4 % against one accumulator, of 1 block 8 % (RESULTS, fourth session).
+// SageAttention's two-level accumulation of P·V): at 32,768 flat keys the result is then within
+// 1.1e-3 of the recipe (`fp8_attention_matches_cpu_over_long_flat_key_runs`; 0.83 with one
+// accumulator). Windows of 2 blocks cost 4 % against one accumulator, of 1 block 8 % (RESULTS,
+// fourth session). The exponentials stay f32: sm_90 has no packed f16 ex2 (ptxas lowers
+// ex2.approx.f16x2 to two MUFU ops), so f16 pairs would not halve the MUFU's work.
 // Softmax in base 2 on descaled scores: block j's raw scores (integer-valued products of codes,
 // summed in f32) times c_j = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 =
 // 2^(s·c − m + log2 448) straight from ex2 (the ×448 of the reference folded into the exponent),

@@ -57,9 +57,9 @@ pub fn attention_fp8(
 }
 
 /// The CPU recipe of [`attention_fp8`] with online-softmax steps of `step` keys (≥ 1): the
-/// reference the GPU kernel is held to at its K/V block ([`STEP`]; any other step works too, and
-/// K's scale blocks stay 128 tokens, which a step may straddle). Takes [`attention_fp8`]'s arguments
-/// (tensors anywhere, read on the host) and checks them the same.
+/// reference the GPU kernel is held to at its K/V block of 128 keys (any other step works too,
+/// and K's scale blocks stay 128 tokens, which a step may straddle). Takes [`attention_fp8`]'s
+/// arguments (tensors anywhere, read on the host) and checks them the same.
 pub fn attention_fp8_reference(
     q: &Tensor,
     k: &Tensor,

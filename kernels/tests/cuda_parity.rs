@@ -2000,7 +2000,7 @@ fn fp8_attention_matches_cpu_over_long_flat_key_runs() -> Result<()> {
     fp8_attention_case(dev, [1, 128, 32768, 1, 32768], 0.25, 0.5, false)
 }
 
-/// Every FP8 variant against the recipe at its own softmax step on q [b, sq, h, 128] (N(0, 1)
+/// Every FP8 variant against the recipe at the kernels' softmax step on q [b, sq, h, 128] (N(0, 1)
 /// times `spread`), k and v [b, sk, h, 128] (N(0, 1), v plus `v_mean`), kv_len valid keys, with
 /// the tolerances of `fp8_attention_matches_cpu` (the distance ≤ a third of the quantisation's
 /// own when `below_quantisation`); every variant's distances are printed.

@@ -14,11 +14,10 @@
 //!   (the GPU kernel's K/V block), in f32, as a flash kernel runs it: per block m ← max(m, rowmax
 //!   S), the accumulator and the row sum l rescaled by exp(m_old − m), p = exp(S − m);
 //! - P·V on e4m3 operands: p scaled by 448 (so p ∈ [0, 1] uses the format's whole range) and
-//!   rounded, the products summed in f32 (the GPU kernel sums a window of blocks in the tensor
-//!   cores and adds it into an f32 accumulator, so no sum grows past a few hundred keys in the
-//!   tensor cores' accumulator); l sums the same rounded weights (the GPU kernel adds them in its
-//!   P·V GEMM, against a column of ones), so out = acc·s_v / (448·l), rounded once to
-//!   q's dtype, is a weighted mean of V with weights that sum to one;
+//!   rounded, the products summed in f32 (the GPU kernel's tensor cores sum at most two blocks,
+//!   256 keys, before it adds them into an f32 accumulator); l sums the same rounded weights (the
+//!   GPU kernel adds them in its P·V GEMM, against a column of ones), so out = acc·s_v / (448·l),
+//!   rounded once to q's dtype, is a weighted mean of V with weights that sum to one;
 //! - lse = m + ln l over the valid keys (natural log, with the scale), as the bf16 kernel
 //!   returns it, so Ring and Attention2D merge FP8 partials the same way.
 

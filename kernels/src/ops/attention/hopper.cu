@@ -756,8 +756,8 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // third session), and O is divided by the sum of the weights it holds.
 // Two-level accumulation: a wgmma adds its e4m3 products to the f32 accumulator keeping ~14 bits
 // relative to the larger (DeepSeek-V3's measurement of FP8 GEMMs), so an accumulator that grows
-// over a long key run loses its later terms. With one accumulator over all keys, O and its sums
-// came out off by factors e^0.63 and e^1.06 at 32,760 and 75,600 keys of flat N(0, 1) scores (an
+// over a long key run loses its later terms. With one accumulator over all keys, the sums came
+// out off by factors e^0.63 and e^1.06 (LSE) at 32,760 and 75,600 keys of N(0, 1) inputs (an
 // H100, RESULTS 2026-12-06, third and fourth sessions). So the tensor cores accumulate one window
 // of WIN blocks from zero, and `promote` adds it into an f32 O in the ALU (DeepSeek-V3's promotion;
 // SageAttention's two-level accumulation of P·V): at 32,768 flat keys the result is then within
@@ -782,7 +782,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // for the other consumer's turn cost more than the order gave (4 % on an H100, bench/RESULTS.md,
 // 2026-12-06). Measured and removed: turns, 192- and 224-key blocks (192 was 4 % faster with one
 // accumulator; with two levels a second O does not fit in registers beside 192-key S), windows of
-// 4 blocks (level with 2), exponentials on the FMA pipes, S of the next block queued before this
+// 4 blocks (level with 2 or up to 3 % behind), exponentials on the FMA pipes, S of the next block queued before this
 // one's softmax, S in runs whose row max is taken under the next run's GEMM, Q in registers, a
 // running max with headroom (RESULTS, 2026-12-03 to 2026-12-06).
 namespace fp8 {

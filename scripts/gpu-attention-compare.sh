@@ -12,11 +12,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-LOGS=${OUT:-/tmp/ditstream-gpu}
-mkdir -p "$LOGS"
+source scripts/lib/gpu-env.sh
 if [ -z "${SUMMARISE:-}" ]; then
-  source scripts/lib/gpu-env.sh
-  export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
   [ -x target/gpu/attention ] || { echo "missing target/gpu/attention: run scripts/build-gpu-attention.sh" >&2; exit 2; }
 fi
 [ $# -gt 0 ] || set -- 1,12,32760 1,40,75600

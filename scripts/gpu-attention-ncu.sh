@@ -11,10 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-LOGS=${OUT:-/tmp/ditstream-gpu}
-mkdir -p "$LOGS"
 source scripts/lib/gpu-env.sh
-export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 [ -x "$NCU" ] || { echo "ncu not found" >&2; exit 2; }
 [ -x target/gpu/attention ] || { echo "missing target/gpu/attention: run scripts/build-gpu-attention.sh" >&2; exit 2; }

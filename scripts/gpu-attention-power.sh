@@ -12,10 +12,7 @@
 # record and ratios from the plain bench.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-LOGS=${OUT:-/tmp/ditstream-gpu}
-mkdir -p "$LOGS"
 source scripts/lib/gpu-env.sh
-export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
 SHAPE=${SHAPE:-1,40,75600}
 ITERS=${ITERS:-20}
 

@@ -14,14 +14,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-LOGS=${OUT:-/tmp/ditstream-gpu}
+# Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
+source scripts/lib/gpu-env.sh
 REQUIRE=${DITSTREAM_REQUIRE_GPUS:-2}
 SIZE_MIB=${SIZE_MIB:-256}
 ITERS=${ITERS:-20}
-mkdir -p "$LOGS"
-
-# Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
-source scripts/lib/gpu-env.sh
 
 status=0
 step() { echo; echo "=== $* ==="; }

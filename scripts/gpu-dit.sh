@@ -37,13 +37,9 @@ for arg in "$@"; do
   esac
 done
 
-LOGS=${OUT:-/tmp/ditstream-gpu}
-mkdir -p "$LOGS"
-
 # Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
 source scripts/lib/gpu-env.sh
-# One kernel cache for the run (the default would be ~/.cache/ditstream/kernels).
-export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
+
 export PYTHONUNBUFFERED=1
 
 status=0

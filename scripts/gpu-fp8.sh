@@ -16,10 +16,7 @@
 # if a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-LOGS=${OUT:-/tmp/ditstream-gpu}
-mkdir -p "$LOGS"
 source scripts/lib/gpu-env.sh
-export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
 status=0
 
 echo "=== GPU parity suite (DITSTREAM_REQUIRE_GPUS=1) ==="

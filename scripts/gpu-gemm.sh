@@ -14,8 +14,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-LOGS=${OUT:-/tmp/ditstream-gpu}
-mkdir -p "$LOGS"
 source scripts/lib/gpu-env.sh
 export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-gemm-cache
 rm -rf "$DITSTREAM_KERNEL_CACHE"

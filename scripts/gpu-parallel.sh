@@ -18,16 +18,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-LOGS=${OUT:-/tmp/ditstream-gpu}
+# Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
+source scripts/lib/gpu-env.sh
 FRAMES=${FRAMES:-17 17/0 81}
 WARMUP=${WARMUP:-1}
 ITERS=${ITERS:-3}
-mkdir -p "$LOGS"
-
-# Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
-source scripts/lib/gpu-env.sh
-# One kernel cache for the run (both GPUs share the CUBINs).
-export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
 
 status=0
 step() { echo; echo "=== $* ==="; }

@@ -13,11 +13,8 @@
 # `model.dtype` of each run of ours, in turn: "bf16"; "bf16 fp8" adds the FP8 linears, issue 24).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-LOGS=${OUT:-/tmp/ditstream-gpu}
-STEPS=${STEPS:-20}
-mkdir -p "$LOGS"
 source scripts/lib/gpu-env.sh
-export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
+STEPS=${STEPS:-20}
 export PYTHONUNBUFFERED=1
 status=0
 [ -x target/gpu/pools_gpu ] || { echo "missing target/gpu/pools_gpu: run scripts/build-gpu-serve.sh" >&2; exit 2; }

@@ -25,7 +25,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-LOGS=${OUT:-/tmp/ditstream-gpu}
+# Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
+source scripts/lib/gpu-env.sh
 REQUESTS=${REQUESTS:-6}
 STEPS=${STEPS:-4}
 LINK=${LINK:-quic}
@@ -37,12 +38,6 @@ if [ "${ONE_GPU:-0}" = 1 ]; then
   LATENCY_LINKS=quic,ucx
   BENCH_ARGS=(--skip-pools --decoder-gpu 0)
 fi
-mkdir -p "$LOGS"
-
-# Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
-source scripts/lib/gpu-env.sh
-# One kernel cache for the run: the tests fill it, the benchmark reuses it.
-export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
 
 status=0
 step() { echo; echo "=== $* ==="; }

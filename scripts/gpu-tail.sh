@@ -16,11 +16,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-LOGS=${OUT:-/tmp/ditstream-gpu}
+source scripts/lib/gpu-env.sh
 STEPS=${STEPS:-4}
 ITERS=${ITERS:-3}
-mkdir -p "$LOGS"
-source scripts/lib/gpu-env.sh
 
 status=0
 step() { echo; echo "=== $* ==="; }

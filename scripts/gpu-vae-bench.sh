@@ -32,13 +32,9 @@ pvae=0
 [ "${1:-}" = "--extra" ] && extra=1
 [ "${1:-}" = "--pvae" ] && pvae=1
 
-LOGS=${OUT:-/tmp/ditstream-gpu}
-mkdir -p "$LOGS"
-
 # Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
 source scripts/lib/gpu-env.sh
-# One kernel cache for the run (the default would be ~/.cache/ditstream/kernels).
-export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
+
 export PYTHONUNBUFFERED=1
 
 status=0

@@ -12,10 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-LOGS=${OUT:-/tmp/ditstream-gpu}
-mkdir -p "$LOGS"
 source scripts/lib/gpu-env.sh
-export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 [ -x "$NCU" ] || { echo "ncu not found" >&2; exit 2; }
 [ -x target/gpu/vae_decode ] || { echo "missing target/gpu/vae_decode: run scripts/build-gpu-vae-bench.sh" >&2; exit 2; }

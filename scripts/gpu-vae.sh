@@ -13,14 +13,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-LOGS=${OUT:-/tmp/ditstream-gpu}
-mkdir -p "$LOGS"
-
 # Library set-up and NVLink multicast off (GPU.md); defines SP and PY.
 source scripts/lib/gpu-env.sh
-# A fresh kernel cache per run (the default would be ~/.cache/ditstream/kernels).
-export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
-rm -rf "$DITSTREAM_KERNEL_CACHE"
+rm -rf "$DITSTREAM_KERNEL_CACHE"  # a fresh kernel cache per run
 
 status=0
 step() { echo; echo "=== $* ==="; }

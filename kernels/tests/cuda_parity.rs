@@ -61,6 +61,17 @@ fn gpu() -> Option<Device> {
     ditstream_kernels::testing::test_gpu()
 }
 
+/// The GPU of the FP8 tests: none (the test skips) without a GPU or, said on stderr, without FP8
+/// tensor cores.
+fn fp8_gpu() -> Result<Option<Device>> {
+    let Some(dev) = gpu() else { return Ok(None) };
+    if !ditstream_kernels::cuda::supports_fp8(0)? {
+        eprintln!("skipped: this GPU has no FP8 tensor cores");
+        return Ok(None);
+    }
+    Ok(Some(dev))
+}
+
 fn randn(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
     Tensor::randn(shape, dtype, seed, Device::Cpu).expect("randn")
 }
@@ -1701,12 +1712,8 @@ fn causal_conv3d_residual_matches_unfused_and_cpu() -> Result<()> {
 /// which the epilogue adds the bias. A is computed per element from the codes.
 #[test]
 fn fp8_linears_match_cpu() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
+    let Some(dev) = fp8_gpu()? else { return Ok(()) };
     use ditstream_kernels as k;
-    if !ditstream_kernels::cuda::supports_fp8(0)? {
-        eprintln!("skipped: this GPU has no FP8 tensor cores");
-        return Ok(());
-    }
     // Quantisation, bit for bit.
     // k: bf16 rows held in registers (up to 32,768: 256, the DiT's 1,536, 5,120, 8,960 and
     // 13,824), the vectorised kernel (f32 rows, and bf16 rows too long to hold: 40,000) and the
@@ -1879,12 +1886,8 @@ fn fp8_linears_match_cpu() -> Result<()> {
 /// `fp8_linears_match_cpu`.
 #[test]
 fn fp8_norms_match_unfused() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
+    let Some(dev) = fp8_gpu()? else { return Ok(()) };
     use ditstream_kernels as k;
-    if !ditstream_kernels::cuda::supports_fp8(0)? {
-        eprintln!("skipped: this GPU has no FP8 tensor cores");
-        return Ok(());
-    }
     let same = |what: &str, fused: &k::Fp8Tensor, unfused: &k::Fp8Tensor| -> Result<()> {
         let (fc, uc) = (fused.codes()?, unfused.codes()?);
         let codes = fc.iter().zip(&uc).filter(|(a, b)| a != b).count();
@@ -1964,11 +1967,7 @@ fn fp8_norms_match_unfused() -> Result<()> {
 /// key order of Vᵀ, a missed descale, P left unscaled or a wrong column of sums fails by O(0.1–1).
 #[test]
 fn fp8_attention_matches_cpu() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
-    if !ditstream_kernels::cuda::supports_fp8(0)? {
-        eprintln!("skipped: this GPU has no FP8 tensor cores");
-        return Ok(());
-    }
+    let Some(dev) = fp8_gpu()? else { return Ok(()) };
     for (b, sq, sk, h, kv_len, spread) in [
         (1, 300, 257, 2, 250, 4.0),
         (2, 1024, 1024, 3, 1024, 1.0),
@@ -1991,11 +1990,7 @@ fn fp8_attention_matches_cpu() -> Result<()> {
 /// 6.4e-4 and 1.1e-3.
 #[test]
 fn fp8_attention_matches_cpu_over_long_flat_key_runs() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
-    if !ditstream_kernels::cuda::supports_fp8(0)? {
-        eprintln!("skipped: this GPU has no FP8 tensor cores");
-        return Ok(());
-    }
+    let Some(dev) = fp8_gpu()? else { return Ok(()) };
     // Flat scores average the quantisation away, so its error is no yardstick here.
     fp8_attention_case(dev, [1, 128, 32768, 1, 32768], 0.25, 0.5, false)
 }

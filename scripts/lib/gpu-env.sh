@@ -2,7 +2,9 @@
 # /work/shared/GPU.md, in one place. Defines SP (the NVIDIA pip libraries of the torch venv) and PY
 # (that venv's python), links the unversioned names cudarc looks for (it tries libnccl.so, never
 # libnccl.so.2), puts them first on LD_LIBRARY_PATH, points NVRTC at the CUDA headers, and keeps
-# NVLink multicast off.
+# NVLink multicast off. Also what every GPU script shares: LOGS, the logs folder ($OUT when set,
+# else /tmp/ditstream-gpu, created), and one kernel cache for the run in /tmp (the default would be
+# ~/.cache/ditstream/kernels); a script that wants another cache sets it after sourcing this.
 SP=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
 PY=/opt/torch/.venv/bin/python
 mkdir -p /tmp/cudalinks
@@ -18,3 +20,6 @@ export LD_LIBRARY_PATH=/tmp/cudalinks:$SP/cu13/lib:$SP/cudnn/lib:$SP/nccl/lib:/u
 export DITSTREAM_CUDA_INCLUDE=${DITSTREAM_CUDA_INCLUDE:-$SP/cu13/include}
 # NVLink multicast can take the host's GPUs out of service: keep it off in every process.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+LOGS=${OUT:-/tmp/ditstream-gpu}
+mkdir -p "$LOGS"
+export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache

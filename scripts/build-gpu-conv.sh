@@ -8,6 +8,8 @@
 #                                    the cuDNN descriptor check included)
 #   target/gpu/conv_bench            the VAE convolution timing driver (bench/src/bin/conv.rs)
 #   target/gpu/gemm_bench            the DiT GEMM timing driver (bench/src/bin/gemm.rs)
+#   target/gpu/gemm_space            cuBLASLt's algorithm space at the 14B linears, sustained
+#                                    (bench/src/bin/gemm_space.rs, for scripts/gpu-gemm-space.sh)
 # target/ is git-ignored: carry target/gpu to the GPU machine with the working tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,12 +21,13 @@ pick() { # $1: target name, $2: target kind
 }
 parity=$(pick cuda_parity test)
 unit=$(pick ditstream_kernels lib)
-json=$(cargo build --release -p ditstream-bench --features cuda --bin conv --bin gemm --message-format=json)
+json=$(cargo build --release -p ditstream-bench --features cuda --bin conv --bin gemm --bin gemm_space --message-format=json)
 conv=$(pick conv bin)
 gemm=$(pick gemm bin)
-for exe in "$parity" "$unit" "$conv" "$gemm"; do
+space=$(pick gemm_space bin)
+for exe in "$parity" "$unit" "$conv" "$gemm" "$space"; do
   if [ -z "$exe" ] || [ ! -x "$exe" ]; then
-    echo "build-gpu-conv.sh: an executable is missing (parity '$parity', unit '$unit', conv '$conv', gemm '$gemm')" >&2
+    echo "build-gpu-conv.sh: an executable is missing (parity '$parity', unit '$unit', conv '$conv', gemm '$gemm', gemm_space '$space')" >&2
     exit 1
   fi
 done
@@ -32,8 +35,10 @@ cp -f "$parity" target/gpu/kernels_cuda_parity
 cp -f "$unit" target/gpu/kernels_unit
 cp -f "$conv" target/gpu/conv_bench
 cp -f "$gemm" target/gpu/gemm_bench
+cp -f "$space" target/gpu/gemm_space
 # Debug info is most of their size, and the working tree that travels is limited to 64 MiB.
 strip --strip-debug target/gpu/kernels_cuda_parity target/gpu/kernels_unit target/gpu/conv_bench \
-  target/gpu/gemm_bench
-ls -l target/gpu/kernels_cuda_parity target/gpu/kernels_unit target/gpu/conv_bench target/gpu/gemm_bench
-echo "built; on the GPU machine (target/gpu carried along): scripts/gpu-conv.sh"
+  target/gpu/gemm_bench target/gpu/gemm_space
+ls -l target/gpu/kernels_cuda_parity target/gpu/kernels_unit target/gpu/conv_bench target/gpu/gemm_bench \
+  target/gpu/gemm_space
+echo "built; on the GPU machine (target/gpu carried along): scripts/gpu-conv.sh, gpu-gemm.sh, gpu-gemm-space.sh"

@@ -96,12 +96,17 @@ fn check(status: sys::cublasStatus_t, what: &str) -> Result<()> {
     }
 }
 
-fn config<T: Default + Copy>(algo: &Algo, attr: Config) -> T {
+/// A cuBLASLt attribute getter: of an algorithm's configuration or of its capabilities.
+type Getter<A> = unsafe fn(*const Algo, A, *mut c_void, usize, *mut usize) -> sys::cublasStatus_t;
+
+/// One attribute of `algo` through `get`; the default when cuBLASLt has none (the values only
+/// label output or bound the enumeration).
+fn attribute<T: Default + Copy, A>(get: Getter<A>, algo: &Algo, attr: A) -> T {
     let (mut value, mut written) = (T::default(), 0usize);
-    // SAFETY: `value` is the attribute's C type (u32 or u16 per cuBLASLt's table) and as large as
-    // the size passed; a failed read leaves the default, which only labels output.
+    // SAFETY: `value` is the attribute's C type (i32, u32 or u16 per cuBLASLt's tables) and as
+    // large as the size passed.
     unsafe {
-        sys::cublasLtMatmulAlgoConfigGetAttribute(
+        get(
             algo,
             attr,
             (&mut value as *mut T).cast(),
@@ -112,8 +117,16 @@ fn config<T: Default + Copy>(algo: &Algo, attr: Config) -> T {
     value
 }
 
+fn config<T: Default + Copy>(algo: &Algo, attr: Config) -> T {
+    attribute(sys::cublasLtMatmulAlgoConfigGetAttribute, algo, attr)
+}
+
+fn capability<T: Default + Copy>(algo: &Algo, attr: Cap) -> T {
+    attribute(sys::cublasLtMatmulAlgoCapGetAttribute, algo, attr)
+}
+
 fn set_config<T>(algo: &mut Algo, attr: Config, value: T) -> Result<()> {
-    // SAFETY: as in `config`; cuBLASLt copies the value.
+    // SAFETY: as in `attribute`; cuBLASLt copies the value.
     check(
         unsafe {
             sys::cublasLtMatmulAlgoConfigSetAttribute(
@@ -125,21 +138,6 @@ fn set_config<T>(algo: &mut Algo, attr: Config, value: T) -> Result<()> {
         },
         "cublasLtMatmulAlgoConfigSetAttribute",
     )
-}
-
-fn capability<T: Default + Copy>(algo: &Algo, attr: Cap) -> T {
-    let (mut value, mut written) = (T::default(), 0usize);
-    // SAFETY: as in `config`.
-    unsafe {
-        sys::cublasLtMatmulAlgoCapGetAttribute(
-            algo,
-            attr,
-            (&mut value as *mut T).cast(),
-            size_of::<T>(),
-            &mut written,
-        )
-    };
-    value
 }
 
 /// A list capability (u32 ids); empty when the algorithm has none.

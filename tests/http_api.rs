@@ -470,6 +470,10 @@ async fn http_needs_the_api_key_and_hides_other_keys_videos() {
     let (text, code) = curl(&[&format!("{videos}/{id}"), "-H", &auth(&alice)]).await;
     assert_eq!(code, 200, "{text}");
     server.stop().await.unwrap();
+    // Stopping waits for the job's relay (its request done or cancelled): its last state is on
+    // disk, and nothing writes into the folder any more (the removal below once raced it).
+    let sidecar = dir.join("videos").join(format!("{id}.json"));
+    assert!(sidecar.is_file(), "{} after stop", sidecar.display());
     std::fs::remove_dir_all(dir).unwrap();
 }
 

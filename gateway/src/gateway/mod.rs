@@ -518,6 +518,8 @@ pub struct RunningGateway {
     /// Where pools register (`ditstream gateway` only).
     pub registry_addr: Option<SocketAddr>,
     gateway: Gateway,
+    /// The Videos API's jobs, whose relays `stop` lets persist.
+    store: Arc<crate::http::videos::Store>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -528,9 +530,12 @@ impl RunningGateway {
         &self.gateway
     }
 
-    /// Stops admitting, drains for up to `grace`, cancels the rest, then closes the listeners.
+    /// Stops admitting, drains for up to `grace`, cancels the rest, lets the Videos API's jobs
+    /// write their last state (so nothing writes into `serving.videos.dir` once this returns,
+    /// and a restart finds each job as it ended), then closes the listeners.
     pub async fn stop(mut self, grace: Duration) {
         self.gateway.drain(grace).await;
+        self.store.settle(Duration::from_secs(5)).await;
         let _ = self.shutdown.send(true);
         let mut tasks = self.tasks.drain(..);
         // The server ends once its connections close; a client that never reads keeps its
@@ -668,12 +673,15 @@ pub async fn serve(
         health,
         serving,
     )));
-    tasks.push(tokio::spawn(store.expire_every(Duration::from_secs(60))));
+    tasks.push(tokio::spawn(
+        Arc::clone(&store).expire_every(Duration::from_secs(60)),
+    ));
     tracing::info!(%addr, registry = ?registry_addr, tls = cfg.serving.tls.is_some(), api_keys = shared.keys.required(), "gateway serving ditstream.v1.VideoService");
     Ok(RunningGateway {
         addr,
         registry_addr,
         gateway,
+        store,
         shutdown,
         tasks,
     })

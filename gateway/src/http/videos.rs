@@ -348,6 +348,24 @@ impl Store {
         let _ = std::fs::remove_file(self.sidecar(id));
     }
 
+    /// Waits up to `limit` for every job's relay to end, aborting those still running then. After
+    /// a drain their requests have ended, so each has only its last bytes and its metadata to
+    /// write; a server that stops without this wait could still be writing into the folder
+    /// after it returned, or leave a job without its final metadata.
+    pub async fn settle(&self, limit: Duration) {
+        let relays: Vec<_> = lock(&self.jobs)
+            .iter()
+            .filter_map(|(_, job)| lock(&job.task).take())
+            .collect();
+        let deadline = tokio::time::Instant::now() + limit;
+        for mut relay in relays {
+            if tokio::time::timeout_at(deadline, &mut relay).await.is_err() {
+                tracing::warn!("a video job's relay outlived the shutdown: aborted");
+                relay.abort();
+            }
+        }
+    }
+
     /// Expired jobs go, then the oldest finished ones until count and bytes fit.
     fn enforce(&self) {
         let t = now();

@@ -355,12 +355,12 @@ impl Store {
     pub async fn settle(&self, limit: Duration) {
         let relays: Vec<_> = lock(&self.jobs)
             .iter()
-            .filter_map(|(_, job)| lock(&job.task).take())
+            .filter_map(|(id, job)| Some((id.clone(), lock(&job.task).take()?)))
             .collect();
         let deadline = tokio::time::Instant::now() + limit;
-        for mut relay in relays {
+        for (id, mut relay) in relays {
             if tokio::time::timeout_at(deadline, &mut relay).await.is_err() {
-                tracing::warn!("a video job's relay outlived the shutdown: aborted");
+                tracing::warn!(id, "the video job's relay outlived the shutdown: aborted");
                 relay.abort();
             }
         }

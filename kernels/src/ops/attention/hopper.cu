@@ -786,6 +786,9 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // one's softmax, S in runs whose row max is taken under the next run's GEMM, Q in registers, a
 // running max with headroom, P·V issued after the row max rather than with S (so that both
 // consumers' S would run first: 1–3 % slower) (RESULTS, 2026-12-03 to 2026-12-06, fifth session).
+// Measured and not yet kept: a speculative softmax (each block's exponentials before its row max,
+// at an exponent offset 16× above the running max; 5–9 % faster, commit b3380ec, RESULTS sixth
+// session), reverted until its parity against the recipe runs on a GPU.
 namespace fp8 {
 
 constexpr int KB = 128;                            // keys per K/V block: the softmax step, one K scale block

@@ -1974,9 +1974,20 @@ fn fp8_attention_matches_cpu() -> Result<()> {
         (1, 640, 512, 2, 512, 2.0),
         (1, 100, 60, 1, 60, 4.0),
     ] {
-        fp8_attention_case(dev, [b, sq, sk, h, kv_len], spread, 0.0, true)?;
+        fp8_attention_case(dev, [b, sq, sk, h, kv_len], spread, 0.0, (sk, 1.0), true)?;
     }
     Ok(())
+}
+
+/// `fp8_attention_matches_cpu` where later keys pass the softmax's exponent offset, by a little and
+/// by far: the keys from 640 on are 3× larger, those from 896 on 20× (scores up to ~100 nats above
+/// the first blocks' maxima: past f32's range, 2¹²⁸, for a p taken at the old offset). The
+/// speculative kernel (`_spec`) must notice every pass and take those blocks again exactly.
+#[test]
+fn fp8_attention_matches_cpu_when_scores_pass_the_offset() -> Result<()> {
+    let Some(dev) = fp8_gpu()? else { return Ok(()) };
+    fp8_attention_case(dev, [1, 256, 1024, 2, 1000], 2.0, 0.0, (640, 3.0), false)?;
+    fp8_attention_case(dev, [1, 256, 1024, 2, 1000], 2.0, 0.0, (896, 20.0), false)
 }
 
 /// `fp8_attention_matches_cpu` over a long run of keys with flat scores (spread 0.25) and V of
@@ -1992,11 +2003,19 @@ fn fp8_attention_matches_cpu() -> Result<()> {
 fn fp8_attention_matches_cpu_over_long_flat_key_runs() -> Result<()> {
     let Some(dev) = fp8_gpu()? else { return Ok(()) };
     // Flat scores average the quantisation away, so its error is no yardstick here.
-    fp8_attention_case(dev, [1, 128, 32768, 1, 32768], 0.25, 0.5, false)
+    fp8_attention_case(
+        dev,
+        [1, 128, 32768, 1, 32768],
+        0.25,
+        0.5,
+        (32768, 1.0),
+        false,
+    )
 }
 
 /// Every FP8 variant against the recipe at the kernels' softmax step on q [b, sq, h, 128] (N(0, 1)
-/// times `spread`), k and v [b, sk, h, 128] (N(0, 1), v plus `v_mean`), kv_len valid keys, with
+/// times `spread`), k and v [b, sk, h, 128] (N(0, 1), v plus `v_mean`, the keys from `k_step.0` on
+/// times `k_step.1`), kv_len valid keys, with
 /// the tolerances of `fp8_attention_matches_cpu` (the distance ≤ a third of the quantisation's
 /// own when `below_quantisation`); every variant's distances are printed, all before the first
 /// assertion, so that one failing variant does not hide the others' figures.
@@ -2005,6 +2024,7 @@ fn fp8_attention_case(
     [b, sq, sk, h, kv_len]: [usize; 5],
     spread: f32,
     v_mean: f32,
+    (k_from, k_gain): (usize, f32),
     below_quantisation: bool,
 ) -> Result<()> {
     use ditstream_kernels as k;
@@ -2013,7 +2033,13 @@ fn fp8_attention_case(
         &Tensor::from_vec(vec![spread], &[1])?,
     )?
     .to_dtype(DType::BF16)?;
-    let kt = randn(&[b, sk, h, 128], DType::BF16, 42);
+    let mut kv = randn(&[b, sk, h, 128], DType::F32, 42).to_vec_f32()?;
+    for (i, x) in kv.iter_mut().enumerate() {
+        if (i / (h * 128)) % sk >= k_from {
+            *x *= k_gain;
+        }
+    }
+    let kt = Tensor::from_vec(kv, &[b, sk, h, 128])?.to_dtype(DType::BF16)?;
     let v = k::add(
         &randn(&[b, sk, h, 128], DType::F32, 43),
         &Tensor::from_vec(vec![v_mean], &[1])?,

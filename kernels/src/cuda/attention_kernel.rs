@@ -147,6 +147,10 @@ pub struct HopperFp8Variant {
     /// them into an f32 O, so that no tensor-core accumulator grows over the key run (hopper.cu's
     /// namespace `fp8` says why).
     pub window: usize,
+    /// Each block's exponentials taken at the offsets as they stand, before its row max, and the
+    /// block taken again exactly when a score passed its offset (`_spec`; hopper.cu's
+    /// `spec_softmax` says why that is rare).
+    pub speculative: bool,
 }
 
 impl HopperFp8Variant {
@@ -162,14 +166,22 @@ impl HopperFp8Variant {
 /// default first (`ops/quant/cuda.rs` says why it is).
 pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
     HopperFp8Variant {
+        name: "hopper_fp8_fwd_d128_br128_bc128_s3_win2_spec",
+        stages: 3,
+        window: 2,
+        speculative: true,
+    },
+    HopperFp8Variant {
         name: "hopper_fp8_fwd_d128_br128_bc128_s3_win2",
         stages: 3,
         window: 2,
+        speculative: false,
     },
     HopperFp8Variant {
         name: "hopper_fp8_fwd_d128_br128_bc128_s3_win1",
         stages: 3,
         window: 1,
+        speculative: false,
     },
 ];
 
@@ -326,7 +338,8 @@ mod tests {
         }
         assert!(default_flash_variant(96).is_none());
         for v in HOPPER_FP8_VARIANTS {
-            let tail = format!("_bc{HOPPER_FP8_KEYS}_s{}_win{}", v.stages, v.window);
+            let spec = if v.speculative { "_spec" } else { "" };
+            let tail = format!("_bc{HOPPER_FP8_KEYS}_s{}_win{}{spec}", v.stages, v.window);
             assert!(v.name.ends_with(&tail), "{}", v.name);
             assert!((1..=4).contains(&v.window), "{}", v.name);
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);

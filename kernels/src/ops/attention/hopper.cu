@@ -766,9 +766,20 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // fourth session). The exponentials stay f32: sm_90 has no packed f16 ex2 (ptxas lowers
 // ex2.approx.f16x2 to two MUFU ops), so f16 pairs would not halve the MUFU's work.
 // Softmax in base 2 on descaled scores: block j's raw scores (integer-valued products of codes,
-// summed in f32) times c_j = (s_q·s_k)·scale·log2 e; m is the running max of those; p·448 =
-// 2^(s·c − m + log2 448) straight from ex2 (the ×448 of the reference folded into the exponent),
-// rounded to e4m3 for P·V (and its sums, which are then 448·Σ rounded p).
+// summed in f32) times c_j = (s_q·s_k)·scale·log2 e; m is an exponent offset over those, which
+// moves only when a row's max passes it, to that max + HEADROOM (the recipe's, ops/quant/
+// attention.rs); p·448 = 2^(s·c − m + log2 448) straight from ex2 (the ×448 of the reference
+// folded into the exponent), rounded to e4m3 for P·V (and its sums, which are then 448·Σ rounded
+// p).
+// Speculative blocks (`_spec`): with the offset above every score seen by HEADROOM, a later block
+// rarely passes it, so its exponentials need not wait for its row max: they are taken at the
+// offsets as they stand, and one warpgroup vote on their max (which overflow shows as p > 448)
+// sends the rare block that passed back through S and the exact softmax; its outputs are the
+// exact kernel's bit for bit. Taking the row max first cost 11 % of the loop's time (the energy
+// diagnostics of RESULTS, 2026-12-06, sixth session); `_spec` was 5–9 % faster than the exact
+// kernel there. A headroom of 2 (a factor 4) sent 7–15 % of the warpgroups' blocks back on N(0, 1)
+// scores and gained nothing; 4 sends back ~0.3 %. An FMNMX chain for the overflow check instead of
+// VIMNMX3 gave back 3–4 %.
 // P's registers: the S accumulator gives a thread, in each 32 keys, rows g and g + 8 of keys
 // {2t, 2t+1, 8+2t, 9+2t} and the same + 16 (g = lane/4, t = lane%4), while an 8-bit A fragment
 // wants k = 4t…4t+3 and 16+4t…16+4t+3. Rather than shuffle registers (FlashAttention-3), the
@@ -798,6 +809,8 @@ constexpr float LOG2_448 = 8.8073549220576041f;    // log2 448
 constexpr float LN_448 = 6.1047932324149849f;      // ln 448
 constexpr unsigned ONES = 0x38383838u;             // four e4m3 1.0
 constexpr int ON = 68;                             // P·V's accumulators: 64 of O, 4 of the row sums
+constexpr float HEADROOM = 4.0f;                   // log2 units the offset m keeps above a new row max
+constexpr int P448 = 0x43E00000;                   // the bits of 448.0f: p above it overflowed e4m3
 
 // Writes the rows of ones after every Vᵀ stage, which its m64n136 wgmma reads as columns 128–135
 // (the 17th group of 8 rows at the SBO stride of 1 KiB): every byte 0x38, so the swizzle does not
@@ -866,10 +879,12 @@ __device__ __forceinline__ void pack_p(const float* s, unsigned (*p)[4]) {
     }
 }
 
-// One block's online softmax for this thread's rows r0 and r0 + 8, with the block's descale c > 0:
-// m ← max(m, rowmax(s)·c) (the max of the rounded products is the rounded max), α = 2^(m_old − m)
-// (0 on the first block), s ← 2^(s·c − m + log2 448) (the row sums come from P·V). Needs a finite
-// score per row. Returns whether some row of the warp has a new max.
+// One block's online softmax for this thread's rows r0 and r0 + 8, with the block's descale c > 0.
+// m is the exponent offset, not the running max: it moves only when a row's max passes it, and
+// then to that max + HEADROOM (the max of the rounded products is the rounded max), so later
+// blocks rarely pass it (what `spec_softmax` relies on). α = 2^(m_old − m) when it moves (0 on the
+// first block), else 1; s ← 2^(s·c − m + log2 448) (the row sums come from P·V). Needs a finite
+// score per row. Returns whether some row of the warp moved its offset.
 __device__ __forceinline__ bool online_softmax(float* s, float* m, float* alpha, float c) {
     bool rescale = false;
 #pragma unroll
@@ -882,11 +897,12 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* alpha,
         float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])) * c;
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        mx = fmaxf(m[hf], mx);
-        alpha[hf] = ex2(m[hf] - mx);
-        rescale |= mx != m[hf];
-        m[hf] = mx;
-        const float off = mx - LOG2_448;
+        const bool up = mx > m[hf];  // the same in the row's four threads
+        const float mn = up ? mx + HEADROOM : m[hf];
+        alpha[hf] = up ? ex2(m[hf] - mn) : 1.0f;
+        rescale |= up;
+        m[hf] = mn;
+        const float off = mn - LOG2_448;
 #pragma unroll
         for (int nt = 0; nt < KB / 8; ++nt) {
             s[4 * nt + 2 * hf] = ex2(fmaf(s[4 * nt + 2 * hf], c, -off));
@@ -896,16 +912,52 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* alpha,
     return __any_sync(0xffffffffu, rescale);
 }
 
+// The speculative softmax of a block: s ← 2^(s·c − m + log2 448) at the offsets m as they stand,
+// without first taking the row max, so the exponentials start as soon as S is in. Returns whether
+// some p of this thread passed 448, i.e. some score passed its row's offset (then its P is wrong
+// and the block must be taken again exactly: `step`). p ≥ 0, so the max of their bits as signed
+// integers is the bits of their max, three at a time (VIMNMX3, a Hopper DPX instruction); that
+// max needs every exponential, which also keeps them above the P·V wait (see `step`).
+__device__ __forceinline__ bool spec_softmax(float* s, const float* m, float c) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const float off = m[hf] - LOG2_448;
+#pragma unroll
+        for (int nt = 0; nt < KB / 8; ++nt) {
+            s[4 * nt + 2 * hf] = ex2(fmaf(s[4 * nt + 2 * hf], c, -off));
+            s[4 * nt + 2 * hf + 1] = ex2(fmaf(s[4 * nt + 2 * hf + 1], c, -off));
+        }
+    }
+    int part[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < KB / 2; j += 4) {
+        part[0] = __vimax3_s32(part[0], __float_as_int(s[j]), __float_as_int(s[j + 1]));
+        part[1] = __vimax3_s32(part[1], __float_as_int(s[j + 2]), __float_as_int(s[j + 3]));
+    }
+    return max(part[0], part[1]) > P448;
+}
+
+// Whether `v` holds in some thread of this consumer warpgroup (named barrier `id`, 128 threads).
+__device__ __forceinline__ bool wg_any(bool v, int id) {
+    unsigned r;
+    asm volatile(
+        "{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.or.pred p, %2, 128, q;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(r)
+        : "r"((unsigned)v), "r"(id)
+        : "memory");
+    return r != 0;
+}
+
 // Block i ≥ 1: waits K_i and V_{i−1}, issues S = Q·K_iᵀ and P_{i−1}·V_{i−1} (P_{i−1} in p; from
 // zero when block i − 1 opens a window, FRESH), waits for S only, runs block i's softmax while P·V
 // runs, waits for P·V, then packs block i's P into p. When block i − 1 closes a window (PROMOTE),
 // the window goes into the f32 O (`promote`, with a = 2^(m at the last promotion − m_{i−1})) and a
 // takes block i's α; else the window's accumulator and a take α. Nothing is in flight on return.
-template <int STAGES, bool FRESH, bool PROMOTE>
+template <int STAGES, bool FRESH, bool PROMOTE, bool SPEC>
 __device__ __forceinline__ void step(float* s, float* o, float* ot, float* lt, float* a, unsigned (*p)[4], float* m,
                                      const float* ks, float cq, float cs, int i, int kv_len, unsigned q_wg,
                                      unsigned sk, unsigned sv, unsigned full_k, unsigned full_v, unsigned empty_k,
-                                     unsigned empty_v, unsigned scratch, bool leader, int lane) {
+                                     unsigned empty_v, unsigned scratch, bool leader, int lane, int w) {
     using namespace ws;
     const int st = i % STAGES, prev = (i - 1) % STAGES;
     const unsigned phase = (i / STAGES) & 1, prev_phase = ((i - 1) / STAGES) & 1;
@@ -922,17 +974,40 @@ __device__ __forceinline__ void step(float* s, float* o, float* ot, float* lt, f
     wgmma_commit();
     wgmma_wait1();  // S is in; P·V of block i − 1 may still run
     fence_regs<KB / 2>(s);
-    if (leader) mbar_arrive(empty_k + 8 * st);
-    if ((i + 1) * KB > kv_len) mask_keys<KB>(s, kv_len - i * KB, lane);
-    float alpha[2];
-    const bool rescale = online_softmax(s, m, alpha, c);
-    // Keeps the P·V wait below the exponentials (see ws::fwd): a store of a word that needs every
-    // one of them, their bits folded by XOR. P is packed after the wait: there are no registers
-    // for a second P beside the f32 O.
-    unsigned x = 0;
+    const bool last = (i + 1) * KB > kv_len;
+    if (last) mask_keys<KB>(s, kv_len - i * KB, lane);
+    float alpha[2] = {1.0f, 1.0f};
+    bool rescale = false;
+    if constexpr (SPEC) {
+        // The exponentials at the offsets as they stand. If a score passed its offset anywhere in
+        // the warpgroup (rare once the offsets have HEADROOM over the rows' maxima), S is taken
+        // again (K_i is still in: its stage is released below) and the block exactly. The vote
+        // needs every exponential, which keeps the P·V wait below them.
+        if (wg_any(spec_softmax(s, m, c), 1 + w)) {
+            wgmma_wait0();
+            fence_regs<KB / 2>(s);
+            fence_regs<ON>(o);
+            fence_regs(&p[0][0], KB / 8);
+            wgmma_fence();
+            qk(s, q_wg, sk + st * TILE8);
+            wgmma_commit();
+            wgmma_wait0();
+            fence_regs<KB / 2>(s);
+            if (last) mask_keys<KB>(s, kv_len - i * KB, lane);
+            rescale = online_softmax(s, m, alpha, c);
+        }
+        if (leader) mbar_arrive(empty_k + 8 * st);
+    } else {
+        if (leader) mbar_arrive(empty_k + 8 * st);
+        rescale = online_softmax(s, m, alpha, c);
+        // Keeps the P·V wait below the exponentials (see ws::fwd): a store of a word that needs
+        // every one of them, their bits folded by XOR.
+        unsigned x = 0;
 #pragma unroll
-    for (int j = 0; j < KB / 2; j += 2) x ^= __float_as_uint(s[j]) ^ __float_as_uint(s[j + 1]);
-    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(scratch), "r"(x) : "memory");
+        for (int j = 0; j < KB / 2; j += 2) x ^= __float_as_uint(s[j]) ^ __float_as_uint(s[j + 1]);
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(scratch), "r"(x) : "memory");
+    }
+    // P is packed after the wait: there are no registers for a second P beside the f32 O.
     wgmma_wait0();
     fence_regs<ON>(o);
     fence_regs(&p[0][0], KB / 8);
@@ -949,7 +1024,7 @@ __device__ __forceinline__ void step(float* s, float* o, float* ot, float* lt, f
     pack_p(s, p);
 }
 
-template <int STAGES, int WIN>
+template <int STAGES, int WIN, bool SPEC>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
                                     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
                                     const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
@@ -1050,8 +1125,8 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     pack_p(s, p);
 
 #define FP8_STEP(I, FRESH, PROMOTE)                                                                          \
-    step<STAGES, FRESH, PROMOTE>(s, o, ot, lt, a, p, m, ks, cq, cs, I, kv_len, q_wg, sk, sv, full_k, full_v, \
-                                 empty_k, empty_v, scratch, leader, lane)
+    step<STAGES, FRESH, PROMOTE, SPEC>(s, o, ot, lt, a, p, m, ks, cq, cs, I, kv_len, q_wg, sk, sv, full_k,    \
+                                       full_v, empty_k, empty_v, scratch, leader, lane, w)
     // Window w holds blocks w·WIN … w·WIN + WIN − 1, so step i opens one (P·V_{i−1} fresh) when
     // i ≡ 1 and closes one when i ≡ 0 (mod WIN): the loop is unrolled by WIN so that both are known
     // at compile time; the steps left after it open at most one and close none.
@@ -1153,18 +1228,19 @@ HOPPER_WS_KERNEL(2, 192)
 // boxes of 128 keys × 128 channels), all in the 128B swizzle, and their scales (q, k [B, H,
 // ⌈S/128⌉], v [B, H, 128]).
 #ifdef HOPPER_WGMMA
-#define HOPPER_FP8_BODY(STAGES, WIN)                                                                          \
-    hopper::fp8::fwd<STAGES, WIN>(tq, tk, tv, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, \
+#define HOPPER_FP8_BODY(STAGES, WIN, SPEC)                                                                    \
+    hopper::fp8::fwd<STAGES, WIN, SPEC>(tq, tk, tv, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, \
                                   tiles_x);
 #else
-#define HOPPER_FP8_BODY(STAGES, WIN)
+#define HOPPER_FP8_BODY(STAGES, WIN, SPEC)
 #endif
-#define HOPPER_FP8_KERNEL(STAGES, WIN)                                                                            \
-    extern "C" __global__ void __launch_bounds__(384, 1) hopper_fp8_fwd_d128_br128_bc128_s##STAGES##_win##WIN(  \
+#define HOPPER_FP8_KERNEL(STAGES, WIN, SPEC, NAME)                                                                \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                   \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         const float* q_scales, const float* k_scales, const float* v_scales, bf16* out, float* lse, int seq_q,   \
         int heads, int kv_len, float scale, int tiles_x) {                                                       \
-        HOPPER_FP8_BODY(STAGES, WIN)                                                                              \
+        HOPPER_FP8_BODY(STAGES, WIN, SPEC)                                                                        \
     }
-HOPPER_FP8_KERNEL(3, 2)
-HOPPER_FP8_KERNEL(3, 1)
+HOPPER_FP8_KERNEL(3, 2, true, hopper_fp8_fwd_d128_br128_bc128_s3_win2_spec)
+HOPPER_FP8_KERNEL(3, 2, false, hopper_fp8_fwd_d128_br128_bc128_s3_win2)
+HOPPER_FP8_KERNEL(3, 1, false, hopper_fp8_fwd_d128_br128_bc128_s3_win1)

@@ -11,8 +11,11 @@
 //! - V in e4m3 with one scale per (sample, head, channel) over the valid keys, which folds into
 //!   the output (out[:, d] = (Σⱼ P·q_v[j, d])·s_v[d]);
 //! - S = (q_Q·q_Kᵀ)·s_q·s_k·scale summed in f32; the softmax online over key blocks of [`STEP`]
-//!   (the GPU kernel's K/V block), in f32, as a flash kernel runs it: per block m ← max(m, rowmax
-//!   S), the accumulator and the row sum l rescaled by exp(m_old − m), p = exp(S − m);
+//!   (the GPU kernel's K/V block), in f32, as a flash kernel runs it, with p = exp(S − m) at an
+//!   exponent offset m that moves only when a block's row max passes it, and then to that max +
+//!   [`HEADROOM`]·ln 2 (the accumulator and the row sum l rescaled by exp(m_old − m)). So p ≤ 1
+//!   always, and the GPU kernel may take a block's exponentials before its row max (hopper.cu's
+//!   `spec_softmax`), a bet that the max has not passed the offset which the headroom makes good;
 //! - P·V on e4m3 operands: p scaled by 448 (so p ∈ [0, 1] uses the format's whole range) and
 //!   rounded, the products summed in f32 (the GPU kernel's tensor cores sum at most two blocks,
 //!   256 keys, before it adds them into an f32 accumulator); l sums the same rounded weights (the
@@ -27,6 +30,11 @@ use crate::{AttentionOptions, DType, Device, KernelError, Result, Tensor};
 
 /// Tokens per Q and K scale block: the Hopper kernel's query tile.
 pub const BLOCK: usize = 128;
+
+/// How far above a row's new max the softmax's exponent offset moves, in log2 units (a factor 16):
+/// the GPU kernel's `HEADROOM` (`ops/attention/hopper.cu`). The largest weight of a block is then
+/// ≥ 448/16 = 28 in e4m3, well inside the format's normal range.
+pub const HEADROOM: f32 = 4.0;
 
 /// Keys per online-softmax step: the K/V block of the GPU's FP8 kernels
 /// (`crate::cuda::HOPPER_FP8_KEYS`). The running max moves once per step and sets the scale at
@@ -174,8 +182,13 @@ fn reference(
                             dot * (sqk * k_scales[j / BLOCK]) * scale
                         })
                         .collect();
-                    let m_new = s_ij.iter().fold(m, |a, &s| a.max(s));
-                    let alpha = (m - m_new).exp(); // 0 on the first block (m = −∞)
+                    let block_max = s_ij.iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
+                    let m_new = if block_max > m {
+                        block_max + HEADROOM * std::f32::consts::LN_2
+                    } else {
+                        m
+                    };
+                    let alpha = (m - m_new).exp(); // 0 on the first block (m = −∞), 1 if m stays
                     l *= alpha;
                     acc.iter_mut().for_each(|a| *a *= alpha);
                     for (j, &s) in keys.zip(&s_ij) {

@@ -418,8 +418,9 @@ fn fp8_attention_checks_its_inputs() -> crate::Result<()> {
 }
 
 /// The FP8 attention's online schedule in closed form, at the default step (the GPU kernels') and
-/// at others (192 keys straddle the 128-token K scale blocks): with M_b the running max
-/// after softmax step b, M the final one and wⱼ = e4m3(448·exp(S_j − M_b(j)))·exp(M_b(j) − M) the
+/// at others (192 keys straddle the 128-token K scale blocks): with M_b the exponent offset
+/// after softmax step b (the first block's max + the headroom, moved only when a block's max
+/// passes it), M the final one and wⱼ = e4m3(448·exp(S_j − M_b(j)))·exp(M_b(j) − M) the
 /// weight of key j, the recipe computes out = Σⱼ wⱼ·q_v[j]·s_v / Σⱼ wⱼ (the rounded weights are
 /// what the row sum adds). Evaluated here in f64 from the same f32 scores (so no e4m3 rounding can
 /// flip), it must equal the reference to f32 rounding: this pins P's scaling, the sums of the
@@ -449,6 +450,17 @@ fn fp8_attention_follows_its_online_schedule() -> crate::Result<()> {
     let e = attention_fp8_reference(&q, &k, &v, options, 0).unwrap_err();
     assert!(e.to_string().contains("step"), "{e}");
     Ok(())
+}
+
+/// The recipe's exponent offset moves as the GPU kernel's: the same headroom on both sides.
+#[test]
+fn the_recipe_and_the_kernel_keep_the_same_headroom() {
+    let kernel = include_str!("../attention/hopper.cu");
+    let line = format!(
+        "constexpr float HEADROOM = {:.1}f;",
+        super::attention::HEADROOM
+    );
+    assert!(kernel.contains(&line), "hopper.cu lacks `{line}`");
 }
 
 /// `fp8_attention_follows_its_online_schedule`'s closed form for one step.
@@ -492,10 +504,15 @@ fn check_online_schedule(
                 dot * (sqs * kb) * scale
             })
             .collect();
+        // The exponent offset: the first block's max + the headroom, moved only when a block's
+        // max passes it.
         let mut running = Vec::new();
         let mut m = f32::NEG_INFINITY;
         for block in s.chunks(step) {
-            m = block.iter().fold(m, |a, &b| a.max(b));
+            let block_max = block.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            if block_max > m {
+                m = block_max + super::attention::HEADROOM * std::f32::consts::LN_2;
+            }
             running.push(m);
         }
         let total = f64::from(m);

@@ -147,18 +147,20 @@ pub struct HopperFp8Variant {
     /// them into an f32 O, so that no tensor-core accumulator grows over the key run (hopper.cu's
     /// namespace `fp8` says why).
     pub window: usize,
-    /// Each block's exponentials taken at the offsets as they stand, before its row max, and the
-    /// block taken again exactly when a score passed its offset (`_spec`; hopper.cu's
-    /// `spec_softmax` says why that is rare).
+    /// Each block's exponentials taken at the offsets as they stand, before its row max, and a
+    /// warp's rows put right alone when a score passed its offset (`_spec`; hopper.cu's
+    /// `spec_softmax` says why that is rare, `fix_rows` how).
     pub speculative: bool,
 }
 
 impl HopperFp8Variant {
     /// Dynamic shared memory: Q (16 KiB), `stages` K stages of 16 KiB and as many Vᵀ stages of 17
-    /// (the block, then 8 rows of ones: hopper.cu's `VSTAGE`), plus 1 KiB of alignment slack.
+    /// (the block, then 8 rows of ones: hopper.cu's `VSTAGE`), with `_spec` 64 KiB of scratch for
+    /// `fix_rows`' S (64 words per consumer thread), plus 1 KiB of alignment slack.
     pub fn shared_bytes(&self) -> usize {
         let tile = HOPPER_FP8_KEYS * 128;
-        tile + self.stages * (2 * tile + 1024) + 1024
+        let scratch = if self.speculative { 64 * 1024 } else { 0 };
+        tile + self.stages * (2 * tile + 1024) + scratch + 1024
     }
 }
 

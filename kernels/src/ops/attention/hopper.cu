@@ -773,13 +773,15 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // p).
 // Speculative blocks (`_spec`): with the offset above every score seen by HEADROOM, a later block
 // rarely passes it, so its exponentials need not wait for its row max: they are taken at the
-// offsets as they stand, and one warpgroup vote on their max (which overflow shows as p > 448)
-// sends the rare block that passed back through S and the exact softmax; its outputs are the
-// exact kernel's bit for bit. Taking the row max first cost 11 % of the loop's time (the energy
-// diagnostics of RESULTS, 2026-12-06, sixth session); `_spec` was 5–9 % faster than the exact
-// kernel there. A headroom of 2 (a factor 4) sent 7–15 % of the warpgroups' blocks back on N(0, 1)
-// scores and gained nothing; 4 sends back ~0.3 %. An FMNMX chain for the overflow check instead of
-// VIMNMX3 gave back 3–4 %.
+// offsets as they stand, and a warp where one passed (p > 448) puts its rows right alone
+// (`fix_rows`): from its p while they are finite, else from S taken again on the CUDA cores; the
+// outputs matched the exact kernel's to every printed digit in the parity tests. Taking the row
+// max first cost 11 % of the loop's time (the energy diagnostics of RESULTS, 2026-12-06, sixth
+// session). A first version voted across the warpgroup (bar.red) and sent the block back
+// through the wgmma S: 5–9 % faster than the exact kernel; the warp alone is 9–12 % faster (RESULTS,
+// seventh session). A headroom of 2 (a factor 4) sent 7–15 % of the warpgroups' blocks back on
+// N(0, 1) scores and gained nothing; 4 sends back ~0.3 %. An FMNMX chain for the overflow check
+// instead of VIMNMX3 gave back 3–4 %.
 // P's registers: the S accumulator gives a thread, in each 32 keys, rows g and g + 8 of keys
 // {2t, 2t+1, 8+2t, 9+2t} and the same + 16 (g = lane/4, t = lane%4), while an 8-bit A fragment
 // wants k = 4t…4t+3 and 16+4t…16+4t+3. Rather than shuffle registers (FlashAttention-3), the
@@ -797,9 +799,6 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // one's softmax, S in runs whose row max is taken under the next run's GEMM, Q in registers, a
 // running max with headroom, P·V issued after the row max rather than with S (so that both
 // consumers' S would run first: 1–3 % slower) (RESULTS, 2026-12-03 to 2026-12-06, fifth session).
-// Measured and not yet kept: a speculative softmax (each block's exponentials before its row max,
-// at an exponent offset 16× above the running max; 5–9 % faster, commit b3380ec, RESULTS sixth
-// session), reverted until its parity against the recipe runs on a GPU.
 namespace fp8 {
 
 constexpr int KB = 128;                            // keys per K/V block: the softmax step, one K scale block
@@ -914,8 +913,8 @@ __device__ __forceinline__ bool online_softmax(float* s, float* m, float* alpha,
 
 // The speculative softmax of a block: s ← 2^(s·c − m + log2 448) at the offsets m as they stand,
 // without first taking the row max, so the exponentials start as soon as S is in. Returns whether
-// some p of this thread passed 448, i.e. some score passed its row's offset (then its P is wrong
-// and the block must be taken again exactly: `step`). p ≥ 0, so the max of their bits as signed
+// some p of this thread passed 448, i.e. some score passed its row's offset (then its row's P is
+// wrong and its warp puts it right: `fix_rows`). p ≥ 0, so the max of their bits as signed
 // integers is the bits of their max, three at a time (VIMNMX3, a Hopper DPX instruction); that
 // max needs every exponential, which also keeps them above the P·V wait (see `step`).
 __device__ __forceinline__ bool spec_softmax(float* s, const float* m, float c) {
@@ -937,15 +936,97 @@ __device__ __forceinline__ bool spec_softmax(float* s, const float* m, float c) 
     return max(part[0], part[1]) > P448;
 }
 
-// Whether `v` holds in some thread of this consumer warpgroup (named barrier `id`, 128 threads).
-__device__ __forceinline__ bool wg_any(bool v, int id) {
-    unsigned r;
-    asm volatile(
-        "{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.or.pred p, %2, 128, q;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(r)
-        : "r"((unsigned)v), "r"(id)
-        : "memory");
-    return r != 0;
+// Two e4m3 codes (`v`, the first in the low byte) as f32, in that order.
+__device__ __forceinline__ void e4m3x2_f32(unsigned short v, float& lo, float& hi) {
+    unsigned short a, b;
+    asm("{\n.reg .b32 h;\ncvt.rn.f16x2.e4m3x2 h, %2;\nmov.b32 {%0, %1}, h;\n}\n" : "=h"(a), "=h"(b) : "h"(v));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(a));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(b));
+}
+
+// 16 bytes of shared memory at `at`.
+__device__ __forceinline__ uint4 lds128(unsigned at) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(at) : "memory");
+    return r;
+}
+
+// Σ of the products of 16 e4m3 code pairs, in f32.
+__device__ __forceinline__ float dot16(uint4 a, uint4 b) {
+    const unsigned x[4] = {a.x, a.y, a.z, a.w}, y[4] = {b.x, b.y, b.z, b.w};
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hw = 0; hw < 2; ++hw) {
+            float a0, a1, b0, b1;
+            e4m3x2_f32((unsigned short)(x[j] >> (16 * hw)), a0, a1);
+            e4m3x2_f32((unsigned short)(y[j] >> (16 * hw)), b0, b1);
+            acc = fmaf(a0, b0, fmaf(a1, b1, acc));
+        }
+    return acc;
+}
+
+// S = Q·K_iᵀ for this warp's 16 rows on the CUDA cores, in f32 (the recipe's sum, in another
+// order), from the tiles in shared memory: `q_rows` the warp's first Q row, `kt` the K block, both
+// 1024-byte aligned, so that row r's 16-byte chunk j sits at chunk j ^ (r % 8) (the 128B swizzle).
+// `fix_rows`' rare path (a wgmma takes the whole warpgroup, this warp alone), kept small and out
+// of the registers: the loops stay rolled and S goes through this thread's 64 words of scratch at
+// `at` (a stride of 256 words) into s.
+__device__ __forceinline__ void qk_scalar(float* s, unsigned q_rows, unsigned kt, unsigned at, int lane) {
+#pragma unroll 1
+    for (int x = 0; x < KB / 2; ++x) {  // s[x]: row lane / 4 + 8·hf, key 8·nt + 2·(lane % 4) + e
+        const int nt = x / 4, hf = (x / 2) % 2, e = x % 2;
+        const int r = lane / 4 + 8 * hf, key = 8 * nt + 2 * (lane & 3) + e;
+        float acc = 0.0f;
+#pragma unroll 1
+        for (int ch = 0; ch < 8; ++ch)
+            acc += dot16(lds128(q_rows + r * 128 + ((ch ^ (r & 7)) << 4)),
+                         lds128(kt + key * 128 + ((ch ^ (key & 7)) << 4)));
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at + 1024 * x), "f"(acc) : "memory");
+    }
+#pragma unroll
+    for (int x = 0; x < KB / 2; ++x) asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(s[x]) : "r"(at + 1024 * x) : "memory");
+}
+
+// A warp some of whose p passed 448 (a score passed its row's offset: rare with the headroom)
+// puts its rows right alone, without the warpgroup. A row whose p are finite moves its offset to
+// its max + HEADROOM, the max read off its largest p (p = 2^(x − m + log2 448)), and its p take
+// α = 2^(m_old − m_new): the exact softmax's p, to the exponentials' rounding. If a p overflowed
+// f32 (a score ~119 log2 units past the offset), the warp takes S again on the CUDA cores and
+// the block's exact softmax. Returns whether some row of the warp moved its offset.
+__device__ __forceinline__ bool fix_rows(float* s, float* m, float* alpha, float c, unsigned q_rows, unsigned kt,
+                                         unsigned scratch_at, bool last, int lim, int lane) {
+    float pm[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        float x = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < KB / 8; ++nt) x = fmaxf(x, fmaxf(s[4 * nt + 2 * hf], s[4 * nt + 2 * hf + 1]));
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+        pm[hf] = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    }
+    if (__any_sync(0xffffffffu, isinf(pm[0]) || isinf(pm[1]))) {
+        qk_scalar(s, q_rows, kt, scratch_at, lane);
+        if (last) mask_keys<KB>(s, lim, lane);
+        return online_softmax(s, m, alpha, c);
+    }
+    bool rescale = false;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        if (pm[hf] > 448.0f) {
+            const float mn = m[hf] + (__log2f(pm[hf]) - LOG2_448) + HEADROOM;
+            alpha[hf] = ex2(m[hf] - mn);
+#pragma unroll
+            for (int nt = 0; nt < KB / 8; ++nt) {
+                s[4 * nt + 2 * hf] *= alpha[hf];
+                s[4 * nt + 2 * hf + 1] *= alpha[hf];
+            }
+            m[hf] = mn;
+            rescale = true;
+        }
+    }
+    return __any_sync(0xffffffffu, rescale);
 }
 
 // Block i ≥ 1: waits K_i and V_{i−1}, issues S = Q·K_iᵀ and P_{i−1}·V_{i−1} (P_{i−1} in p; from
@@ -957,7 +1038,8 @@ template <int STAGES, bool FRESH, bool PROMOTE, bool SPEC>
 __device__ __forceinline__ void step(float* s, float* o, float* ot, float* lt, float* a, unsigned (*p)[4], float* m,
                                      const float* ks, float cq, float cs, int i, int kv_len, unsigned q_wg,
                                      unsigned sk, unsigned sv, unsigned full_k, unsigned full_v, unsigned empty_k,
-                                     unsigned empty_v, unsigned scratch, bool leader, int lane, int w) {
+                                     unsigned empty_v, unsigned scratch, unsigned q_warp, unsigned scratch_s,
+                                     bool leader, int lane) {
     using namespace ws;
     const int st = i % STAGES, prev = (i - 1) % STAGES;
     const unsigned phase = (i / STAGES) & 1, prev_phase = ((i - 1) / STAGES) & 1;
@@ -979,24 +1061,13 @@ __device__ __forceinline__ void step(float* s, float* o, float* ot, float* lt, f
     float alpha[2] = {1.0f, 1.0f};
     bool rescale = false;
     if constexpr (SPEC) {
-        // The exponentials at the offsets as they stand. If a score passed its offset anywhere in
-        // the warpgroup (rare once the offsets have HEADROOM over the rows' maxima), S is taken
-        // again (K_i is still in: its stage is released below) and the block exactly. The vote
-        // needs every exponential, which keeps the P·V wait below them.
-        if (wg_any(spec_softmax(s, m, c), 1 + w)) {
-            wgmma_wait0();
-            fence_regs<KB / 2>(s);
-            fence_regs<ON>(o);
-            fence_regs(&p[0][0], KB / 8);
-            wgmma_fence();
-            qk(s, q_wg, sk + st * TILE8);
-            wgmma_commit();
-            wgmma_wait0();
-            fence_regs<KB / 2>(s);
-            if (last) mask_keys<KB>(s, kv_len - i * KB, lane);
-            rescale = online_softmax(s, m, alpha, c);
-        }
-        if (leader) mbar_arrive(empty_k + 8 * st);
+        // The exponentials at the offsets as they stand; a warp where a score passed its offset
+        // (rare once the offsets have HEADROOM over the rows' maxima) puts its rows right alone.
+        // The branch needs every exponential, which keeps the P·V wait below them. Each warp
+        // releases K_i itself: `fix_rows` may still read it after the others are done.
+        if (__any_sync(0xffffffffu, spec_softmax(s, m, c)))
+            rescale = fix_rows(s, m, alpha, c, q_warp, sk + st * TILE8, scratch_s, last, kv_len - i * KB, lane);
+        if (lane == 0) mbar_arrive(empty_k + 8 * st);
     } else {
         if (leader) mbar_arrive(empty_k + 8 * st);
         rescale = online_softmax(s, m, alpha, c);
@@ -1030,7 +1101,8 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
                                     const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
                                     int seq_q, int heads, int kv_len, float scale, int tiles_x) {
     static_assert(WIN >= 1 && WIN <= 4, "windows of 1 to 4 blocks");
-    static_assert(TILE8 + STAGES * (TILE8 + VSTAGE) + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024,
+    constexpr int SCRATCH = SPEC ? 64 * 1024 : 0;  // fix_rows' S: 64 words per consumer thread
+    static_assert(TILE8 + STAGES * (TILE8 + VSTAGE) + SCRATCH + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024,
                   "shared memory");
     using namespace ws;
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -1062,7 +1134,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full_k + 8 * s, 1);
             mbar_init(full_v + 8 * s, 1);
-            mbar_init(empty_k + 8 * s, 2);
+            mbar_init(empty_k + 8 * s, SPEC ? 8 : 2);  // `_spec`: each consumer warp releases K itself
             mbar_init(empty_v + 8 * s, 2);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -1106,6 +1178,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     const bool leader = threadIdx.x % 128 == 0;
     const unsigned q_wg = sq + w * 64 * 128;
     const unsigned scratch = smem_addr(&pin[threadIdx.x]);
+    const unsigned q_warp = q_wg + warp * 16 * 128, scratch_s = sv + STAGES * VSTAGE + 4 * threadIdx.x;
     float s[KB / 2];
     unsigned p[KB / 32][4];
 
@@ -1119,14 +1192,14 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     wgmma_commit();
     wgmma_wait0();
     fence_regs<KB / 2>(s);
-    if (leader) mbar_arrive(empty_k);
+    if (SPEC ? lane == 0 : leader) mbar_arrive(empty_k);
     if (KB > kv_len) mask_keys<KB>(s, kv_len, lane);
     online_softmax(s, m, a, c0);  // a = 0: ot = 0·0 + the first window
     pack_p(s, p);
 
 #define FP8_STEP(I, FRESH, PROMOTE)                                                                          \
     step<STAGES, FRESH, PROMOTE, SPEC>(s, o, ot, lt, a, p, m, ks, cq, cs, I, kv_len, q_wg, sk, sv, full_k,    \
-                                       full_v, empty_k, empty_v, scratch, leader, lane, w)
+                                       full_v, empty_k, empty_v, scratch, q_warp, scratch_s, leader, lane)
     // Window w holds blocks w·WIN … w·WIN + WIN − 1, so step i opens one (P·V_{i−1} fresh) when
     // i ≡ 1 and closes one when i ≡ 0 (mod WIN): the loop is unrolled by WIN so that both are known
     // at compile time; the steps left after it open at most one and close none.

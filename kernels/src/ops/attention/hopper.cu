@@ -774,14 +774,21 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // Speculative blocks (`_spec`): with the offset above every score seen by HEADROOM, a later block
 // rarely passes it, so its exponentials need not wait for its row max: they are taken at the
 // offsets as they stand, and a warp where one passed (p > 448) puts its rows right alone
-// (`fix_rows`): from its p while they are finite, else from S taken again on the CUDA cores; the
-// outputs matched the exact kernel's to every printed digit in the parity tests. Taking the row
-// max first cost 11 % of the loop's time (the energy diagnostics of RESULTS, 2026-12-06, sixth
-// session). A first version voted across the warpgroup (bar.red) and sent the block back
-// through the wgmma S: 5–9 % faster than the exact kernel; the warp alone is 9–12 % faster (RESULTS,
-// seventh session). A headroom of 2 (a factor 4) sent 7–15 % of the warpgroups' blocks back on
-// N(0, 1) scores and gained nothing; 4 sends back ~0.3 %. An FMNMX chain for the overflow check
-// instead of VIMNMX3 gave back 3–4 %.
+// (`fix_rows`): from its p while they are finite, else from S taken again on the CUDA cores. In
+// the parity tests the outputs matched the exact kernel's to every printed digit, except where
+// scores pass the offset by ~100 nats: there the CUDA cores' f32 sums came closer to the recipe
+// than the tensor cores' accumulation. Taking the row max first cost 11 % of the loop's time (the
+// energy diagnostics of RESULTS, 2026-12-06, sixth session). A first version voted across the
+// warpgroup (bar.red) and sent the block back through the wgmma S: 5–9 % faster than the exact
+// kernel; the warp alone is 8–14 % faster (RESULTS, seventh session), ~4 % behind a diagnostic
+// that never puts anything right, whose e4m3 conversions ptxas interleaves with the
+// exponentials (here they wait for the branch). A second P beside the first, so that the
+// conversions could come before the branch, spilled, and ptxas still sank them (not run). The
+// rare path stays rolled: unrolled, its registers pushed some of O into local memory in the hot
+// loop. A
+// headroom of 2 (a factor 4) sent 7–15 % of the warpgroups' blocks back on N(0, 1) scores and
+// gained nothing; 4 sends back ~0.3 %. An FMNMX chain for the overflow check instead of VIMNMX3
+// gave back 3–4 %.
 // P's registers: the S accumulator gives a thread, in each 32 keys, rows g and g + 8 of keys
 // {2t, 2t+1, 8+2t, 9+2t} and the same + 16 (g = lane/4, t = lane%4), while an 8-bit A fragment
 // wants k = 4t…4t+3 and 16+4t…16+4t+3. Rather than shuffle registers (FlashAttention-3), the

@@ -1982,7 +1982,10 @@ fn fp8_attention_matches_cpu() -> Result<()> {
 /// `fp8_attention_matches_cpu` where later keys pass the softmax's exponent offset, by a little and
 /// by far: the keys from 640 on are 3× larger, those from 896 on 20× (scores up to ~100 nats above
 /// the first blocks' maxima: past f32's range, 2¹²⁸, for a p taken at the old offset). The
-/// speculative kernel (`_spec`) must notice every pass and take those blocks again exactly.
+/// speculative kernel (`_spec`) must notice every pass and put those rows right: at 3× from their
+/// p (hopper.cu's `fix_rows`), at 20× from S taken again on the CUDA cores. (There, on an H100,
+/// it came within 4.7e-4 of the recipe and the exact kernels within 3.4e-3: at ~100 nats the
+/// tensor cores' accumulation of S shows; bench/RESULTS.md, 2026-12-06, seventh session.)
 #[test]
 fn fp8_attention_matches_cpu_when_scores_pass_the_offset() -> Result<()> {
     let Some(dev) = fp8_gpu()? else { return Ok(()) };

@@ -2017,11 +2017,11 @@ fn fp8_attention_matches_cpu_over_long_flat_key_runs() -> Result<()> {
 }
 
 /// Every FP8 variant against the recipe at the kernels' softmax step on q [b, sq, h, 128] (N(0, 1)
-/// times `spread`), k and v [b, sk, h, 128] (N(0, 1), v plus `v_mean`, the keys from `k_step.0` on
-/// times `k_step.1`), kv_len valid keys, with
-/// the tolerances of `fp8_attention_matches_cpu` (the distance ≤ a third of the quantisation's
-/// own when `below_quantisation`); every variant's distances are printed, all before the first
-/// assertion, so that one failing variant does not hide the others' figures.
+/// times `spread`), k and v [b, sk, h, 128] (N(0, 1), v plus `v_mean`, the keys from `k_from` on
+/// times `k_gain`), kv_len valid keys, with the tolerances of `fp8_attention_matches_cpu` (the
+/// distance ≤ a third of the quantisation's own when `below_quantisation`); every variant's
+/// distances are printed, all before the first assertion, so that one failing variant does not
+/// hide the others' figures.
 fn fp8_attention_case(
     dev: Device,
     [b, sq, sk, h, kv_len]: [usize; 5],

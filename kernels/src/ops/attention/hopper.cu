@@ -785,10 +785,9 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // exponentials (here they wait for the branch). A second P beside the first, so that the
 // conversions could come before the branch, spilled, and ptxas still sank them (not run). The
 // rare path stays rolled: unrolled, its registers pushed some of O into local memory in the hot
-// loop. A
-// headroom of 2 (a factor 4) sent 7–15 % of the warpgroups' blocks back on N(0, 1) scores and
-// gained nothing; 4 sends back ~0.3 %. An FMNMX chain for the overflow check instead of VIMNMX3
-// gave back 3–4 %.
+// loop. A headroom of 2 (a factor 4) sent 7–15 % of the warpgroups' blocks back on N(0, 1) scores
+// and gained nothing; 4 sends back ~0.3 %. An FMNMX chain for the overflow check instead of
+// VIMNMX3 gave back 3–4 %.
 // P's registers: the S accumulator gives a thread, in each 32 keys, rows g and g + 8 of keys
 // {2t, 2t+1, 8+2t, 9+2t} and the same + 16 (g = lane/4, t = lane%4), while an 8-bit A fragment
 // wants k = 4t…4t+3 and 16+4t…16+4t+3. Rather than shuffle registers (FlashAttention-3), the

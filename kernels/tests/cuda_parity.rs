@@ -471,12 +471,9 @@ fn searched_gemms_match_cpu() -> Result<()> {
             rtol(DType::BF16),
         );
     }
-    let searching =
-        std::env::var("DITSTREAM_GEMM_SEARCH").map_or(true, |v| v.is_empty() || v == "find");
-    if searching {
-        let path = ditstream_kernels::cuda::cuda_config()
-            .cache_dir
-            .join("cublaslt-algos.tsv");
+    let config = ditstream_kernels::cuda::cuda_config()?;
+    if config.gemm_search == ditstream_kernels::cuda::AlgoSearch::Find {
+        let path = config.cache_dir.join("cublaslt-algos.tsv");
         let text = std::fs::read_to_string(&path).unwrap_or_default();
         for epilogue in ["bias", "gelu_bias"] {
             let shape = format!("bf16 m{outf} n{rows} k{inf} ta b1 s0,0,0 {epilogue}");

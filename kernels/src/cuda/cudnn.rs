@@ -49,8 +49,8 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::cudnn_graph::{self, Candidate, ConvGraph, GraphPlan};
 use super::plan_cache::{self, Choice, PlanCache};
-// How a plan's algorithm is chosen: `$DITSTREAM_CUDNN_SEARCH`, else the process's `CudaConfig`
-// (the deployment's `cuda.cudnn_search`).
+// How a plan's algorithm is chosen: the process's `CudaConfig` (the deployment's
+// `cuda.cudnn_search`, or `$DITSTREAM_CUDNN_SEARCH` over it).
 use super::nvrtc::AlgoSearch as Search;
 use super::{CudaBackend, catch};
 use crate::{DType, KernelError, Result};
@@ -369,10 +369,8 @@ fn library_version() -> Result<usize> {
 
 impl Dnn {
     fn new(backend: &CudaBackend) -> Result<Self> {
-        let search = match super::nvrtc::search_from_env(super::nvrtc::CUDNN_SEARCH_VAR)? {
-            Some(search) => search,
-            None => super::cuda_config().cudnn_search,
-        };
+        let config = super::cuda_config()?;
+        let search = config.cudnn_search;
         let version = library_version()?;
         let unavailable = |call: &str, e: CudnnError| KernelError::CudaUnavailable {
             library: "libcudnn",
@@ -384,7 +382,7 @@ impl Dnn {
             .map_err(|e| backend.err("cudnn", "cuCtxSetCurrent", e))?;
         let handle =
             catch("libcudnn", dnn::create_handle)?.map_err(|e| unavailable("cudnnCreate", e))?;
-        let cache_path = super::cuda_config().cache_dir.join("cudnn-plans.tsv");
+        let cache_path = config.cache_dir.join("cudnn-plans.tsv");
         let device = backend.model();
         let dnn = Dnn {
             handle,

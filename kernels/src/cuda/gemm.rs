@@ -23,7 +23,7 @@ use cudarc::cublaslt::result::{self as lt, CublasError};
 use cudarc::cublaslt::sys::{self as lt_sys, cublasLtMatmulDescAttributes_t as DescAttr};
 use cudarc::driver::{CudaSlice, DevicePtr};
 
-use super::nvrtc::{AlgoSearch, GEMM_SEARCH_VAR, search_from_env};
+use super::nvrtc::AlgoSearch;
 use super::plan_cache::{Entry, PlanCache};
 use super::{CudaBackend, catch};
 use crate::{DType, KernelError, Result};
@@ -224,18 +224,15 @@ impl Blas {
         // SAFETY: the workspace is only ever handed to cuBLASLt, which needs no initial contents.
         let workspace = unsafe { backend.stream.alloc::<u8>(WORKSPACE_BYTES) }
             .map_err(|e| backend.err("gemm", "cuMemAllocAsync", e))?;
-        let search = match search_from_env(GEMM_SEARCH_VAR)? {
-            Some(search) => search,
-            None => super::cuda_config().gemm_search,
-        };
+        let config = super::cuda_config()?;
         // SAFETY: cublasLtGetVersion takes no arguments and only reads a constant.
         let version = unsafe { lt_sys::cublasLtGetVersion() };
-        let cache_path = super::cuda_config().cache_dir.join("cublaslt-algos.tsv");
+        let cache_path = config.cache_dir.join("cublaslt-algos.tsv");
         Ok(Blas {
             handle,
             workspace,
             plans: HashMap::new(),
-            search,
+            search: config.gemm_search,
             version,
             device: backend.model(),
             cache: PlanCache::load(&cache_path),

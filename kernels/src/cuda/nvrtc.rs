@@ -12,7 +12,7 @@
 //! (`$DITSTREAM_CUDA_INCLUDE`, else the deployment config's `cuda.include_dir`, else the first of
 //! `$CUDA_HOME/include` and `/usr/local/cuda/include` that holds it).
 
-use std::ffi::{CStr, CString, c_char};
+use std::ffi::{CStr, CString, OsString, c_char};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -25,7 +25,7 @@ use crate::{KernelError, Result};
 const PRELUDE: &str = include_str!("prelude.cuh");
 
 /// Settings of the CUDA backend; set once with [`set_cuda_config`] (or [`ensure_cuda_config`])
-/// before the first CUDA op, or left to the defaults of [`CudaConfig::from_env`].
+/// before the first CUDA op, or left to [`CudaConfig::resolve`] with nothing set by a deployment.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaConfig {
     /// Where compiled CUBINs are kept.
@@ -55,96 +55,90 @@ pub enum AlgoSearch {
 /// Standard places of the CUDA headers, after `$CUDA_HOME/include`.
 const INCLUDE_CANDIDATES: &[&str] = &["/usr/local/cuda/include"];
 
+/// A view of the process environment: a variable's value, `None` when unset or empty.
+pub type Env<'a> = &'a dyn Fn(&str) -> Option<OsString>;
+
+/// The process environment, read once per process when its settings are fixed (the variables
+/// are overrides for one-off runs and the GPU scripts; the settings themselves belong to the
+/// deployment's `cuda:` section). The one place this crate reads it.
+fn process_env(name: &str) -> Option<OsString> {
+    std::env::var_os(name).filter(|v| !v.is_empty())
+}
+
 impl CudaConfig {
-    /// The settings a deployment asks for (`None`: not set there), with the environment as the
-    /// override: `cache_dir` = `$DITSTREAM_KERNEL_CACHE`, else `kernel_cache`, else
-    /// `$XDG_CACHE_HOME/ditstream/kernels`, else `~/.cache/ditstream/kernels`, else the temp dir;
-    /// `include_dir` = `$DITSTREAM_CUDA_INCLUDE`, else `include_dir`, else the first directory
-    /// holding `cuda_bf16.h` among `$CUDA_HOME/include` and `/usr/local/cuda/include`;
-    /// `cudnn_search` = `$DITSTREAM_CUDNN_SEARCH` and `gemm_search` = `$DITSTREAM_GEMM_SEARCH`
-    /// (`find` or `heuristic`; another value is an error naming it), else the setting, else
-    /// [`AlgoSearch::Find`].
+    /// The settings a deployment asks for (`None`: not set there), with the process environment
+    /// as the override: see [`CudaConfig::resolve_in`].
     pub fn resolve(
         kernel_cache: Option<PathBuf>,
         include_dir: Option<PathBuf>,
         cudnn_search: Option<AlgoSearch>,
         gemm_search: Option<AlgoSearch>,
     ) -> Result<Self> {
-        let (cache_dir, include_dir) = paths(kernel_cache, include_dir);
-        Ok(CudaConfig {
-            cache_dir,
+        Self::resolve_in(
+            kernel_cache,
             include_dir,
-            cudnn_search: search_from_env(CUDNN_SEARCH_VAR)?
-                .or(cudnn_search)
-                .unwrap_or_default(),
-            gemm_search: search_from_env(GEMM_SEARCH_VAR)?
-                .or(gemm_search)
-                .unwrap_or_default(),
-        })
+            cudnn_search,
+            gemm_search,
+            &process_env,
+        )
     }
 
-    /// The defaults with the environment's overrides and no deployment settings. An invalid
-    /// search variable is reported by the first convolution or GEMM, not here.
-    pub fn from_env() -> Self {
-        let (cache_dir, include_dir) = paths(None, None);
-        let search = |var| search_from_env(var).ok().flatten().unwrap_or_default();
-        CudaConfig {
-            cache_dir,
-            include_dir,
-            cudnn_search: search(CUDNN_SEARCH_VAR),
-            gemm_search: search(GEMM_SEARCH_VAR),
-        }
-    }
-}
-
-/// The cache and include directories [`CudaConfig::resolve`] describes.
-fn paths(
-    kernel_cache: Option<PathBuf>,
-    include_dir: Option<PathBuf>,
-) -> (PathBuf, Option<PathBuf>) {
-    let env_path = |name| {
-        std::env::var_os(name)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    let cache_dir = env_path("DITSTREAM_KERNEL_CACHE")
-        .or(kernel_cache)
-        .or_else(|| env_path("XDG_CACHE_HOME").map(|d| d.join("ditstream/kernels")))
-        .or_else(|| env_path("HOME").map(|d| d.join(".cache/ditstream/kernels")))
-        .unwrap_or_else(|| std::env::temp_dir().join("ditstream-kernels"));
-    let include_dir = env_path("DITSTREAM_CUDA_INCLUDE")
-        .or(include_dir)
-        .or_else(|| {
-            env_path("CUDA_HOME")
+    /// The settings a deployment asks for, with the environment `env` as the override:
+    /// `cache_dir` = `$DITSTREAM_KERNEL_CACHE`, else `kernel_cache`, else
+    /// `$XDG_CACHE_HOME/ditstream/kernels`, else `~/.cache/ditstream/kernels`, else the temp dir;
+    /// `include_dir` = `$DITSTREAM_CUDA_INCLUDE`, else `include_dir`, else the first directory
+    /// holding `cuda_bf16.h` among `$CUDA_HOME/include` and `/usr/local/cuda/include`;
+    /// `cudnn_search` = `$DITSTREAM_CUDNN_SEARCH` and `gemm_search` = `$DITSTREAM_GEMM_SEARCH`
+    /// (`find` or `heuristic`; another value is an error naming it), else the setting, else
+    /// [`AlgoSearch::Find`].
+    pub fn resolve_in(
+        kernel_cache: Option<PathBuf>,
+        include_dir: Option<PathBuf>,
+        cudnn_search: Option<AlgoSearch>,
+        gemm_search: Option<AlgoSearch>,
+        env: Env,
+    ) -> Result<Self> {
+        let path = |name| env(name).map(PathBuf::from);
+        let cache_dir = path("DITSTREAM_KERNEL_CACHE")
+            .or(kernel_cache)
+            .or_else(|| path("XDG_CACHE_HOME").map(|d| d.join("ditstream/kernels")))
+            .or_else(|| path("HOME").map(|d| d.join(".cache/ditstream/kernels")))
+            .unwrap_or_else(|| std::env::temp_dir().join("ditstream-kernels"));
+        let include_dir = path("DITSTREAM_CUDA_INCLUDE").or(include_dir).or_else(|| {
+            path("CUDA_HOME")
                 .map(|d| d.join("include"))
                 .into_iter()
                 .chain(INCLUDE_CANDIDATES.iter().map(PathBuf::from))
                 .find(|d| d.join("cuda_bf16.h").is_file())
         });
-    (cache_dir, include_dir)
+        let search = |var| match env(var) {
+            None => Ok(None),
+            Some(v) => match v.to_str() {
+                Some("find") => Ok(Some(AlgoSearch::Find)),
+                Some("heuristic") => Ok(Some(AlgoSearch::Heuristic)),
+                _ => Err(KernelError::arg(
+                    "cuda settings",
+                    var,
+                    v.to_string_lossy(),
+                    "expected `find` (measure each algorithm) or `heuristic` (rank without running)",
+                )),
+            },
+        };
+        Ok(CudaConfig {
+            cache_dir,
+            include_dir,
+            cudnn_search: search(CUDNN_SEARCH_VAR)?
+                .or(cudnn_search)
+                .unwrap_or_default(),
+            gemm_search: search(GEMM_SEARCH_VAR)?.or(gemm_search).unwrap_or_default(),
+        })
+    }
 }
 
 /// The variable overriding `cuda.cudnn_search`.
 pub const CUDNN_SEARCH_VAR: &str = "DITSTREAM_CUDNN_SEARCH";
 /// The variable overriding `cuda.gemm_search`.
 pub const GEMM_SEARCH_VAR: &str = "DITSTREAM_GEMM_SEARCH";
-
-/// The search variable `var`, if set: `find` or `heuristic`, another value an error naming it.
-pub fn search_from_env(var: &'static str) -> Result<Option<AlgoSearch>> {
-    match std::env::var(var) {
-        Ok(v) if !v.is_empty() => match v.as_str() {
-            "find" => Ok(Some(AlgoSearch::Find)),
-            "heuristic" => Ok(Some(AlgoSearch::Heuristic)),
-            other => Err(KernelError::arg(
-                "cuda settings",
-                var,
-                other,
-                "expected `find` (measure each algorithm) or `heuristic` (rank without running)",
-            )),
-        },
-        _ => Ok(None),
-    }
-}
 
 static CONFIG: OnceLock<CudaConfig> = OnceLock::new();
 
@@ -158,7 +152,7 @@ pub fn set_cuda_config(config: CudaConfig) -> Result<()> {
             format!("{config:?}"),
             format!(
                 "the settings are fixed once used; in force: {:?}",
-                cuda_config()
+                CONFIG.get()
             ),
         )
     })
@@ -180,9 +174,15 @@ pub fn ensure_cuda_config(config: CudaConfig) -> Result<()> {
     }
 }
 
-/// The settings in force (the defaults unless [`set_cuda_config`] ran first).
-pub fn cuda_config() -> &'static CudaConfig {
-    CONFIG.get_or_init(CudaConfig::from_env)
+/// The settings in force: those set by [`set_cuda_config`], else (fixed on first use)
+/// [`CudaConfig::resolve`] with no deployment settings, an invalid variable being an error that
+/// names it.
+pub fn cuda_config() -> Result<&'static CudaConfig> {
+    if let Some(config) = CONFIG.get() {
+        return Ok(config);
+    }
+    let config = CudaConfig::resolve(None, None, None, None)?;
+    Ok(CONFIG.get_or_init(|| config))
 }
 
 /// FNV-1a, 64 bits: a stable hash (unlike `DefaultHasher`) for cache file names.
@@ -238,7 +238,7 @@ fn options(arch: &str, config: &CudaConfig) -> Vec<String> {
 /// CUBIN of `source` for `arch`, from the disk cache or freshly compiled (and then cached).
 pub(crate) fn cubin(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
     probe_nvrtc()?;
-    let config = cuda_config();
+    let config = cuda_config()?;
     let options = options(arch, config);
     let text = format!("{PRELUDE}\n#line 1 \"{}.cu\"\n{}", source.name, source.text);
     let (major, minor) = nvrtc_version()?;
@@ -370,40 +370,72 @@ mod tests {
         assert!(opts.contains(&"--include-path=/inc".to_string()));
     }
 
-    /// The deployment's settings hold unless the environment names another value (the GPU
-    /// scripts set the cache; a plain test run sets none).
+    /// The deployment's settings hold unless the environment names another value, and the
+    /// defaults come from the environment's folders when neither sets them.
     #[test]
     fn the_environment_overrides_the_deployments_settings() {
-        let c = CudaConfig::resolve(
-            Some(PathBuf::from("/srv/ditstream/kernels")),
-            Some(PathBuf::from("/opt/cuda/include")),
-            Some(AlgoSearch::Heuristic),
-            Some(AlgoSearch::Heuristic),
+        let deployment = || {
+            (
+                Some(PathBuf::from("/srv/ditstream/kernels")),
+                Some(PathBuf::from("/opt/cuda/include")),
+                Some(AlgoSearch::Heuristic),
+                Some(AlgoSearch::Heuristic),
+            )
+        };
+        let resolve = |vars: &[(&str, &str)], (cache, include, cudnn, gemm)| {
+            let vars: Vec<(String, OsString)> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), OsString::from(v)))
+                .collect();
+            let env =
+                move |name: &str| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+            CudaConfig::resolve_in(cache, include, cudnn, gemm, &env)
+        };
+
+        let c = resolve(&[("HOME", "/home/u")], deployment()).unwrap();
+        assert_eq!(c.cache_dir, PathBuf::from("/srv/ditstream/kernels"));
+        assert_eq!(c.include_dir, Some(PathBuf::from("/opt/cuda/include")));
+        assert_eq!(
+            (c.cudnn_search, c.gemm_search),
+            (AlgoSearch::Heuristic, AlgoSearch::Heuristic)
         );
-        let env = |name| std::env::var_os(name).filter(|v| !v.is_empty());
-        type Field = fn(&CudaConfig) -> AlgoSearch;
-        let searches: [(&str, Field); 2] = [
-            (CUDNN_SEARCH_VAR, |c| c.cudnn_search),
-            (GEMM_SEARCH_VAR, |c| c.gemm_search),
+
+        let vars = [
+            ("DITSTREAM_KERNEL_CACHE", "/tmp/k"),
+            ("DITSTREAM_CUDA_INCLUDE", "/pip/include"),
+            (CUDNN_SEARCH_VAR, "find"),
+            (GEMM_SEARCH_VAR, "find"),
         ];
-        for (var, field) in searches {
-            let want = match std::env::var(var).ok().filter(|v| !v.is_empty()) {
-                None => AlgoSearch::Heuristic,
-                Some(v) if v == "find" => AlgoSearch::Find,
-                Some(v) if v == "heuristic" => AlgoSearch::Heuristic,
-                Some(_) => {
-                    assert!(c.is_err(), "an unknown {var} is refused");
-                    return;
-                }
-            };
-            assert_eq!(field(c.as_ref().unwrap()), want, "{var}");
-        }
-        let c = c.unwrap();
-        let want = env("DITSTREAM_KERNEL_CACHE")
-            .map_or_else(|| "/srv/ditstream/kernels".into(), PathBuf::from);
-        assert_eq!(c.cache_dir, want);
-        let want =
-            env("DITSTREAM_CUDA_INCLUDE").map_or_else(|| "/opt/cuda/include".into(), PathBuf::from);
-        assert_eq!(c.include_dir, Some(want));
+        let c = resolve(&vars, deployment()).unwrap();
+        assert_eq!(c.cache_dir, PathBuf::from("/tmp/k"));
+        assert_eq!(c.include_dir, Some(PathBuf::from("/pip/include")));
+        assert_eq!(
+            (c.cudnn_search, c.gemm_search),
+            (AlgoSearch::Find, AlgoSearch::Find)
+        );
+
+        let c = resolve(
+            &[("XDG_CACHE_HOME", "/x"), ("HOME", "/home/u")],
+            Default::default(),
+        )
+        .unwrap();
+        assert_eq!(c.cache_dir, PathBuf::from("/x/ditstream/kernels"));
+        assert_eq!(
+            (c.cudnn_search, c.gemm_search),
+            (AlgoSearch::Find, AlgoSearch::Find)
+        );
+        let c = resolve(&[("HOME", "/home/u")], Default::default()).unwrap();
+        assert_eq!(
+            c.cache_dir,
+            PathBuf::from("/home/u/.cache/ditstream/kernels")
+        );
+
+        let err = resolve(&[(GEMM_SEARCH_VAR, "fastest")], deployment())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(GEMM_SEARCH_VAR) && err.contains("fastest"),
+            "{err}"
+        );
     }
 }

@@ -782,12 +782,13 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // warpgroup (bar.red) and sent the block back through the wgmma S: 5–9 % faster than the exact
 // kernel; the warp alone is 8–14 % faster (RESULTS, seventh session), ~4 % behind a diagnostic
 // that never puts anything right, whose e4m3 conversions ptxas interleaves with the
-// exponentials (here they wait for the branch). A second P beside the first, so that the
-// conversions could come before the branch, spilled, and ptxas still sank them (not run). The
-// rare path stays rolled: unrolled, its registers pushed some of O into local memory in the hot
-// loop. A headroom of 2 (a factor 4) sent 7–15 % of the warpgroups' blocks back on N(0, 1) scores
-// and gained nothing; 4 sends back ~0.3 %. An FMNMX chain for the overflow check instead of
-// VIMNMX3 gave back 3–4 %.
+// exponentials (here they wait for the branch). Packing into a second P before the branch, with
+// the check read off the e4m3 codes and a passing warp's S taken again with mma.sync, was 1.5–3 %
+// slower on an H100 once its spills were mended: the second P's registers cost more than the wait
+// (RESULTS, eighth session). The rare path stays rolled: unrolled, its registers pushed some of O
+// into local memory in the hot loop. A headroom of 2 (a factor 4) sent 7–15 % of the warpgroups'
+// blocks back on N(0, 1) scores and gained nothing; 4 sends back ~0.3 %. An FMNMX chain for the
+// overflow check instead of VIMNMX3 gave back 3–4 %.
 // P's registers: the S accumulator gives a thread, in each 32 keys, rows g and g + 8 of keys
 // {2t, 2t+1, 8+2t, 9+2t} and the same + 16 (g = lane/4, t = lane%4), while an 8-bit A fragment
 // wants k = 4t…4t+3 and 16+4t…16+4t+3. Rather than shuffle registers (FlashAttention-3), the

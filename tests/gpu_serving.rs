@@ -47,6 +47,15 @@ fn config(device: &str, gpus: &str, parallel: &str) -> Config {
          parallel_config:\n{parallel}"
     );
     let cfg = Config::parse(&yaml, "<test>").unwrap();
+    // The GPU script's CUDA settings, the same the gate fixes for the process.
+    #[cfg(feature = "cuda")]
+    let cfg = {
+        let mut cfg = cfg;
+        if device == "cuda" {
+            cfg.cuda = (&ditstream_kernels::testing::cuda_settings_from_env().unwrap()).into();
+        }
+        cfg
+    };
     cfg.validate(None).unwrap();
     cfg
 }

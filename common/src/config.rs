@@ -483,26 +483,26 @@ pub enum AttentionBackend {
     Portable,
 }
 
-/// `cuda:` section: the CUDA backend's settings, read with `serving.device: cuda`. Each key's
-/// environment variable, when set, overrides it (for one-off runs and the GPU scripts).
+/// `cuda:` section: the CUDA backend's settings, read with `serving.device: cuda`; the one place a
+/// deployment sets them (no environment variable overrides them; the GPU scripts' `DITSTREAM_*`
+/// variables set them for tests and benchmarks only, through their GPU gate).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct CudaSettings {
-    /// Folder of the compiled kernels (CUBIN) cache (`DITSTREAM_KERNEL_CACHE`); unset:
-    /// `$XDG_CACHE_HOME/ditstream/kernels`, else `~/.cache/ditstream/kernels`, else the temp dir.
+    /// Folder of the compiled kernels (CUBIN) cache, and of the cuBLASLt algorithms chosen; unset:
+    /// `ditstream-kernels` in the temp dir, which a reboot may empty (the first request after it
+    /// then compiles again).
     pub kernel_cache: Option<PathBuf>,
-    /// Folder holding `cuda_bf16.h` for NVRTC (`DITSTREAM_CUDA_INCLUDE`); unset: the first of
-    /// `$CUDA_HOME/include` and `/usr/local/cuda/include` that holds it.
+    /// Folder holding `cuda_bf16.h` for NVRTC; unset: `/usr/local/cuda/include` when it holds it.
     pub include_dir: Option<PathBuf>,
-    /// How each convolution shape's cuDNN algorithm is chosen on first use
-    /// (`DITSTREAM_CUDNN_SEARCH`): `find` measures every candidate (the default; ~20 s per GPU on
-    /// the first 480p decode, decodes ~1.15× faster), `heuristic` ranks without running.
+    /// How each convolution shape's cuDNN algorithm is chosen on first use: `find` measures
+    /// every candidate (the default; ~20 s per GPU on the first 480p decode, decodes ~1.15×
+    /// faster), `heuristic` ranks without running.
     pub cudnn_search: AlgoSearch,
-    /// How each large GEMM shape's cuBLASLt algorithm is chosen on first use
-    /// (`DITSTREAM_GEMM_SEARCH`): `find` times the heuristic's first eight candidates on the
-    /// call's buffers and keeps one that is clearly faster than its first (the default; up to
-    /// ~1.5 s per shape, once per GPU model and cuBLASLt version: the choice is kept in the kernel
-    /// cache), `heuristic` takes its first.
+    /// How each large GEMM shape's cuBLASLt algorithm is chosen on first use: `find` times the
+    /// heuristic's first eight candidates on the call's buffers and keeps one that is clearly
+    /// faster than its first (the default; up to ~1.5 s per shape, once per GPU model and cuBLASLt
+    /// version: the choice is kept in the kernel cache), `heuristic` takes its first.
     pub gemm_search: AlgoSearch,
 }
 

@@ -160,8 +160,8 @@ pub fn rank_devices(cfg: &Config, what: &str, ranks: usize) -> Result<Vec<Device
     }
 }
 
-/// The CUDA backend's settings from `cuda:` (the environment overriding each), fixed for the
-/// process before its first kernel; both stages of `serve` ask for the same.
+/// The CUDA backend's settings from `cuda:`, fixed for the process before its first kernel; both
+/// stages of `serve` ask for the same.
 #[cfg(feature = "cuda")]
 fn configure_cuda(cfg: &Config) -> Result<(), DeviceError> {
     use ditstream_kernels::cuda::{AlgoSearch, CudaConfig, ensure_cuda_config};
@@ -175,9 +175,28 @@ fn configure_cuda(cfg: &Config) -> Result<(), DeviceError> {
         c.include_dir.clone(),
         Some(search(c.cudnn_search)),
         Some(search(c.gemm_search)),
-    )?;
+    );
     ensure_cuda_config(settings).map_err(|source| DeviceError::CudaSettings { source })?;
     Ok(())
+}
+
+/// The `cuda:` section that asks for `settings` (a test or benchmark that fixed its settings from
+/// its GPU script's variables serves with the same).
+#[cfg(feature = "cuda")]
+impl From<&ditstream_kernels::cuda::CudaConfig> for crate::config::CudaSettings {
+    fn from(settings: &ditstream_kernels::cuda::CudaConfig) -> Self {
+        use ditstream_kernels::cuda::AlgoSearch;
+        let search = |s| match s {
+            AlgoSearch::Find => crate::config::AlgoSearch::Find,
+            AlgoSearch::Heuristic => crate::config::AlgoSearch::Heuristic,
+        };
+        crate::config::CudaSettings {
+            kernel_cache: Some(settings.cache_dir.clone()),
+            include_dir: settings.include_dir.clone(),
+            cudnn_search: search(settings.cudnn_search),
+            gemm_search: search(settings.gemm_search),
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -91,6 +91,64 @@ pub fn assert_close_slices(actual: &[f32], expected: &[f32], atol: f32, rtol: f3
     }
 }
 
+/// The variables by which a GPU script sets a test or benchmark run's CUDA settings: the gate's
+/// knobs, as `DITSTREAM_REQUIRE_GPUS` (a deployment sets the same in its config's `cuda:` section;
+/// the library reads no environment variable).
+#[cfg(feature = "cuda")]
+pub const CUDA_SETTINGS_VARS: [&str; 4] = [
+    "DITSTREAM_KERNEL_CACHE",
+    "DITSTREAM_CUDA_INCLUDE",
+    "DITSTREAM_CUDNN_SEARCH",
+    "DITSTREAM_GEMM_SEARCH",
+];
+
+/// A test or benchmark run's CUDA settings from the variables `env` gives (`None` or empty:
+/// unset): the kernel cache folder, the folder holding `cuda_bf16.h`, and the cuDNN and cuBLASLt
+/// searches (`find` or `heuristic`; another value is an error naming the variable and the value),
+/// each unset one taking [`CudaConfig::resolve`]'s default.
+///
+/// [`CudaConfig::resolve`]: crate::cuda::CudaConfig::resolve
+#[cfg(feature = "cuda")]
+pub fn cuda_settings_in(
+    env: &dyn Fn(&str) -> Option<std::ffi::OsString>,
+) -> Result<crate::cuda::CudaConfig> {
+    use crate::cuda::{AlgoSearch, CudaConfig};
+    let [cache, include, cudnn, gemm] = CUDA_SETTINGS_VARS;
+    let get = |var| env(var).filter(|v| !v.is_empty());
+    let search = |var| match get(var) {
+        None => Ok(None),
+        Some(v) => match v.to_str() {
+            Some("find") => Ok(Some(AlgoSearch::Find)),
+            Some("heuristic") => Ok(Some(AlgoSearch::Heuristic)),
+            _ => Err(KernelError::arg(
+                "cuda settings",
+                var,
+                v.to_string_lossy(),
+                "expected `find` (measure each algorithm) or `heuristic` (rank without running)",
+            )),
+        },
+    };
+    Ok(CudaConfig::resolve(
+        get(cache).map(Into::into),
+        get(include).map(Into::into),
+        search(cudnn)?,
+        search(gemm)?,
+    ))
+}
+
+/// [`cuda_settings_in`] this process's environment.
+#[cfg(feature = "cuda")]
+pub fn cuda_settings_from_env() -> Result<crate::cuda::CudaConfig> {
+    cuda_settings_in(&|var| std::env::var_os(var))
+}
+
+/// Fixes this process's CUDA settings from its environment ([`cuda_settings_from_env`]) unless
+/// the same are fixed already: what a GPU test's gate and each benchmark do first.
+#[cfg(feature = "cuda")]
+pub fn configure_cuda() -> Result<()> {
+    crate::cuda::ensure_cuda_config(cuda_settings_from_env()?)
+}
+
 /// The GPU a GPU test runs on (`cuda:0`), or `None` when there is none: the test then prints why and
 /// returns, unless `DITSTREAM_REQUIRE_GPUS` (set by the `scripts/gpu-*.sh` runs) asks for GPUs, in
 /// which case their absence fails the test, so a skip never hides a failure on a GPU machine.
@@ -101,7 +159,8 @@ pub fn test_gpu() -> Option<crate::Device> {
 
 /// Whether a test that needs `n` GPUs (`cuda:0..n`) runs: false after printing why when fewer are
 /// usable, unless `DITSTREAM_REQUIRE_GPUS` asks for at least `n`, in which case that fails the test.
-/// With more required than `n`, the machine must have them all (the script said so).
+/// With more required than `n`, the machine must have them all (the script said so). When the test
+/// runs, the process's CUDA settings are fixed from the script's variables ([`configure_cuda`]).
 #[cfg(feature = "cuda")]
 pub fn test_gpus(n: usize) -> bool {
     let required = std::env::var("DITSTREAM_REQUIRE_GPUS")
@@ -110,7 +169,12 @@ pub fn test_gpus(n: usize) -> bool {
         .unwrap_or(0);
     let n = n.max(1);
     match crate::cuda::cuda_device_count() {
-        Ok(found) if found >= n.max(required) => true,
+        Ok(found) if found >= n.max(required) => {
+            if let Err(e) = configure_cuda() {
+                panic!("the GPU run's CUDA settings: {e}");
+            }
+            true
+        }
         outcome => {
             let why = match outcome {
                 Ok(found) => format!("{found} CUDA device(s), {n} needed"),
@@ -129,6 +193,46 @@ pub fn test_gpus(n: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The script's variables set what they name; an empty one is unset; a search that is neither
+    /// `find` nor `heuristic` is refused with its variable and value.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_settings_come_from_the_scripts_variables() {
+        use crate::cuda::{AlgoSearch, CudaConfig};
+        use std::path::PathBuf;
+        let settings = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, std::ffi::OsString)> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.into()))
+                .collect();
+            cuda_settings_in(&move |name: &str| {
+                vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+            })
+        };
+        let c = settings(&[
+            ("DITSTREAM_KERNEL_CACHE", "/tmp/k"),
+            ("DITSTREAM_CUDA_INCLUDE", "/pip/include"),
+            ("DITSTREAM_CUDNN_SEARCH", "heuristic"),
+            ("DITSTREAM_GEMM_SEARCH", "find"),
+        ])
+        .unwrap();
+        assert_eq!(c.cache_dir, PathBuf::from("/tmp/k"));
+        assert_eq!(c.include_dir, Some(PathBuf::from("/pip/include")));
+        assert_eq!(
+            (c.cudnn_search, c.gemm_search),
+            (AlgoSearch::Heuristic, AlgoSearch::Find)
+        );
+        let unset = settings(&[("DITSTREAM_KERNEL_CACHE", "")]).unwrap();
+        assert_eq!(unset, CudaConfig::resolve(None, None, None, None));
+        let err = settings(&[("DITSTREAM_GEMM_SEARCH", "fastest")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("DITSTREAM_GEMM_SEARCH") && err.contains("fastest"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn diffs_and_assert() -> Result<()> {

@@ -3,8 +3,10 @@
 # (that venv's python), links the unversioned names cudarc looks for (it tries libnccl.so, never
 # libnccl.so.2), puts them first on LD_LIBRARY_PATH, points NVRTC at the CUDA headers, and keeps
 # NVLink multicast off. Also what every GPU script shares: LOGS, the logs folder ($OUT when set,
-# else /tmp/ditstream-gpu, created), and one kernel cache for the run in /tmp (the default would be
-# ~/.cache/ditstream/kernels); a script that wants another cache sets it after sourcing this.
+# else /tmp/ditstream-gpu, created), and one kernel cache for the run in /tmp. The DITSTREAM_*
+# settings variables are read by the tests' GPU gate and the benchmarks only
+# (kernels/src/testing.rs); `serve` takes the same from its config's `cuda:` section. A script
+# that wants another cache sets it after sourcing this.
 SP=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
 PY=/opt/torch/.venv/bin/python
 mkdir -p /tmp/cudalinks

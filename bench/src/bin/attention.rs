@@ -81,6 +81,8 @@ fn parse_shape(s: &str) -> Result<[usize; 5]> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The GPU script's CUDA settings (kernel cache, CUDA headers, algorithm searches).
+    ditstream_kernels::testing::configure_cuda()?;
     let dev = Device::Cuda(0);
     for (si, shape) in args.shapes.iter().enumerate() {
         let [b, h, s, d, s_kv] = parse_shape(shape)?;

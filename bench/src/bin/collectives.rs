@@ -203,6 +203,8 @@ fn rank_main(world: &NcclWorld, args: &Args) -> Result<(String, Vec<Timing>)> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The GPU script's CUDA settings (kernel cache, CUDA headers, algorithm searches).
+    ditstream_kernels::testing::configure_cuda()?;
     let visible = nccl::device_count()?;
     let p = args.gpus.unwrap_or(visible);
     anyhow::ensure!(p >= 1, "no GPUs visible");

@@ -166,6 +166,8 @@ fn parse_hw(s: &str) -> Result<(usize, usize)> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The GPU script's CUDA settings (kernel cache, CUDA headers, algorithm searches).
+    ditstream_kernels::testing::configure_cuda()?;
     let (lh, lw) = parse_hw(&args.latent)?;
     let cases = decoder_cases(lh, lw);
     if args.list {

@@ -291,6 +291,8 @@ fn print_timeline(mesh: &str, rank: usize, totals: &[(&'static str, f64, usize)]
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The GPU script's CUDA settings (kernel cache, CUDA headers, algorithm searches).
+    ditstream_kernels::testing::configure_cuda()?;
     if args.frames % 4 != 1 || args.height % 16 != 0 || args.width % 16 != 0 {
         bail!("--frames must be 4k + 1 and --height, --width multiples of 16");
     }

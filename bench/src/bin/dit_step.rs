@@ -497,6 +497,8 @@ fn preset(name: &str) -> Result<Preset> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The GPU script's CUDA settings (kernel cache, CUDA headers, algorithm searches).
+    ditstream_kernels::testing::configure_cuda()?;
     let device = match args.device.as_str() {
         "cuda" => Device::Cuda(0),
         "cpu" => Device::Cpu,

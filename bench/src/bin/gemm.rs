@@ -52,6 +52,8 @@ const SHAPES: &[(&str, usize, usize, usize, f64)] = &[
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The GPU script's CUDA settings (kernel cache, CUDA headers, algorithm searches).
+    ditstream_kernels::testing::configure_cuda()?;
     if args.list {
         for (label, m, k, n, gpu_md) in SHAPES {
             println!("CASE\t{label}\t{m}\t{k}\t{n}\t{gpu_md}");

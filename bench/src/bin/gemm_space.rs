@@ -261,6 +261,8 @@ impl Gemm<'_> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The GPU script's CUDA settings (kernel cache, CUDA headers, algorithm searches).
+    ditstream_kernels::testing::configure_cuda()?;
     if args.rounds == 0 || args.calls == 0 {
         bail!("--rounds and --calls must be ≥ 1");
     }

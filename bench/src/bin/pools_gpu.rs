@@ -126,7 +126,11 @@ impl Args {
             h = self.height,
             f = self.frames,
         );
-        let cfg = Config::parse(&yaml, "<pools_gpu>")?;
+        let mut cfg = Config::parse(&yaml, "<pools_gpu>")?;
+        // The GPU script's CUDA settings, as the `cuda:` section `serve` fixes for the process.
+        if self.device == "cuda" {
+            cfg.cuda = (&ditstream_kernels::testing::cuda_settings_from_env()?).into();
+        }
         cfg.validate(None)?;
         Ok(cfg)
     }

@@ -85,6 +85,15 @@ impl Args {
             frames = self.frames,
         );
         let cfg = Config::parse(&yaml, "<tail>")?;
+        // The GPU script's CUDA settings, as the `cuda:` section `serve` fixes for the process.
+        #[cfg(feature = "cuda")]
+        let cfg = {
+            let mut cfg = cfg;
+            if self.device == "cuda" {
+                cfg.cuda = (&ditstream_kernels::testing::cuda_settings_from_env()?).into();
+            }
+            cfg
+        };
         cfg.validate(None)?;
         Ok(cfg)
     }

@@ -83,6 +83,8 @@ fn forward_flops(c: &T5Config, batch: usize, seq: usize) -> f64 {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The GPU script's CUDA settings (kernel cache, CUDA headers, algorithm searches).
+    ditstream_kernels::testing::configure_cuda()?;
     let device = match args.device.as_str() {
         "cuda" => Device::Cuda(0),
         "cpu" => Device::Cpu,

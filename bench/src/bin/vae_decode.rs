@@ -1081,6 +1081,8 @@ fn two_gpus(
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The GPU script's CUDA settings (kernel cache, CUDA headers, algorithm searches).
+    ditstream_kernels::testing::configure_cuda()?;
     {
         use tracing_subscriber::layer::SubscriberExt;
         tracing::subscriber::set_global_default(tracing_subscriber::registry().with(clock::Layer))

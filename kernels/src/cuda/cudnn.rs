@@ -17,7 +17,8 @@
 //!   (`cudnnGetConvolutionForwardAlgorithm_v7`) picks instead. Find writes the output buffer, which
 //!   the caller is about to overwrite anyway. Find costs time once per shape (the `PLAN` lines of
 //!   `bench/src/bin/conv.rs` show it), which a first decode pays; `cuda.cudnn_search: heuristic`
-//!   in the config (or `DITSTREAM_CUDNN_SEARCH=heuristic`) ranks without running instead (µs),
+//!   in the config (a benchmark run: `DITSTREAM_CUDNN_SEARCH=heuristic`) ranks without running
+//!   instead (µs),
 //!   `find` (the default) measures.
 //! - Plan cache: every choice Find (and the graph search) made is written to
 //!   `<kernel cache dir>/cudnn-plans.tsv`, keyed by GPU model, cuDNN version and shape
@@ -50,7 +51,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use super::cudnn_graph::{self, Candidate, ConvGraph, GraphPlan};
 use super::plan_cache::{self, Choice, PlanCache};
 // How a plan's algorithm is chosen: the process's `CudaConfig` (the deployment's
-// `cuda.cudnn_search`, or `$DITSTREAM_CUDNN_SEARCH` over it).
+// `cuda.cudnn_search`; a test or benchmark run's `DITSTREAM_CUDNN_SEARCH`).
 use super::nvrtc::AlgoSearch as Search;
 use super::{CudaBackend, catch};
 use crate::{DType, KernelError, Result};
@@ -369,7 +370,7 @@ fn library_version() -> Result<usize> {
 
 impl Dnn {
     fn new(backend: &CudaBackend) -> Result<Self> {
-        let config = super::cuda_config()?;
+        let config = super::cuda_config();
         let search = config.cudnn_search;
         let version = library_version()?;
         let unavailable = |call: &str, e: CudnnError| KernelError::CudaUnavailable {

@@ -401,6 +401,8 @@ mod tests {
             eprintln!("skipped: libnvrtc not found (set LD_LIBRARY_PATH to a CUDA 13 lib dir)");
             return Ok(());
         }
+        // The GPU script's CUDA headers (DITSTREAM_CUDA_INCLUDE), as every GPU test's gate.
+        crate::testing::configure_cuda()?;
         let sources = std::iter::once(&copy::SOURCE).chain(crate::ops::kernel_sources());
         for source in sources {
             let cubin = nvrtc::cubin(source, "sm_90a")?;
@@ -421,6 +423,8 @@ mod tests {
             eprintln!("skipped: libnvrtc not found");
             return;
         }
+        // The GPU script's CUDA headers (DITSTREAM_CUDA_INCLUDE), as every GPU test's gate.
+        crate::testing::configure_cuda().unwrap();
         let bad = KernelSource {
             name: "broken_test_kernel",
             text: "extern \"C\" __global__ void k() { undeclared_thing = 1; }",

@@ -8,11 +8,11 @@
 //! the options and the full source (prelude included); a changed kernel or toolkit is a new file. Files
 //! are written to a temporary name and renamed, so concurrent processes never read half a file.
 //!
-//! `cuda_bf16.h` is not built into NVRTC: the include directory comes from [`CudaConfig`]
-//! (`$DITSTREAM_CUDA_INCLUDE`, else the deployment config's `cuda.include_dir`, else the first of
-//! `$CUDA_HOME/include` and `/usr/local/cuda/include` that holds it).
+//! `cuda_bf16.h` is not built into NVRTC: the include directory comes from [`CudaConfig`] (the
+//! deployment config's `cuda.include_dir`, a test or benchmark run's `DITSTREAM_CUDA_INCLUDE`
+//! through `testing::cuda_settings_from_env`, else `/usr/local/cuda/include` when it holds it).
 
-use std::ffi::{CStr, CString, OsString, c_char};
+use std::ffi::{CStr, CString, c_char};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -25,7 +25,9 @@ use crate::{KernelError, Result};
 const PRELUDE: &str = include_str!("prelude.cuh");
 
 /// Settings of the CUDA backend; set once with [`set_cuda_config`] (or [`ensure_cuda_config`])
-/// before the first CUDA op, or left to [`CudaConfig::resolve`] with nothing set by a deployment.
+/// before the first CUDA op, or left to [`CudaConfig::resolve`] with nothing set. This crate reads
+/// no environment variable for them: a deployment sets them in its config's `cuda:` section, a
+/// test or benchmark run through its gate (`testing::cuda_settings_from_env`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaConfig {
     /// Where compiled CUBINs are kept.
@@ -52,93 +54,32 @@ pub enum AlgoSearch {
     Heuristic,
 }
 
-/// Standard places of the CUDA headers, after `$CUDA_HOME/include`.
-const INCLUDE_CANDIDATES: &[&str] = &["/usr/local/cuda/include"];
-
-/// A view of the process environment: a variable's value, `None` when unset or empty.
-pub type Env<'a> = &'a dyn Fn(&str) -> Option<OsString>;
-
-/// The process environment, read once per process when its settings are fixed (the variables
-/// are overrides for one-off runs and the GPU scripts; the settings themselves belong to the
-/// deployment's `cuda:` section). The one place this crate reads it.
-fn process_env(name: &str) -> Option<OsString> {
-    std::env::var_os(name).filter(|v| !v.is_empty())
-}
+/// The standard place of the CUDA headers, used when no include directory is set.
+const INCLUDE_DEFAULT: &str = "/usr/local/cuda/include";
 
 impl CudaConfig {
-    /// The settings a deployment asks for (`None`: not set there), with the process environment
-    /// as the override: see [`CudaConfig::resolve_in`].
+    /// The settings asked for (`None`: not set): `cache_dir` = `kernel_cache`, else
+    /// `<temp dir>/ditstream-kernels`; `include_dir` = `include_dir`, else
+    /// `/usr/local/cuda/include` when it holds `cuda_bf16.h`; each search, else
+    /// [`AlgoSearch::Find`].
     pub fn resolve(
         kernel_cache: Option<PathBuf>,
         include_dir: Option<PathBuf>,
         cudnn_search: Option<AlgoSearch>,
         gemm_search: Option<AlgoSearch>,
-    ) -> Result<Self> {
-        Self::resolve_in(
-            kernel_cache,
-            include_dir,
-            cudnn_search,
-            gemm_search,
-            &process_env,
-        )
-    }
-
-    /// The settings a deployment asks for, with the environment `env` as the override:
-    /// `cache_dir` = `$DITSTREAM_KERNEL_CACHE`, else `kernel_cache`, else
-    /// `$XDG_CACHE_HOME/ditstream/kernels`, else `~/.cache/ditstream/kernels`, else the temp dir;
-    /// `include_dir` = `$DITSTREAM_CUDA_INCLUDE`, else `include_dir`, else the first directory
-    /// holding `cuda_bf16.h` among `$CUDA_HOME/include` and `/usr/local/cuda/include`;
-    /// `cudnn_search` = `$DITSTREAM_CUDNN_SEARCH` and `gemm_search` = `$DITSTREAM_GEMM_SEARCH`
-    /// (`find` or `heuristic`; another value is an error naming it), else the setting, else
-    /// [`AlgoSearch::Find`].
-    pub fn resolve_in(
-        kernel_cache: Option<PathBuf>,
-        include_dir: Option<PathBuf>,
-        cudnn_search: Option<AlgoSearch>,
-        gemm_search: Option<AlgoSearch>,
-        env: Env,
-    ) -> Result<Self> {
-        let path = |name| env(name).map(PathBuf::from);
-        let cache_dir = path("DITSTREAM_KERNEL_CACHE")
-            .or(kernel_cache)
-            .or_else(|| path("XDG_CACHE_HOME").map(|d| d.join("ditstream/kernels")))
-            .or_else(|| path("HOME").map(|d| d.join(".cache/ditstream/kernels")))
-            .unwrap_or_else(|| std::env::temp_dir().join("ditstream-kernels"));
-        let include_dir = path("DITSTREAM_CUDA_INCLUDE").or(include_dir).or_else(|| {
-            path("CUDA_HOME")
-                .map(|d| d.join("include"))
-                .into_iter()
-                .chain(INCLUDE_CANDIDATES.iter().map(PathBuf::from))
-                .find(|d| d.join("cuda_bf16.h").is_file())
-        });
-        let search = |var| match env(var) {
-            None => Ok(None),
-            Some(v) => match v.to_str() {
-                Some("find") => Ok(Some(AlgoSearch::Find)),
-                Some("heuristic") => Ok(Some(AlgoSearch::Heuristic)),
-                _ => Err(KernelError::arg(
-                    "cuda settings",
-                    var,
-                    v.to_string_lossy(),
-                    "expected `find` (measure each algorithm) or `heuristic` (rank without running)",
-                )),
-            },
-        };
-        Ok(CudaConfig {
-            cache_dir,
-            include_dir,
-            cudnn_search: search(CUDNN_SEARCH_VAR)?
-                .or(cudnn_search)
-                .unwrap_or_default(),
-            gemm_search: search(GEMM_SEARCH_VAR)?.or(gemm_search).unwrap_or_default(),
-        })
+    ) -> Self {
+        CudaConfig {
+            cache_dir: kernel_cache
+                .unwrap_or_else(|| std::env::temp_dir().join("ditstream-kernels")),
+            include_dir: include_dir.or_else(|| {
+                let d = PathBuf::from(INCLUDE_DEFAULT);
+                d.join("cuda_bf16.h").is_file().then_some(d)
+            }),
+            cudnn_search: cudnn_search.unwrap_or_default(),
+            gemm_search: gemm_search.unwrap_or_default(),
+        }
     }
 }
-
-/// The variable overriding `cuda.cudnn_search`.
-pub const CUDNN_SEARCH_VAR: &str = "DITSTREAM_CUDNN_SEARCH";
-/// The variable overriding `cuda.gemm_search`.
-pub const GEMM_SEARCH_VAR: &str = "DITSTREAM_GEMM_SEARCH";
 
 static CONFIG: OnceLock<CudaConfig> = OnceLock::new();
 
@@ -174,15 +115,10 @@ pub fn ensure_cuda_config(config: CudaConfig) -> Result<()> {
     }
 }
 
-/// The settings in force: those set by [`set_cuda_config`], else (fixed on first use)
-/// [`CudaConfig::resolve`] with no deployment settings, an invalid variable being an error that
-/// names it.
-pub fn cuda_config() -> Result<&'static CudaConfig> {
-    if let Some(config) = CONFIG.get() {
-        return Ok(config);
-    }
-    let config = CudaConfig::resolve(None, None, None, None)?;
-    Ok(CONFIG.get_or_init(|| config))
+/// The settings in force: those set by [`set_cuda_config`] or [`ensure_cuda_config`], else
+/// (fixed on first use) [`CudaConfig::resolve`] with nothing set.
+pub fn cuda_config() -> &'static CudaConfig {
+    CONFIG.get_or_init(|| CudaConfig::resolve(None, None, None, None))
 }
 
 /// FNV-1a, 64 bits: a stable hash (unlike `DefaultHasher`) for cache file names.
@@ -238,7 +174,7 @@ fn options(arch: &str, config: &CudaConfig) -> Vec<String> {
 /// CUBIN of `source` for `arch`, from the disk cache or freshly compiled (and then cached).
 pub(crate) fn cubin(source: &KernelSource, arch: &str) -> Result<Vec<u8>> {
     probe_nvrtc()?;
-    let config = cuda_config()?;
+    let config = cuda_config();
     let options = options(arch, config);
     let text = format!("{PRELUDE}\n#line 1 \"{}.cu\"\n{}", source.name, source.text);
     let (major, minor) = nvrtc_version()?;
@@ -318,8 +254,8 @@ fn compile(name: &'static str, text: &str, arch: &str, options: &[String]) -> Re
                 })
                 .unwrap_or_else(|log_err| format!("(no log: {log_err:?})"));
             let hint = if log.contains("cuda_bf16.h") {
-                "\nhint: set DITSTREAM_CUDA_INCLUDE (or CudaConfig::include_dir) to a directory holding \
-                 cuda_bf16.h"
+                "\nhint: set the config's cuda.include_dir (a test or benchmark run: \
+                 DITSTREAM_CUDA_INCLUDE) to a directory holding cuda_bf16.h"
             } else {
                 ""
             };
@@ -370,72 +306,37 @@ mod tests {
         assert!(opts.contains(&"--include-path=/inc".to_string()));
     }
 
-    /// The deployment's settings hold unless the environment names another value, and the
-    /// defaults come from the environment's folders when neither sets them.
+    /// What is set holds; what is not takes the defaults.
     #[test]
-    fn the_environment_overrides_the_deployments_settings() {
-        let deployment = || {
-            (
-                Some(PathBuf::from("/srv/ditstream/kernels")),
-                Some(PathBuf::from("/opt/cuda/include")),
-                Some(AlgoSearch::Heuristic),
-                Some(AlgoSearch::Heuristic),
-            )
-        };
-        let resolve = |vars: &[(&str, &str)], (cache, include, cudnn, gemm)| {
-            let vars: Vec<(String, OsString)> = vars
-                .iter()
-                .map(|(k, v)| (k.to_string(), OsString::from(v)))
-                .collect();
-            let env =
-                move |name: &str| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
-            CudaConfig::resolve_in(cache, include, cudnn, gemm, &env)
-        };
-
-        let c = resolve(&[("HOME", "/home/u")], deployment()).unwrap();
-        assert_eq!(c.cache_dir, PathBuf::from("/srv/ditstream/kernels"));
-        assert_eq!(c.include_dir, Some(PathBuf::from("/opt/cuda/include")));
+    fn unset_settings_take_the_defaults() {
+        let set = CudaConfig::resolve(
+            Some(PathBuf::from("/srv/ditstream/kernels")),
+            Some(PathBuf::from("/opt/cuda/include")),
+            Some(AlgoSearch::Heuristic),
+            Some(AlgoSearch::Heuristic),
+        );
+        assert_eq!(set.cache_dir, PathBuf::from("/srv/ditstream/kernels"));
+        assert_eq!(set.include_dir, Some(PathBuf::from("/opt/cuda/include")));
         assert_eq!(
-            (c.cudnn_search, c.gemm_search),
+            (set.cudnn_search, set.gemm_search),
             (AlgoSearch::Heuristic, AlgoSearch::Heuristic)
         );
-
-        let vars = [
-            ("DITSTREAM_KERNEL_CACHE", "/tmp/k"),
-            ("DITSTREAM_CUDA_INCLUDE", "/pip/include"),
-            (CUDNN_SEARCH_VAR, "find"),
-            (GEMM_SEARCH_VAR, "find"),
-        ];
-        let c = resolve(&vars, deployment()).unwrap();
-        assert_eq!(c.cache_dir, PathBuf::from("/tmp/k"));
-        assert_eq!(c.include_dir, Some(PathBuf::from("/pip/include")));
+        let unset = CudaConfig::resolve(None, None, None, None);
         assert_eq!(
-            (c.cudnn_search, c.gemm_search),
+            unset.cache_dir,
+            std::env::temp_dir().join("ditstream-kernels")
+        );
+        let default_include = PathBuf::from(INCLUDE_DEFAULT);
+        assert_eq!(
+            unset.include_dir,
+            default_include
+                .join("cuda_bf16.h")
+                .is_file()
+                .then_some(default_include)
+        );
+        assert_eq!(
+            (unset.cudnn_search, unset.gemm_search),
             (AlgoSearch::Find, AlgoSearch::Find)
-        );
-
-        let c = resolve(
-            &[("XDG_CACHE_HOME", "/x"), ("HOME", "/home/u")],
-            Default::default(),
-        )
-        .unwrap();
-        assert_eq!(c.cache_dir, PathBuf::from("/x/ditstream/kernels"));
-        assert_eq!(
-            (c.cudnn_search, c.gemm_search),
-            (AlgoSearch::Find, AlgoSearch::Find)
-        );
-        let c = resolve(&[("HOME", "/home/u")], Default::default()).unwrap();
-        assert_eq!(
-            c.cache_dir,
-            PathBuf::from("/home/u/.cache/ditstream/kernels")
-        );
-
-        let err = resolve(&[(GEMM_SEARCH_VAR, "fastest")], deployment())
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains(GEMM_SEARCH_VAR) && err.contains("fastest"),
-            "{err}"
         );
     }
 }

@@ -1081,6 +1081,8 @@ mod tests {
             eprintln!("skipped: libnvrtc not found");
             return Ok(());
         }
+        // The GPU script's CUDA headers (DITSTREAM_CUDA_INCLUDE), as every GPU test's gate.
+        crate::testing::configure_cuda()?;
         let cubin = crate::cuda::nvrtc::cubin(&SOURCE, "sm_90a")?;
         let has = |name: &str| cubin.windows(name.len()).any(|w| w == name.as_bytes());
         for dtype in [DType::F32, DType::BF16] {

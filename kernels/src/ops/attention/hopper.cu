@@ -805,7 +805,10 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // 4 blocks (level with 2 or up to 3 % behind), exponentials on the FMA pipes, S of the next block queued before this
 // one's softmax, S in runs whose row max is taken under the next run's GEMM, Q in registers, a
 // running max with headroom, P·V issued after the row max rather than with S (so that both
-// consumers' S would run first: 1–3 % slower) (RESULTS, 2026-12-03 to 2026-12-06, fifth session).
+// consumers' S would run first: 1–3 % slower) (RESULTS, 2026-12-03 to 2026-12-06, fifth session),
+// K and Vᵀ blocks shared by CTA pairs (a cluster of 2 on one head, each CTA loading half of every
+// block into both by TMA multicast: half the L2 reads, but 1 % slower at the 14B shape and 4–5 % at
+// the 1.3B one: a stage refills only once both CTAs have released it; ninth session).
 namespace fp8 {
 
 constexpr int KB = 128;                            // keys per K/V block: the softmax step, one K scale block

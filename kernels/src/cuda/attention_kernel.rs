@@ -174,6 +174,12 @@ pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
         speculative: true,
     },
     HopperFp8Variant {
+        name: "hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec",
+        stages: 3,
+        window: 3,
+        speculative: true,
+    },
+    HopperFp8Variant {
         name: "hopper_fp8_fwd_d128_br128_bc128_s3_win2",
         stages: 3,
         window: 2,

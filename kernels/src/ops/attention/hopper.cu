@@ -800,15 +800,18 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // The two consumers issue their GEMMs as soon as their operands are in, without the bf16 kernel's
 // turns: in FP8 a block's GEMMs take about as long as the MUFU's share of its softmax, so waiting
 // for the other consumer's turn cost more than the order gave (4 % on an H100, bench/RESULTS.md,
-// 2026-12-06). Measured and removed: turns, 192- and 224-key blocks (192 was 4 % faster with one
-// accumulator; with two levels a second O does not fit in registers beside 192-key S), windows of
-// 4 blocks (level with 2 or up to 3 % behind), exponentials on the FMA pipes, S of the next block queued before this
-// one's softmax, S in runs whose row max is taken under the next run's GEMM, Q in registers, a
-// running max with headroom, P·V issued after the row max rather than with S (so that both
-// consumers' S would run first: 1–3 % slower) (RESULTS, 2026-12-03 to 2026-12-06, fifth session),
-// K and Vᵀ blocks shared by CTA pairs (a cluster of 2 on one head, each CTA loading half of every
-// block into both by TMA multicast: half the L2 reads, but 1 % slower at the 14B shape and 4–5 % at
-// the 1.3B one: a stage refills only once both CTAs have released it; ninth session).
+// 2026-12-06; over the speculative softmax 0.6–2 % at the 14B shape and 2–5 % at the 1.3B one,
+// ninth session). Measured and removed: turns, 192- and 224-key blocks (192 was 4 % faster with one
+// accumulator; with two levels a second O does not fit in registers beside 192-key S), windows of 4
+// blocks (level with 2 or up to 3 % behind, with the speculative softmax too), 4 stages (tied with
+// 3; 1–2 % behind at the 14B shape with the speculative softmax), exponentials on the FMA pipes, S
+// of the next block queued before this one's softmax, S in runs whose row max is taken under the
+// next run's GEMM, Q in registers, a running max with headroom, P·V issued after the row max rather
+// than with S (so that both consumers' S would run first: 1–3 % slower) (RESULTS, 2026-12-03 to
+// 2026-12-06, fifth session), K and Vᵀ blocks shared by CTA pairs (a cluster of 2 on one head, each
+// CTA loading half of every block into both by TMA multicast: half the L2 reads, but 1 % slower at
+// the 14B shape and 4–5 % at the 1.3B one, likely because a stage refills only once both CTAs
+// have released it; ninth session).
 namespace fp8 {
 
 constexpr int KB = 128;                            // keys per K/V block: the softmax step, one K scale block
@@ -1325,5 +1328,6 @@ HOPPER_WS_KERNEL(2, 192)
         HOPPER_FP8_BODY(STAGES, WIN, SPEC)                                                                        \
     }
 HOPPER_FP8_KERNEL(3, 2, true, hopper_fp8_fwd_d128_br128_bc128_s3_win2_spec)
+HOPPER_FP8_KERNEL(3, 3, true, hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec)
 HOPPER_FP8_KERNEL(3, 2, false, hopper_fp8_fwd_d128_br128_bc128_s3_win2)
 HOPPER_FP8_KERNEL(3, 1, false, hopper_fp8_fwd_d128_br128_bc128_s3_win1)

@@ -431,6 +431,10 @@ pub(super) fn quantize_attention(
 /// scores pass the offset by ~100 nats and it came closer to the recipe. Windows of 2 (fourth
 /// session) were 2–4 % faster than windows of 1 block at both DiT shapes, at least as fast as
 /// windows of 4, and within 1.1e-3 of the recipe over 32,768 flat keys (windows of 1: 6.4e-4).
+/// Windows of 3 (`_s3_win3_spec`, second in the list) were 0.8–1.7 % faster at the 14B shape in
+/// two runs of one H100 call (ninth session), 4 % faster and 1 % slower at the 1.3B one, and within
+/// 1.7e-3 of the recipe over the flat keys: too few runs to switch on; they are timed beside the
+/// default until an H200 settles it.
 const DEFAULT_FP8_ATTENTION: usize = 0;
 
 #[cfg(test)]

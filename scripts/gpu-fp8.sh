@@ -7,7 +7,8 @@
 #      GEMM code they share changed);
 #   2. the FP8 attention beside our bf16 kernel (bench/src/bin/attention.rs --fp8, quantisation of
 #      Q, K, V included) at the DiT's self-attention shapes (1,12,32760,128) and (1,40,75600,128),
-#      when target/gpu/attention is there (scripts/build-gpu-attention.sh);
+#      when target/gpu/attention is there (scripts/build-gpu-attention.sh), ATTENTION_RUNS times
+#      (default 1; each run times every FP8 variant beside a fresh bf16 run, ~1 minute);
 #   3. scripts/gpu-dit.sh with FP8=1 (KERNELS=0): the Wan GPU tests (mini128 in FP8 against the
 #      CPU's FP8 model and diffusers), then ours in bf16 and with FP8 linears beside diffusers'
 #      bf16 forward at 480p 5 and 81 frames (the latter with a 20-step denoise by both models);
@@ -30,13 +31,16 @@ grep -E "^PARITY.*(e4m3|fp8)" "$LOGS/cuda_parity.log"
 [ "$rc" -eq 0 ] || { echo "parity suite FAILED (exit $rc)"; status=1; }
 
 if [ -x target/gpu/attention ]; then
-  echo "=== attention: FP8 beside bf16 ==="
-  timeout 300 target/gpu/attention --auto-only --no-portable-check --fp8 --shapes 1,12,32760 1,40,75600 \
-    > "$LOGS/attention_fp8.log" 2>&1 || { echo "attention bench FAILED"; status=1; }
-  grep -E "^(RESULT|CHECK|SKIP)" "$LOGS/attention_fp8.log"
-  awk -F'\t' '/^RESULT/ { if ($3 == "auto") bf[$4] = $5; else if (bf[$4] > 0)
-    printf "  %-38s %-16s %9.3f ms  %6.1f TFLOP/s  %.2fx our bf16\n", $3, $4, $5, $6, bf[$4] / $5 }' \
-    "$LOGS/attention_fp8.log"
+  for run in $(seq "${ATTENTION_RUNS:-1}"); do
+    echo "=== attention: FP8 beside bf16 (run $run) ==="
+    log="$LOGS/attention_fp8_$run.log"
+    timeout 300 target/gpu/attention --auto-only --no-portable-check --fp8 --shapes 1,12,32760 1,40,75600 \
+      > "$log" 2>&1 || { echo "attention bench FAILED"; status=1; }
+    grep -E "^(CHECK|SKIP)" "$log"
+    awk -F'\t' '/^RESULT/ { if ($3 == "auto") { bf[$4] = $5; printf "  %-48s %-16s %9.3f ms  %6.1f TFLOP/s\n", "bf16 (our auto)", $4, $5, $6 }
+      else if (bf[$4] > 0)
+      printf "  %-48s %-16s %9.3f ms  %6.1f TFLOP/s  %.3fx our bf16\n", $3, $4, $5, $6, bf[$4] / $5 }' "$log"
+  done
 fi
 
 [ "${SKIP_DIT:-0}" = 1 ] || FP8=1 KERNELS=0 scripts/gpu-dit.sh --full "$@" || status=1

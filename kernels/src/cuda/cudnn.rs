@@ -18,8 +18,7 @@
 //!   the caller is about to overwrite anyway. Find costs time once per shape (the `PLAN` lines of
 //!   `bench/src/bin/conv.rs` show it), which a first decode pays; `cuda.cudnn_search: heuristic`
 //!   in the config (a benchmark run: `DITSTREAM_CUDNN_SEARCH=heuristic`) ranks without running
-//!   instead (µs),
-//!   `find` (the default) measures.
+//!   instead (µs), `find` (the default) measures.
 //! - Plan cache: every choice Find (and the graph search) made is written to
 //!   `<kernel cache dir>/cudnn-plans.tsv`, keyed by GPU model, cuDNN version and shape
 //!   (`plan_cache.rs`); a later process with `find` builds a cached shape's plan directly from its

@@ -168,15 +168,15 @@ impl HopperFp8Variant {
 /// default first (`ops/quant/cuda.rs` says why it is).
 pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
     HopperFp8Variant {
-        name: "hopper_fp8_fwd_d128_br128_bc128_s3_win2_spec",
-        stages: 3,
-        window: 2,
-        speculative: true,
-    },
-    HopperFp8Variant {
         name: "hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec",
         stages: 3,
         window: 3,
+        speculative: true,
+    },
+    HopperFp8Variant {
+        name: "hopper_fp8_fwd_d128_br128_bc128_s3_win2_spec",
+        stages: 3,
+        window: 2,
         speculative: true,
     },
     HopperFp8Variant {

@@ -761,10 +761,12 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // H100, RESULTS 2026-12-06, third and fourth sessions). So the tensor cores accumulate one window
 // of WIN blocks from zero, and `promote` adds it into an f32 O in the ALU (DeepSeek-V3's promotion;
 // SageAttention's two-level accumulation of P·V): at 32,768 flat keys the result is then within
-// 1.1e-3 of the recipe (`fp8_attention_matches_cpu_over_long_flat_key_runs`; 0.83 with one
-// accumulator). Windows of 2 blocks cost 4 % against one accumulator, of 1 block 8 % (RESULTS,
-// fourth session). The exponentials stay f32: sm_90 has no packed f16 ex2 (ptxas lowers
-// ex2.approx.f16x2 to two MUFU ops), so f16 pairs would not halve the MUFU's work.
+// 1.7e-3 of the recipe with windows of 3 blocks, the default, and 1.2e-3 and 7.3e-4 with windows of
+// 2 and 1 (`fp8_attention_matches_cpu_over_long_flat_key_runs`; 0.83 with one accumulator).
+// Windows of 2 blocks cost 4 % against one accumulator, of 1 block 8 % (RESULTS, fourth session);
+// windows of 3 were 0.8–1.8 % faster than 2 at the 14B shape in 5 runs of 2 H100 calls, of 4
+// no faster than 2 (ninth and tenth sessions). The exponentials stay f32: sm_90 has no packed f16
+// ex2 (ptxas lowers ex2.approx.f16x2 to two MUFU ops), so f16 pairs would not halve the MUFU's work.
 // Softmax in base 2 on descaled scores: block j's raw scores (integer-valued products of codes,
 // summed in f32) times c_j = (s_q·s_k)·scale·log2 e; m is an exponent offset over those, which
 // moves only when a row's max passes it, to that max + HEADROOM (the recipe's, ops/quant/
@@ -1327,7 +1329,7 @@ HOPPER_WS_KERNEL(2, 192)
         int heads, int kv_len, float scale, int tiles_x) {                                                       \
         HOPPER_FP8_BODY(STAGES, WIN, SPEC)                                                                        \
     }
-HOPPER_FP8_KERNEL(3, 2, true, hopper_fp8_fwd_d128_br128_bc128_s3_win2_spec)
 HOPPER_FP8_KERNEL(3, 3, true, hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec)
+HOPPER_FP8_KERNEL(3, 2, true, hopper_fp8_fwd_d128_br128_bc128_s3_win2_spec)
 HOPPER_FP8_KERNEL(3, 2, false, hopper_fp8_fwd_d128_br128_bc128_s3_win2)
 HOPPER_FP8_KERNEL(3, 1, false, hopper_fp8_fwd_d128_br128_bc128_s3_win1)

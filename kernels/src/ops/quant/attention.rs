@@ -17,8 +17,8 @@
 //!   always, and the GPU kernel may take a block's exponentials before its row max (hopper.cu's
 //!   `spec_softmax`), a bet that the max has not passed the offset which the headroom makes good;
 //! - P·V on e4m3 operands: p scaled by 448 (so p ∈ [0, 1] uses the format's whole range) and
-//!   rounded, the products summed in f32 (the GPU kernel's tensor cores sum at most two blocks,
-//!   256 keys, before it adds them into an f32 accumulator); l sums the same rounded weights (the
+//!   rounded, the products summed in f32 (the GPU kernel's tensor cores sum at most three blocks,
+//!   384 keys, before it adds them into an f32 accumulator); l sums the same rounded weights (the
 //!   GPU kernel adds them in its P·V GEMM, against a column of ones), so out = acc·s_v / (448·l),
 //!   rounded once to q's dtype, is a weighted mean of V with weights that sum to one;
 //! - lse = m + ln l over the valid keys (natural log, with the scale), as the bf16 kernel

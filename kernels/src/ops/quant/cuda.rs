@@ -425,16 +425,14 @@ pub(super) fn quantize_attention(
 }
 
 /// `HOPPER_FP8_VARIANTS[DEFAULT_FP8_ATTENTION]` runs unless a test or benchmark forces another:
-/// windows of 2 blocks with speculative exponentials (`hopper_fp8_fwd_d128_br128_bc128_s3_win2_spec`).
-/// On an H100 (bench/RESULTS.md, 2026-12-06, seventh session) it was 8–14 % faster than the same
-/// windows with the row max first, whose figures it matched in every parity case but one, where
-/// scores pass the offset by ~100 nats and it came closer to the recipe. Windows of 2 (fourth
-/// session) were 2–4 % faster than windows of 1 block at both DiT shapes, at least as fast as
-/// windows of 4, and within 1.1e-3 of the recipe over 32,768 flat keys (windows of 1: 6.4e-4).
-/// Windows of 3 (`_s3_win3_spec`, second in the list) were 0.8–1.7 % faster at the 14B shape in
-/// two runs of one H100 call (ninth session), 4 % faster and 1 % slower at the 1.3B one, and within
-/// 1.7e-3 of the recipe over the flat keys: too few runs to switch on; they are timed beside the
-/// default until an H200 settles it.
+/// windows of 3 blocks with speculative exponentials (`hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec`).
+/// Speculative exponentials (bench/RESULTS.md, 2026-12-06, seventh session) were 8–14 % faster on an
+/// H100 than the same windows with the row max first, whose figures they matched in every parity
+/// case but one, where scores pass the offset by ~100 nats and they came closer to the recipe.
+/// Windows of 3 (ninth and tenth sessions) were 0.8–1.8 % faster than windows of 2 (second in the
+/// list) at the 14B shape in all 5 runs of 2 H100 calls, and level at the 1.3B one (3 runs ahead,
+/// 2 behind, by ≤ 4 %); over 32,768 flat keys they come within 1.7e-3 of the recipe (windows of 2:
+/// 1.2e-3; of 1: 7.3e-4; bound 1e-2). Windows of 4 were no faster than 2.
 const DEFAULT_FP8_ATTENTION: usize = 0;
 
 #[cfg(test)]

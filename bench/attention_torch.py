@@ -1,10 +1,11 @@
 """PyTorch reference for bench/src/bin/attention.rs: torch.nn.functional.scaled_dot_product_attention,
 bf16, non-causal, D = 128, at the same (B, H, S) shapes, timed the same way (CUDA events around each
-call after warm-up, median of the timed calls). Backends: the default dispatch (cuDNN on the H200 with
+call after warm-up, median of the timed calls; before the warm-up, untimed calls for --settle-ms of GPU
+time, as the Rust benchmark's, so both are timed at the clock the GPU sustains at its power limit). Backends: the default dispatch (cuDNN on the H200 with
 torch 2.11), cuDNN forced, and FlashAttention-2 (SDPBackend.FLASH_ATTENTION). Inputs are [B, H, S, D]
 contiguous (torch's native layout; ours are [B, S, H, D], the layout the DiT produces).
 
-Usage: attention_torch.py [--iters N] [--warmup N] B,H,S[,D[,S_kv]] ...
+Usage: attention_torch.py [--iters N] [--warmup N] [--settle-ms MS] B,H,S[,D[,S_kv]] ...
 A shape may name a key length of its own, as the Rust benchmark's (the DiT's cross-attention to 512
 text tokens: 1,12,32760,128,512); FLOPs are then 4·B·H·S·S_kv·D.
 Prints `RESULT\ttorch\t<backend>\t(B,H,S,D[,S_kv])\t<ms>\t<TFLOP/s>` lines."""
@@ -18,7 +19,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 D = 128
 
 
-def timed(f, warmup, iters):
+def timed(f, warmup, iters, settle_ms):
+    spent = 0.0
+    while spent < settle_ms:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        f()
+        e.record()
+        e.synchronize()
+        spent += s.elapsed_time(e)
     for _ in range(warmup):
         f()
     times = []
@@ -39,6 +48,7 @@ def main():
     p.add_argument("shapes", nargs="*", default=["1,12,32760", "1,40,75600", "1,24,27280", "2,12,8190"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--settle-ms", type=float, default=1000.0)
     args = p.parse_args()
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -61,10 +71,10 @@ def main():
 
             try:
                 if backend is None:
-                    t = timed(call, args.warmup, args.iters)
+                    t = timed(call, args.warmup, args.iters, args.settle_ms)
                 else:
                     with sdpa_kernel(backend):
-                        t = timed(call, args.warmup, args.iters)
+                        t = timed(call, args.warmup, args.iters, args.settle_ms)
             except RuntimeError as err:
                 print(f"SKIP\ttorch\t{name}\t{label}\t{str(err).splitlines()[0]}")
                 continue

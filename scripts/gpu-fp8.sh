@@ -8,7 +8,8 @@
 #   2. the FP8 attention beside our bf16 kernel (bench/src/bin/attention.rs --fp8, quantisation of
 #      Q, K, V included) at the DiT's self-attention shapes (1,12,32760,128) and (1,40,75600,128),
 #      when target/gpu/attention is there (scripts/build-gpu-attention.sh), ATTENTION_RUNS times
-#      (default 1; each run times every FP8 variant beside a fresh bf16 run, ~1 minute);
+#      (default 1; each run times every FP8 variant beside a fresh bf16 run, each kernel after 1 s
+#      of settling calls (the bench's --settle-ms), ~1.5 minutes);
 #   3. scripts/gpu-dit.sh with FP8=1 (KERNELS=0): the Wan GPU tests (mini128 in FP8 against the
 #      CPU's FP8 model and diffusers), then ours in bf16 and with FP8 linears beside diffusers'
 #      bf16 forward at 480p 5 and 81 frames (the latter with a 20-step denoise by both models);

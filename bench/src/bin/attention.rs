@@ -24,7 +24,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ditstream_bench::{median_per_call, rel_rms};
+use ditstream_bench::{median_per_call, rel_rms, time_on};
 use ditstream_kernels::cuda::{
     AttentionKernel, FLASH_VARIANTS, HOPPER_FP8_VARIANTS, HOPPER_VARIANTS, with_attention_kernel,
 };
@@ -44,6 +44,14 @@ struct Args {
     /// Untimed warm-up calls per kernel and shape.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
+    /// Before each kernel's warm-up calls, more untimed calls until this many milliseconds of GPU
+    /// time have passed, so that every kernel is timed at the clock the GPU sustains at its power
+    /// limit, as inside a forward. Without it a few calls of ~10 ms ran partly at the clock of a
+    /// GPU that was idle: at (1,12,32760,128) on an H100 our bf16 took 9.3–9.9 ms and the FP8
+    /// default 6.35–6.38 without it, 10.6–10.8 and 7.36–7.46 with it (bench/RESULTS.md,
+    /// 2026-12-06, tenth session). 0 turns it off.
+    #[arg(long, default_value_t = 1000)]
+    settle_ms: u64,
     /// Timed calls (the median is reported).
     #[arg(long, default_value_t = 7)]
     iters: usize,
@@ -63,6 +71,15 @@ struct Args {
     /// its operands' quantisation included, and print its distance to the bf16 result.
     #[arg(long)]
     fp8: bool,
+}
+
+/// Calls `f` until `ms` milliseconds of GPU time have passed (`--settle-ms`).
+fn settle<T>(dev: Device, ms: u64, mut f: impl FnMut() -> Result<T>) -> Result<()> {
+    let mut spent = 0.0;
+    while spent * 1e3 < ms as f64 {
+        spent += time_on(dev, &mut f)?;
+    }
+    Ok(())
 }
 
 fn parse_shape(s: &str) -> Result<[usize; 5]> {
@@ -138,6 +155,7 @@ fn main() -> Result<()> {
                     max_abs_diff(&l, &ref_lse)?
                 );
             }
+            settle(dev, args.settle_ms, || Ok(run(*kernel)?))?;
             let t = median_per_call(dev, args.warmup, args.iters, 1, || Ok(run(*kernel)?))?;
             println!(
                 "RESULT\tours\t{name}\t{label}\t{:.3}\t{:.1}",
@@ -162,6 +180,7 @@ fn main() -> Result<()> {
                     rel_rms(&o, &ref_out)?,
                     max_abs_diff(&l, &ref_lse)?
                 );
+                settle(dev, args.settle_ms, || Ok(run8()?))?;
                 let t = median_per_call(dev, args.warmup, args.iters, 1, || Ok(run8()?))?;
                 println!(
                     "RESULT\tours\t{}\t{label}\t{:.3}\t{:.1}",

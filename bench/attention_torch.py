@@ -1,9 +1,10 @@
 """PyTorch reference for bench/src/bin/attention.rs: torch.nn.functional.scaled_dot_product_attention,
-bf16, non-causal, D = 128, at the same (B, H, S) shapes, timed the same way (CUDA events around each
-call after warm-up, median of the timed calls; before the warm-up, untimed calls for --settle-ms of GPU
-time, as the Rust benchmark's, so both are timed at the clock the GPU sustains at its power limit). Backends: the default dispatch (cuDNN on the H200 with
-torch 2.11), cuDNN forced, and FlashAttention-2 (SDPBackend.FLASH_ATTENTION). Inputs are [B, H, S, D]
-contiguous (torch's native layout; ours are [B, S, H, D], the layout the DiT produces).
+bf16, non-causal, D = 128, at the same (B, H, S) shapes, timed the same way (untimed calls for
+--settle-ms of GPU time, so that both are timed at the clock the GPU sustains at its power limit, then
+the warm-up, then CUDA events around each timed call, median of them). Backends: the default dispatch
+(cuDNN on the H200 with torch 2.11), cuDNN forced, and FlashAttention-2 (SDPBackend.FLASH_ATTENTION).
+Inputs are [B, H, S, D] contiguous (torch's native layout; ours are [B, S, H, D], the layout the DiT
+produces).
 
 Usage: attention_torch.py [--iters N] [--warmup N] [--settle-ms MS] B,H,S[,D[,S_kv]] ...
 A shape may name a key length of its own, as the Rust benchmark's (the DiT's cross-attention to 512

@@ -764,7 +764,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // 1.7e-3 of the recipe with windows of 3 blocks, the default, and 1.2e-3 and 7.3e-4 with windows of
 // 2 and 1 (`fp8_attention_matches_cpu_over_long_flat_key_runs`; 0.83 with one accumulator).
 // Windows of 2 blocks cost 4 % against one accumulator, of 1 block 8 % (RESULTS, fourth session);
-// windows of 3 were 0.8–1.8 % faster than 2 at the 14B shape in 5 runs of 2 H100 calls, of 4
+// windows of 3 were 0.8–2.2 % faster than 2 at the 14B shape in 9 runs of 5 H100 calls, of 4
 // no faster than 2 (ninth and tenth sessions). The exponentials stay f32: sm_90 has no packed f16
 // ex2 (ptxas lowers ex2.approx.f16x2 to two MUFU ops), so f16 pairs would not halve the MUFU's work.
 // Softmax in base 2 on descaled scores: block j's raw scores (integer-valued products of codes,

@@ -429,10 +429,10 @@ pub(super) fn quantize_attention(
 /// Speculative exponentials (bench/RESULTS.md, 2026-12-06, seventh session) were 8–14 % faster on an
 /// H100 than the same windows with the row max first, whose figures they matched in every parity
 /// case but one, where scores pass the offset by ~100 nats and they came closer to the recipe.
-/// Windows of 3 (ninth and tenth sessions) were 0.8–1.8 % faster than windows of 2 (second in the
-/// list) at the 14B shape in all 5 runs of 2 H100 calls, and level at the 1.3B one (3 runs ahead,
-/// 2 behind, by ≤ 4 %); over 32,768 flat keys they come within 1.7e-3 of the recipe (windows of 2:
-/// 1.2e-3; of 1: 7.3e-4; bound 1e-2). Windows of 4 were no faster than 2.
+/// Windows of 3 (ninth and tenth sessions) were 0.8–2.2 % faster than windows of 2 (second in the
+/// list) at the 14B shape in all 9 runs of 5 H100 calls, ahead at the 1.3B one in 10 of 13, and
+/// made both FP8 forwards ~1.1 % faster; over 32,768 flat keys they come within 1.7e-3 of the
+/// recipe (windows of 2: 1.2e-3; of 1: 7.3e-4; bound 1e-2). Windows of 4 were no faster than 2.
 const DEFAULT_FP8_ATTENTION: usize = 0;
 
 #[cfg(test)]

@@ -6,10 +6,11 @@
 # clocks.sm every ~0.1 s beside it, and prints per kernel its time and the median power and clock
 # over its timed calls (the window of ITERS × its median time that ends at its RESULT line).
 # Needs target/gpu/attention (scripts/build-gpu-attention.sh). Logs in $OUT, else /tmp/ditstream-gpu.
-# The sampler may perturb what it measures: on an H100 the FP8 kernel ran 8 % slower at
-# (1,12,32760) beside it than in the plain bench of the same call, bf16 not (bench/RESULTS.md,
-# 2026-12-06, third session; the cause is not confirmed), so take its times as a power and clock
-# record and ratios from the plain bench.
+# On an H100 the FP8 kernel once ran 8 % slower at (1,12,32760) here than in the plain bench of
+# the same call, bf16 not (bench/RESULTS.md, 2026-12-06, third session). The likely cause, found
+# later (tenth session): the plain bench then timed a few calls partly at an idle GPU's clock, and
+# the FP8 kernel loses more clock at the power limit; the bench now settles each kernel first
+# (--settle-ms). Take this script's times as a power and clock record, and ratios from the bench.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/gpu-env.sh

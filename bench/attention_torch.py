@@ -20,25 +20,23 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 D = 128
 
 
+def gpu_seconds(f):
+    """Seconds one call of f takes on the GPU, between CUDA events around it."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    f()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / 1e3
+
+
 def timed(f, warmup, iters, settle_ms):
     spent = 0.0
-    while spent < settle_ms:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        f()
-        e.record()
-        e.synchronize()
-        spent += s.elapsed_time(e)
+    while spent * 1e3 < settle_ms:
+        spent += gpu_seconds(f)
     for _ in range(warmup):
         f()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        f()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
+    times = [gpu_seconds(f) for _ in range(iters)]
     times.sort()
     n = len(times)
     return times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2

@@ -170,13 +170,13 @@ fn main() -> Result<()> {
                 let (o, l) = match run8() {
                     Ok(r) => r,
                     Err(e) => {
-                        println!("SKIP\t{}\t{label}\t{e}", variant.name);
+                        println!("SKIP\t{}\t{label}\t{e}", variant.label());
                         continue;
                     }
                 };
                 println!(
                     "CHECK\t{} vs auto (bf16)\t{label}\tout rel rms {:.3e}\tlse max|diff| {:.3e}",
-                    variant.name,
+                    variant.label(),
                     rel_rms(&o, &ref_out)?,
                     max_abs_diff(&l, &ref_lse)?
                 );
@@ -184,7 +184,7 @@ fn main() -> Result<()> {
                 let t = median_per_call(dev, args.warmup, args.iters, 1, || Ok(run8()?))?;
                 println!(
                     "RESULT\tours\t{}\t{label}\t{:.3}\t{:.1}",
-                    variant.name,
+                    variant.label(),
                     t * 1e3,
                     flops / t / 1e12
                 );

@@ -75,7 +75,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     steps: usize,
     /// With `--fp8`: also the FP8 forward with each of these FP8 attention kernels (names of
-    /// `HOPPER_FP8_VARIANTS`, comma-separated) in place of the default, each timed right after the
+    /// `HOPPER_FP8_VARIANTS` by label, comma-separated) in place of the default, each timed right after the
     /// default again (alternating, so clock drift shows), with its error against the bf16 forward.
     #[arg(long, value_delimiter = ',')]
     fp8_attention: Vec<String>,
@@ -304,12 +304,12 @@ fn fp8_forward(
         );
     }
     for name in &args.fp8_attention {
-        let Some(i) = HOPPER_FP8_VARIANTS.iter().position(|v| v.name == name) else {
+        let Some(i) = HOPPER_FP8_VARIANTS.iter().position(|v| v.label() == *name) else {
             bail!(
                 "--fp8-attention {name}: no such FP8 attention kernel (there are: {})",
                 HOPPER_FP8_VARIANTS
                     .iter()
-                    .map(|v| v.name)
+                    .map(|v| v.label())
                     .collect::<Vec<_>>()
                     .join(", ")
             );

@@ -151,9 +151,20 @@ pub struct HopperFp8Variant {
     /// warp's rows put right alone when a score passed its offset (`_spec`; hopper.cu's
     /// `spec_softmax` says why that is rare, `fix_rows` how).
     pub speculative: bool,
+    /// A sparse last wave split along the keys as the bf16 kernel splits it (hopper.rs's
+    /// `schedule`: each chunk its own softmax, merged by LSE; the reference takes the same chunks,
+    /// [`crate::Fp8KeySplit`]), rather than every tile whole (`_whole`). The same kernel either way;
+    /// this is the launch.
+    pub split: bool,
 }
 
 impl HopperFp8Variant {
+    /// Its label in tests and benchmarks: the kernel's name, with `_whole` for that launch.
+    pub fn label(&self) -> String {
+        let launch = if self.split { "" } else { "_whole" };
+        format!("{}{launch}", self.name)
+    }
+
     /// Dynamic shared memory: Q (16 KiB), `stages` K stages of 16 KiB and as many Vᵀ stages of 17
     /// (the block, then 8 rows of ones: hopper.cu's `VSTAGE`), with `_spec` 64 KiB of scratch for
     /// `fix_rows`' S (64 words per consumer thread), plus 1 KiB of alignment slack.
@@ -172,24 +183,35 @@ pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
         stages: 3,
         window: 3,
         speculative: true,
+        split: true,
+    },
+    HopperFp8Variant {
+        name: "hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec",
+        stages: 3,
+        window: 3,
+        speculative: true,
+        split: false,
     },
     HopperFp8Variant {
         name: "hopper_fp8_fwd_d128_br128_bc128_s3_win2_spec",
         stages: 3,
         window: 2,
         speculative: true,
+        split: true,
     },
     HopperFp8Variant {
         name: "hopper_fp8_fwd_d128_br128_bc128_s3_win2",
         stages: 3,
         window: 2,
         speculative: false,
+        split: true,
     },
     HopperFp8Variant {
         name: "hopper_fp8_fwd_d128_br128_bc128_s3_win1",
         stages: 3,
         window: 1,
         speculative: false,
+        split: true,
     },
 ];
 

@@ -143,6 +143,30 @@ pub fn supports_fp8_attention(ordinal: usize, head_dim: usize) -> Result<bool> {
     Ok(crate::ops::attention::hopper::fp8_unsupported(&backend, dims, 1.0).is_none())
 }
 
+/// How the FP8 attention kernel's launch of `HOPPER_FP8_VARIANTS[variant]` on GPU `ordinal` takes
+/// the keys of a call of `[batch, seq_q, heads]` and kv_len (the runs a sparse last wave is split
+/// in): the split that [`crate::attention_fp8_reference`] takes to follow it.
+pub fn fp8_attention_split(
+    ordinal: usize,
+    variant: usize,
+    dims: [usize; 3],
+    kv_len: usize,
+) -> Result<crate::Fp8KeySplit> {
+    const OP: &str = "fp8_attention_split";
+    let backend = CudaBackend::get(ordinal)?;
+    let v = HOPPER_FP8_VARIANTS.get(variant).ok_or_else(|| {
+        crate::KernelError::arg(
+            OP,
+            "variant",
+            variant,
+            format!("there are {} variants", HOPPER_FP8_VARIANTS.len()),
+        )
+    })?;
+    Ok(crate::ops::attention::hopper::fp8_key_split(
+        &backend, v, dims, kv_len,
+    ))
+}
+
 /// A contiguous tensor on GPU `ordinal` whose storage is allocated (stream-ordered, on [`cuda_stream`])
 /// but not written: its values are unspecified until the caller fills every element through
 /// [`tensor_device_ptr`] (on another stream: after an event recorded on [`cuda_stream`] following this

@@ -108,10 +108,10 @@ pub(super) unsafe fn launch(
             launch.arg(i);
         }
         launch.arg(&scale);
-        let buffers = ws.map(|ws| ws.buffers(&backend.stream));
+        let buffers = ws.map(|ws| ws.split.buffers(&backend.stream));
         if let (Some(ws), Some([part, tickets])) = (ws, &buffers) {
             launch.arg(part).arg(tickets);
-            for i in &ws.schedule {
+            for i in &ws.split.schedule {
                 launch.arg(i);
             }
         }

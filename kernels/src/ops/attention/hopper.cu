@@ -522,6 +522,45 @@ __device__ __forceinline__ Item item_of(int item, const Schedule& sched, int hea
                 split ? chunk * blocks / sched.ways : 0, split ? (chunk + 1) * blocks / sched.ways : blocks};
 }
 
+// A chunk of a split tile (`item` ≥ n_full), from both consumer warpgroups (MERGE is their barrier):
+// this thread's normalised rows `o` (clobbered) and their LSEs `row_lse` (natural log) to `part`,
+// made visible device-wide, then a ticket; the CTA taking the tile's last ticket merges every chunk's
+// rows by their LSEs into out and lse. `last`: a word of shared memory.
+__device__ __forceinline__ void merge_split(float* o, float* row_lse, const Schedule& sched, int item, const Item& it,
+                                            int row0, int lane, int seq_q, int heads, bf16* __restrict__ out,
+                                            float* __restrict__ lse, int& last) {
+    const int t = (item - sched.n_full) / sched.ways, first = t * sched.ways;
+#pragma unroll
+    for (int e = 0; e < 64; ++e) *part_slot(sched.part, item - sched.n_full, e) = o[e];
+    *part_slot(sched.part, item - sched.n_full, 64) = row_lse[0];
+    *part_slot(sched.part, item - sched.n_full, 65) = row_lse[1];
+    __threadfence();
+    bar_sync(MERGE);
+    if (threadIdx.x == 0) last = atomicAdd(&sched.tickets[t], 1u) == (unsigned)sched.ways - 1;
+    bar_sync(MERGE);
+    if (!last) return;
+    __threadfence();  // the other chunks' rows, fenced before their tickets, are visible from here
+    // Three passes over the chunks' LSEs (a handful of loads) rather than an array indexed at run time.
+    float mx[2] = {-INFINITY, -INFINITY}, wsum[2] = {0.0f, 0.0f};
+    for (int k = 0; k < sched.ways; ++k)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) mx[hf] = fmaxf(mx[hf], __ldcg(part_slot(sched.part, first + k, 64 + hf)));
+    for (int k = 0; k < sched.ways; ++k)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) wsum[hf] += expf(__ldcg(part_slot(sched.part, first + k, 64 + hf)) - mx[hf]);
+#pragma unroll
+    for (int e = 0; e < 64; ++e) o[e] = 0.0f;
+    for (int k = 0; k < sched.ways; ++k) {
+        const float w0 = expf(__ldcg(part_slot(sched.part, first + k, 64)) - mx[0]) / wsum[0];
+        const float w1 = expf(__ldcg(part_slot(sched.part, first + k, 65)) - mx[1]) / wsum[1];
+#pragma unroll
+        for (int e = 0; e < 64; ++e) o[e] += ((e & 2) ? w1 : w0) * __ldcg(part_slot(sched.part, first + k, e));
+    }
+    row_lse[0] = mx[0] + logf(wsum[0]);
+    row_lse[1] = mx[1] + logf(wsum[1]);
+    write_rows(out, lse, o, row_lse, it.b, it.h, row0, lane, seq_q, heads);
+}
+
 template <int STAGES, int KB>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, bf16* __restrict__ out,
                                     float* __restrict__ lse, int seq_q, int heads, int kv_len, float scale,
@@ -692,40 +731,9 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             store_rows(out, lse, o, m, l, it.b, it.h, row0, lane, seq_q, heads, scale);
             continue;
         }
-        // A chunk of a split tile: its normalised rows and LSEs to `part`, made visible device-wide,
-        // then a ticket; the CTA taking the last one merges every chunk's rows.
         float row_lse[2];
         normalise_rows(o, m, l, scale, row_lse);
-        const int t = (item - sched.n_full) / sched.ways, first = t * sched.ways;
-#pragma unroll
-        for (int e = 0; e < 64; ++e) *part_slot(sched.part, item - sched.n_full, e) = o[e];
-        *part_slot(sched.part, item - sched.n_full, 64) = row_lse[0];
-        *part_slot(sched.part, item - sched.n_full, 65) = row_lse[1];
-        __threadfence();
-        bar_sync(MERGE);
-        if (threadIdx.x == 0) last = atomicAdd(&sched.tickets[t], 1u) == (unsigned)sched.ways - 1;
-        bar_sync(MERGE);
-        if (!last) continue;
-        __threadfence();  // the other chunks' rows, fenced before their tickets, are visible from here
-        // Three passes over the chunks' LSEs (a handful of loads) rather than an array indexed at run time.
-        float mx[2] = {-INFINITY, -INFINITY}, wsum[2] = {0.0f, 0.0f};
-        for (int k = 0; k < sched.ways; ++k)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) mx[hf] = fmaxf(mx[hf], __ldcg(part_slot(sched.part, first + k, 64 + hf)));
-        for (int k = 0; k < sched.ways; ++k)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) wsum[hf] += expf(__ldcg(part_slot(sched.part, first + k, 64 + hf)) - mx[hf]);
-#pragma unroll
-        for (int e = 0; e < 64; ++e) o[e] = 0.0f;
-        for (int k = 0; k < sched.ways; ++k) {
-            const float w0 = expf(__ldcg(part_slot(sched.part, first + k, 64)) - mx[0]) / wsum[0];
-            const float w1 = expf(__ldcg(part_slot(sched.part, first + k, 65)) - mx[1]) / wsum[1];
-#pragma unroll
-            for (int e = 0; e < 64; ++e) o[e] += ((e & 2) ? w1 : w0) * __ldcg(part_slot(sched.part, first + k, e));
-        }
-        row_lse[0] = mx[0] + logf(wsum[0]);
-        row_lse[1] = mx[1] + logf(wsum[1]);
-        write_rows(out, lse, o, row_lse, it.b, it.h, row0, lane, seq_q, heads);
+        merge_split(o, row_lse, sched, item, it, row0, lane, seq_q, heads, out, lse, last);
     }
     // Consumer 1 arrived on consumer 0's turn once more than consumer 0 synced on it (its opening
     // arrival): consume it, so no barrier is left mid-phase at exit.
@@ -744,9 +752,11 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // by TMA. K/V blocks are KB = 128 keys, each the reference's softmax step
 // (`attention_fp8_reference` at step 128) and one K scale block, taken first to last as the
 // reference takes them, so the running max (which sets how each P rounds to e4m3) follows the same
-// sequence; the partial last block is masked where it comes. No split of the last wave (the merge
-// would change that sequence too). A K block is 128 rows of 128 bytes, a Vᵀ block [128 channels ×
-// 128 keys], one box each.
+// sequence; the partial last block is masked where it comes. A sparse last wave is split as the
+// bf16 kernel splits it (`ws::Schedule`): each chunk of a split tile's blocks is its own softmax
+// from scratch, merged by the chunks' LSEs (`ws::merge_split`), and the reference takes the same
+// chunks (its `KeySplit`). At (1,12,32760,128) on 132 SMs the 36 tiles of a 24th wave run as 108
+// thirds. A K block is 128 rows of 128 bytes, a Vᵀ block [128 channels × 128 keys], one box each.
 // GEMMs: wgmma e4m3 (8-bit operands are K-major only): S = Q·Kᵀ (m64n128k32) as 4 SS k-steps of 32
 // bytes into each 128-byte row; P·V as 4 RS k-steps with P in registers and Vᵀ K-major (keys
 // contiguous), the same descriptors as Q and K. P·V is m64n136k32: after each Vᵀ stage sit 8 rows
@@ -1114,7 +1124,7 @@ template <int STAGES, int WIN, bool SPEC>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
                                     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
                                     const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
-                                    int seq_q, int heads, int kv_len, float scale, int tiles_x) {
+                                    int seq_q, int heads, int kv_len, float scale, const ws::Schedule sched) {
     static_assert(WIN >= 1 && WIN <= 4, "windows of 1 to 4 blocks");
     constexpr int SCRATCH = SPEC ? 64 * 1024 : 0;  // fix_rows' S: 64 words per consumer thread
     static_assert(TILE8 + STAGES * (TILE8 + VSTAGE) + SCRATCH + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024,
@@ -1123,15 +1133,19 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) u64 bars[1 + 4 * STAGES];  // full Q, full K[], full V[], empty K[], empty V[]
     __shared__ float pin[256];
+    __shared__ int last;  // a split tile's last chunk: this CTA merges
     const unsigned base = (smem_addr(smem) + 1023u) & ~1023u;
     const unsigned sq = base, sk = base + TILE8, sv = base + TILE8 + STAGES * TILE8;
     const unsigned full_q = smem_addr(&bars[0]);
     const unsigned full_k = full_q + 8, full_v = full_k + 8 * STAGES;
     const unsigned empty_k = full_v + 8 * STAGES, empty_v = empty_k + 8 * STAGES;
 
-    const int tile = blockIdx.x;
-    const int q0 = (tile % tiles_x) * BR, h = (tile / tiles_x) % heads, b = tile / (tiles_x * heads);
-    const int nblk = (kv_len + KB - 1) / KB;  // also K's scale blocks
+    // One work item per CTA: a whole tile, or a run of a split tile's blocks [lo, hi) (`ws::Schedule`;
+    // dispatched in order, so the split tiles' chunks fill the last wave). kv_rel: the valid keys
+    // from block lo on (only the tile's last block can be partial).
+    const ws::Item it = ws::item_of<KB>(blockIdx.x, sched, heads, kv_len);
+    const int q0 = it.q0, h = it.h, b = it.b, lo = it.lo, nblk = it.hi - it.lo;
+    const int kv_rel = kv_len - lo * KB;
     const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);
     const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     if (nblk <= 0) {  // no valid key: out = 0, lse = −∞
@@ -1167,10 +1181,10 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
             const unsigned phase = (i / STAGES) & 1;
             mbar_wait(empty_k + 8 * s, phase ^ 1);
             mbar_expect_tx(full_k + 8 * s, TILE8);
-            tma_box(sk + s * TILE8, tk, full_k + 8 * s, 0, i * KB, h, b);
+            tma_box(sk + s * TILE8, tk, full_k + 8 * s, 0, (lo + i) * KB, h, b);
             mbar_wait(empty_v + 8 * s, phase ^ 1);
             mbar_expect_tx(full_v + 8 * s, TILE8);
-            tma_box(sv + s * VSTAGE, tv, full_v + 8 * s, i * KB, 0, h, b);
+            tma_box(sv + s * VSTAGE, tv, full_v + 8 * s, (lo + i) * KB, 0, h, b);
         }
         return;
     }
@@ -1178,10 +1192,10 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
     const int w = wg;
     const i64 head = (i64)b * heads + h;
-    const float* ks = k_scales + head * nblk;
+    const float* ks = k_scales + head * ((kv_len + KB - 1) / KB) + lo;  // from block lo
     // cq = s_q, cs = scale·log2 e; a block's descale is (cq·s_k)·cs (the reference's
     // (s_q·s_k)·scale in base 2, a rounding apart).
-    const float cq = q_scales[head * tiles_x + q0 / BR];
+    const float cq = q_scales[head * sched.tiles_x + q0 / BR];
     const float cs = scale * 1.4426950408889634f;
     float m[2] = {-INFINITY, -INFINITY};
     float o[ON];  // the open window's P·V and sums (the tensor cores')
@@ -1208,12 +1222,12 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     wgmma_wait0();
     fence_regs<KB / 2>(s);
     if (SPEC ? lane == 0 : leader) mbar_arrive(empty_k);
-    if (KB > kv_len) mask_keys<KB>(s, kv_len, lane);
+    if (KB > kv_rel) mask_keys<KB>(s, kv_rel, lane);
     online_softmax(s, m, a, c0);  // a = 0: ot = 0·0 + the first window
     pack_p(s, p);
 
 #define FP8_STEP(I, FRESH, PROMOTE)                                                                          \
-    step<STAGES, FRESH, PROMOTE, SPEC>(s, o, ot, lt, a, p, m, ks, cq, cs, I, kv_len, q_wg, sk, sv, full_k,    \
+    step<STAGES, FRESH, PROMOTE, SPEC>(s, o, ot, lt, a, p, m, ks, cq, cs, I, kv_rel, q_wg, sk, sv, full_k,    \
                                        full_v, empty_k, empty_v, scratch, q_warp, scratch_s, leader, lane)
     // Window w holds blocks w·WIN … w·WIN + WIN − 1, so step i opens one (P·V_{i−1} fresh) when
     // i ≡ 1 and closes one when i ≡ 0 (mod WIN): the loop is unrolled by WIN so that both are known
@@ -1258,7 +1272,9 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         }
         row_lse[hf] = lt[hf] > 0.0f ? m[hf] * 0.69314718055994531f + logf(lt[hf]) - LN_448 : -INFINITY;
     }
-    write_rows(out, lse, ot, row_lse, b, h, q0 + w * 64 + warp * 16, lane, seq_q, heads);
+    const int row0 = q0 + w * 64 + warp * 16;
+    if ((int)blockIdx.x < sched.n_full) write_rows(out, lse, ot, row_lse, b, h, row0, lane, seq_q, heads);
+    else ws::merge_split(ot, row_lse, sched, blockIdx.x, it, row0, lane, seq_q, heads, out, lse, last);
 }
 
 }  // namespace fp8
@@ -1309,8 +1325,9 @@ HOPPER_WS_KERNEL(2, 176)
 HOPPER_WS_KERNEL(2, 192)
 
 // hopper_fp8_fwd_d128_br128_bc128_s<STAGES>_win<WIN> (the FP8 forward, namespace fp8; launched by
-// ops/attention/hopper.rs's `attention_fp8`): 384 threads, one CTA per tile of 128 query rows of one
-// (batch, head) (tile = q-tile + tiles_x·(h + heads·b)), dynamic shared memory Q (16 KiB) + STAGES
+// ops/attention/hopper.rs's `attention_fp8`): 384 threads, one CTA per work item of ws::Schedule (a
+// tile of 128 query rows of one (batch, head), tile = q-tile + tiles_x·(h + heads·b), or a chunk of a
+// split tile's K/V blocks; `items` CTAs), dynamic shared memory Q (16 KiB) + STAGES
 // K stages of 16 KiB and Vᵀ stages of 17 KiB + 1 KiB alignment slack; the tensor maps of the codes
 // of q and k ([B, S, H, 128] u8, boxes 128 × 128; k's S = kv_len) and of vᵀ ([B, H, 128, S_pad] u8,
 // boxes of 128 keys × 128 channels), all in the 128B swizzle, and their scales (q, k [B, H,
@@ -1318,7 +1335,7 @@ HOPPER_WS_KERNEL(2, 192)
 #ifdef HOPPER_WGMMA
 #define HOPPER_FP8_BODY(STAGES, WIN, SPEC)                                                                    \
     hopper::fp8::fwd<STAGES, WIN, SPEC>(tq, tk, tv, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, \
-                                  tiles_x);
+                                        hopper::ws::Schedule{part, tickets, tiles_x, n_full, ways, items});
 #else
 #define HOPPER_FP8_BODY(STAGES, WIN, SPEC)
 #endif
@@ -1326,7 +1343,8 @@ HOPPER_WS_KERNEL(2, 192)
     extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                   \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         const float* q_scales, const float* k_scales, const float* v_scales, bf16* out, float* lse, int seq_q,   \
-        int heads, int kv_len, float scale, int tiles_x) {                                                       \
+        int heads, int kv_len, float scale, float* part, unsigned* tickets, int tiles_x, int n_full, int ways,  \
+        int items) {                                                                                             \
         HOPPER_FP8_BODY(STAGES, WIN, SPEC)                                                                        \
     }
 HOPPER_FP8_KERNEL(3, 3, true, hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec)

@@ -6,7 +6,8 @@
 //! tensor cores and overlap softmax with P·V; stages c–d), which takes Q/K/V as tensor maps encoded
 //! here and a work schedule that splits a sparse last wave of tiles along the keys (`schedule`).
 //! The FP8 kernel (`attention_fp8` here, namespace `fp8` of hopper.cu) shares the tensor-map
-//! encoding and the warp-specialised layout; `ops/quant/cuda.rs` quantises its operands and calls it.
+//! encoding, the warp-specialised layout and the schedule; `ops/quant/cuda.rs` quantises its
+//! operands and calls it.
 //! Anything a kernel cannot run is a `KernelError` naming the rule, never a panic and never a silent
 //! empty launch (the bodies are compiled only for sm_90a, so the architecture is checked before the
 //! source is even compiled).
@@ -131,12 +132,12 @@ pub(super) fn check(
 /// chunks).
 const MAX_WAYS: usize = 8;
 
-/// The warp-specialised kernel's work schedule (hopper.cu's `ws::Schedule`): `tiles` tiles of 128
-/// query rows, one CTA each, on `sms` SMs (one CTA fits an SM). When the last wave would be at most
-/// half full, its tiles are split along their `blocks` K/V blocks over `ways` CTAs each (as many as
-/// fill the SMs, at most `MAX_WAYS`, at least 2 blocks per CTA) and merged by the last CTA of each:
-/// at (1,12,32760,128), 3,072 tiles leave 36 for a 24th wave, which as 108 thirds takes a third of
-/// the time. Returns (n_full, ways): the first n_full tiles whole, the rest split `ways` ways (1: none).
+/// The warp-specialised kernels' work schedule (hopper.cu's `ws::Schedule`; bf16 and FP8): `tiles`
+/// tiles of 128 query rows, one CTA each, on `sms` SMs (one CTA fits an SM). When the last wave
+/// would be at most half full, its tiles are split along their `blocks` K/V blocks over `ways` CTAs
+/// each (as many as fill the SMs, at most `MAX_WAYS`, at least 2 blocks per CTA) and merged by the
+/// last CTA of each: at (1,12,32760,128), 3,072 tiles leave 36 for a 24th wave, which as 108 thirds
+/// takes a third of the time. Returns (n_full, ways): the first n_full tiles whole, the rest split `ways` ways (1: none).
 fn schedule(tiles: usize, sms: usize, blocks: usize) -> (usize, usize) {
     let tail = tiles % sms.max(1);
     if tail == 0 || 2 * tail > sms {
@@ -150,18 +151,55 @@ fn schedule(tiles: usize, sms: usize, blocks: usize) -> (usize, usize) {
     }
 }
 
-/// What the warp-specialised kernels take beyond the shared argument list: the tensor maps of q, k
-/// and v (in place of their addresses), then the schedule: the split tiles' partial rows and tickets
-/// (owned here, so they live until the launch is queued; none when nothing is split) and (tiles per
-/// head, n_full, ways, work items).
-pub(super) struct WsArgs {
-    pub maps: [TensorMap; 3],
+/// A launch's work items (hopper.cu's `ws::Schedule`, which the warp-specialised bf16 kernels and the
+/// FP8 one take): the split tiles' partial rows and tickets (owned here, so they live until the
+/// launch is queued; none when nothing is split) and (tiles per head, n_full, ways, work items).
+pub(super) struct Split {
     part: Option<CudaSlice<f32>>,
     tickets: Option<CudaSlice<u32>>,
     pub schedule: [i32; 4],
 }
 
-impl WsArgs {
+impl Split {
+    /// `tiles_x` query tiles per (batch, head), `tiles` in all, the first `n_full` whole and the
+    /// rest split `ways` ways (a [`schedule`]), with the buffers of its merge.
+    fn new(
+        op: &'static str,
+        backend: &CudaBackend,
+        (tiles_x, tiles): (usize, usize),
+        (n_full, ways): (usize, usize),
+    ) -> Result<Self> {
+        let split = tiles - n_full;
+        let alloc_err = |e| backend.err(op, "cuMemAllocAsync", e);
+        // Per split chunk and consumer thread: 64 O values and 2 LSEs (hopper.cu's `part_slot`).
+        let part = (ways > 1)
+            .then(|| {
+                // SAFETY: every chunk writes all of its slots before any CTA reads them (tickets).
+                unsafe { backend.stream.alloc::<f32>(split * ways * 66 * 256) }
+            })
+            .transpose()
+            .map_err(alloc_err)?;
+        let tickets = (ways > 1)
+            .then(|| backend.stream.alloc_zeros::<u32>(split))
+            .transpose()
+            .map_err(alloc_err)?;
+        Ok(Self {
+            part,
+            tickets,
+            schedule: [
+                int(op, "seq_q / 128", tiles_x)?,
+                int(op, "tiles", n_full)?,
+                ways as i32,
+                int(op, "tiles", n_full + split * ways)?,
+            ],
+        })
+    }
+
+    /// Work items: one CTA each unless the launch is persistent.
+    pub fn items(&self) -> u32 {
+        self.schedule[3] as u32
+    }
+
     /// The device addresses of the partial rows and the tickets, 0 for none.
     pub fn buffers(&self, stream: &CudaStream) -> [u64; 2] {
         [
@@ -169,6 +207,13 @@ impl WsArgs {
             self.tickets.as_ref().map_or(0, |t| t.device_ptr(stream).0),
         ]
     }
+}
+
+/// What the warp-specialised kernels take beyond the shared argument list: the tensor maps of q, k
+/// and v (in place of their addresses), then the [`Split`].
+pub(super) struct WsArgs {
+    pub maps: [TensorMap; 3],
+    pub split: Split,
 }
 
 /// A CUDA tensor map (`CUtensorMap`, 128 opaque bytes), passed by value as hopper.cu's `TmaMap`.
@@ -344,25 +389,9 @@ fn ws_args(
     variant: &HopperVariant,
 ) -> Result<(WsArgs, u32)> {
     let tiles_x = seq_q.div_ceil(BLOCK_Q);
-    let (n_full, ways) = schedule(
-        tiles_x * heads * batch,
-        backend.sm_count,
-        kv_len.div_ceil(variant.block_k),
-    );
-    let split = tiles_x * heads * batch - n_full;
-    let alloc_err = |e| backend.err(op, "cuMemAllocAsync", e);
-    // Per split chunk and consumer thread: 64 O values and 2 LSEs (hopper.cu's `part_slot`).
-    let part = (ways > 1)
-        .then(|| {
-            // SAFETY: every chunk writes all of its slots before any CTA reads them (tickets).
-            unsafe { backend.stream.alloc::<f32>(split * ways * 66 * 256) }
-        })
-        .transpose()
-        .map_err(alloc_err)?;
-    let tickets = (ways > 1)
-        .then(|| backend.stream.alloc_zeros::<u32>(split))
-        .transpose()
-        .map_err(alloc_err)?;
+    let tiles = tiles_x * heads * batch;
+    let (n_full, ways) = schedule(tiles, backend.sm_count, kv_len.div_ceil(variant.block_k));
+    let split = Split::new(op, backend, (tiles_x, tiles), (n_full, ways))?;
     let kv_map = |t| {
         tensor_map(
             op,
@@ -373,23 +402,16 @@ fn ws_args(
             kv_len,
         )
     };
-    let items = int(op, "tiles", n_full + split * ways)?;
+    let items = split.items();
     let ws = WsArgs {
         maps: [
             tensor_map(op, backend, q, [batch, seq_q, heads], BLOCK_Q, seq_q)?,
             kv_map(k)?,
             kv_map(v)?,
         ],
-        part,
-        tickets,
-        schedule: [
-            int(op, "seq_q / 128", tiles_x)?,
-            int(op, "tiles", n_full)?,
-            ways as i32,
-            items,
-        ],
+        split,
     };
-    Ok((ws, items as u32))
+    Ok((ws, items))
 }
 
 /// Why the FP8 Hopper kernel cannot run on this GPU and head dim, if it cannot (the dtype and
@@ -400,6 +422,23 @@ pub(crate) fn fp8_unsupported(
     scale: f32,
 ) -> Option<String> {
     unsupported(&backend.arch, DType::BF16, dims, scale)
+}
+
+/// How the FP8 kernel's launch of `variant` shares out the keys of a call of `[batch, seq_q,
+/// heads]` and kv_len on this GPU: the bf16 kernel's [`schedule`] of its tiles over the SMs, or
+/// nothing split for a `_whole` launch.
+pub(crate) fn fp8_key_split(
+    backend: &CudaBackend,
+    variant: &crate::cuda::HopperFp8Variant,
+    [batch, seq_q, heads]: [usize; 3],
+    kv_len: usize,
+) -> crate::Fp8KeySplit {
+    let tiles = seq_q.div_ceil(BLOCK_Q) * heads * batch;
+    let blocks = kv_len.div_ceil(crate::cuda::HOPPER_FP8_KEYS);
+    match schedule(tiles, backend.sm_count, blocks) {
+        (first, ways) if variant.split && ways > 1 => crate::Fp8KeySplit { first, ways },
+        _ => crate::Fp8KeySplit::NONE,
+    }
 }
 
 /// The quantised operands of one FP8 attention call (ops/quant/cuda.rs makes them): device
@@ -491,9 +530,15 @@ pub(crate) unsafe fn attention_fp8(
         int(op, "heads", heads)?,
         int(op, "kv_len", kv_len)?,
     ];
-    let tiles_x = int(op, "seq_q / 128", tiles_x)?;
+    let key_split = fp8_key_split(backend, variant, [batch, seq_q, heads], kv_len);
+    let split = Split::new(
+        op,
+        backend,
+        (tiles_x, tiles),
+        (key_split.first.min(tiles), key_split.ways),
+    )?;
     let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (int(op, "tiles", tiles)? as u32, 1, 1),
+        grid_dim: (split.items(), 1, 1),
         block_dim: (WS_THREADS, 1, 1),
         shared_mem_bytes: smem as u32,
     };
@@ -509,9 +554,15 @@ pub(crate) unsafe fn attention_fp8(
     for i in &ints {
         launch.arg(i);
     }
-    launch.arg(&scale).arg(&tiles_x);
+    launch.arg(&scale);
+    let [part, tickets] = split.buffers(&backend.stream);
+    launch.arg(&part).arg(&tickets);
+    for i in &split.schedule {
+        launch.arg(i);
+    }
     // SAFETY: hopper_fp8_fwd_* takes (tq, tk, tv, q_scales, k_scales, v_scales, out, lse, seq_q,
-    // heads, kv_len, scale, tiles_x), one CTA of 384 threads per tile, the variant's dynamic shared
+    // heads, kv_len, scale, part, tickets, tiles_x, n_full, ways, items), one CTA of 384 threads per
+    // work item (`Split` allocated the merge's buffers for its schedule), the variant's dynamic shared
     // memory (opted into above, ≤ 227 KiB: a unit test); the maps and scales cover the buffers the
     // caller vouched for; out and lse were allocated here with the sizes the kernel writes.
     unsafe { launch.launch(cfg) }.map_err(|e| backend.err(op, "cuLaunchKernel", e))?;

@@ -22,7 +22,9 @@
 //!   GPU kernel adds them in its P·V GEMM, against a column of ones), so out = acc·s_v / (448·l),
 //!   rounded once to q's dtype, is a weighted mean of V with weights that sum to one;
 //! - lse = m + ln l over the valid keys (natural log, with the scale), as the bf16 kernel
-//!   returns it, so Ring and Attention2D merge FP8 partials the same way.
+//!   returns it, so Ring and Attention2D merge FP8 partials the same way;
+//! - on a GPU, the tiles of a sparse last wave may take their keys in a few runs, each the above
+//!   from scratch, merged by their LSEs in f32 ([`KeySplit`]; the reference takes the same runs).
 
 use super::cpu::{e4m3, rcp};
 use super::{E4M3_MAX, same_device};
@@ -42,6 +44,29 @@ pub const HEADROOM: f32 = 4.0;
 /// order separates the two.
 pub const STEP: usize = 128;
 
+/// How a call's query tiles take their keys: the tiles of [`BLOCK`] query rows, numbered q-tile +
+/// ⌈S_q / BLOCK⌉·(head + H·sample), from `first` on take the n = ⌈kv_len / BLOCK⌉ blocks of
+/// [`BLOCK`] keys in `ways` runs, run c the blocks [c·n / ways, (c + 1)·n / ways), each its own
+/// online softmax from scratch; the runs' rows merge by their LSEs, out = Σ_c w_c·out_c with w_c =
+/// e^(lse_c − max) / Σ e^(lse − max), lse = max + ln Σ e^(lse − max), in f32. The GPU kernel splits
+/// a sparse last wave so, as the bf16 one does, to fill the SMs (`crate::cuda::fp8_attention_split`
+/// says how for a call); [`KeySplit::NONE`] takes every tile's keys in one run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeySplit {
+    /// The first tile split.
+    pub first: usize,
+    /// Runs per split tile (1: none split).
+    pub ways: usize,
+}
+
+impl KeySplit {
+    /// Every tile's keys in one run.
+    pub const NONE: KeySplit = KeySplit {
+        first: usize::MAX,
+        ways: 1,
+    };
+}
+
 /// FP8 scaled-dot-product attention by the recipe of the module docs: q [B, S_q, H, D], k and v
 /// [B, S_k, H, D] (f32 or bf16, one dtype) → out [B, S_q, H, D] in q's dtype and lse [B, H, S_q]
 /// (f32), as [`crate::attention`] returns them. On a GPU it takes bf16 at head dim 128 with a
@@ -55,7 +80,7 @@ pub fn attention_fp8(
     const OP: &str = "attention_fp8";
     let (dims, args) = check(OP, (q, k, v), options)?;
     match same_device(OP, &[q, k, v])? {
-        Device::Cpu => reference(OP, (q, k, v), dims, args, STEP),
+        Device::Cpu => reference(OP, (q, k, v), dims, args, (STEP, KeySplit::NONE)),
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => super::cuda::attention(OP, (q, k, v), dims, args.0, args.1),
         #[cfg(not(feature = "cuda"))]
@@ -63,9 +88,10 @@ pub fn attention_fp8(
     }
 }
 
-/// The CPU recipe of [`attention_fp8`] with online-softmax steps of `step` keys (≥ 1): the
-/// reference the GPU kernel is held to at its K/V block of 128 keys (any other step works too,
-/// and K's scale blocks stay 128 tokens, which a step may straddle). Takes [`attention_fp8`]'s
+/// The CPU recipe of [`attention_fp8`] with online-softmax steps of `step` keys (≥ 1) and the
+/// tiles' keys taken in the runs of `split`: the reference the GPU kernel is held to at its K/V
+/// block of 128 keys and its launch's split (any other step works too, and K's scale blocks stay
+/// 128 tokens, which a step may straddle; a step restarts at each run). Takes [`attention_fp8`]'s
 /// arguments (tensors anywhere, read on the host) and checks them the same.
 pub fn attention_fp8_reference(
     q: &Tensor,
@@ -73,13 +99,22 @@ pub fn attention_fp8_reference(
     v: &Tensor,
     options: AttentionOptions,
     step: usize,
+    split: KeySplit,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "attention_fp8_reference";
     if step == 0 {
         return Err(KernelError::arg(OP, "step", step, "it must be at least 1"));
     }
+    if split.ways == 0 {
+        return Err(KernelError::arg(
+            OP,
+            "split.ways",
+            split.ways,
+            "it must be at least 1",
+        ));
+    }
     let (dims, args) = check(OP, (q, k, v), options)?;
-    reference(OP, (q, k, v), dims, args, step)
+    reference(OP, (q, k, v), dims, args, (step, split))
 }
 
 /// The shapes' rule → ([B, S_q, S_k, H, D], (scale, kv_len)).
@@ -118,9 +153,10 @@ fn reference(
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     [b, sq, sk, h, d]: [usize; 5],
     (scale, kv_len): (f32, usize),
-    step: usize,
+    (step, split): (usize, KeySplit),
 ) -> Result<(Tensor, Tensor)> {
     let qs = q.shape();
+    let (tiles_x, blocks) = (sq.div_ceil(BLOCK), kv_len.div_ceil(BLOCK));
     let (qv, kv, vv) = (q.cpu_f32(op)?, k.cpu_f32(op)?, v.cpu_f32(op)?);
     let at = |s: usize, bi: usize, t: usize, hi: usize| ((bi * s + t) * h + hi) * d;
     let mut out = vec![0f32; b * sq * h * d];
@@ -171,41 +207,73 @@ fn reference(
                 .collect();
             for i in 0..sq {
                 let sqk = q_scales[i / BLOCK];
-                let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
-                let mut acc = vec![0f32; d];
-                for start in (0..kv_len).step_by(step) {
-                    let keys = start..(start + step).min(kv_len);
-                    let s_ij: Vec<f32> = keys
-                        .clone()
-                        .map(|j| {
-                            let dot: f32 = q8[i].iter().zip(&k8[j]).map(|(a, c)| a * c).sum();
-                            dot * (sqk * k_scales[j / BLOCK]) * scale
-                        })
-                        .collect();
-                    let block_max = s_ij.iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
-                    let m_new = if block_max > m {
-                        block_max + HEADROOM * std::f32::consts::LN_2
-                    } else {
-                        m
-                    };
-                    let alpha = (m - m_new).exp(); // 0 on the first block (m = −∞), 1 if m stays
-                    l *= alpha;
-                    acc.iter_mut().for_each(|a| *a *= alpha);
-                    for (j, &s) in keys.zip(&s_ij) {
-                        let p8 = e4m3((s - m_new).exp() * E4M3_MAX);
-                        l += p8 / E4M3_MAX;
-                        for (a, vq) in acc.iter_mut().zip(&v8[j]) {
-                            *a += p8 * vq;
+                // The online softmax over `keys` → (acc, m, l).
+                let run = |keys: std::ops::Range<usize>| {
+                    let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+                    let mut acc = vec![0f32; d];
+                    for start in keys.clone().step_by(step) {
+                        let keys = start..(start + step).min(keys.end);
+                        let s_ij: Vec<f32> = keys
+                            .clone()
+                            .map(|j| {
+                                let dot: f32 = q8[i].iter().zip(&k8[j]).map(|(a, c)| a * c).sum();
+                                dot * (sqk * k_scales[j / BLOCK]) * scale
+                            })
+                            .collect();
+                        let block_max = s_ij.iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
+                        let m_new = if block_max > m {
+                            block_max + HEADROOM * std::f32::consts::LN_2
+                        } else {
+                            m
+                        };
+                        let alpha = (m - m_new).exp(); // 0 on the first block (m = −∞), 1 if m stays
+                        l *= alpha;
+                        acc.iter_mut().for_each(|a| *a *= alpha);
+                        for (j, &s) in keys.zip(&s_ij) {
+                            let p8 = e4m3((s - m_new).exp() * E4M3_MAX);
+                            l += p8 / E4M3_MAX;
+                            for (a, vq) in acc.iter_mut().zip(&v8[j]) {
+                                *a += p8 * vq;
+                            }
+                        }
+                        m = m_new;
+                    }
+                    (acc, m, l)
+                };
+                if kv_len == 0 {
+                    continue;
+                }
+                let tile = i / BLOCK + tiles_x * (hi + h * bi);
+                let ways = if tile >= split.first { split.ways } else { 1 };
+                // Each run's normalised rows and LSE, then their merge (one run: as it is).
+                let runs: Vec<(Vec<f32>, f32)> = (0..ways)
+                    .map(|c| {
+                        let (first, end) = (c * blocks / ways, (c + 1) * blocks / ways);
+                        let (acc, m, l) = run(first * BLOCK..(end * BLOCK).min(kv_len));
+                        let o = acc
+                            .iter()
+                            .zip(&v_scales)
+                            .map(|(a, sv)| a * sv / (E4M3_MAX * l))
+                            .collect();
+                        (o, m + l.ln())
+                    })
+                    .collect();
+                let o = &mut out[at(sq, bi, i, hi)..][..d];
+                let row_lse = &mut lse[(bi * h + hi) * sq + i];
+                if let [(run, run_lse)] = &runs[..] {
+                    o.copy_from_slice(run);
+                    *row_lse = *run_lse;
+                } else {
+                    let mx = runs.iter().fold(f32::NEG_INFINITY, |a, r| a.max(r.1));
+                    let wsum: f32 = runs.iter().map(|r| (r.1 - mx).exp()).sum();
+                    o.fill(0.0);
+                    for (run, run_lse) in &runs {
+                        let w = (run_lse - mx).exp() / wsum;
+                        for (o, x) in o.iter_mut().zip(run) {
+                            *o += w * x;
                         }
                     }
-                    m = m_new;
-                }
-                if kv_len > 0 {
-                    let o = &mut out[at(sq, bi, i, hi)..][..d];
-                    for ((o, a), sv) in o.iter_mut().zip(&acc).zip(&v_scales) {
-                        *o = a * sv / (E4M3_MAX * l);
-                    }
-                    lse[(bi * h + hi) * sq + i] = m + l.ln();
+                    *row_lse = mx + wsum.ln();
                 }
             }
         }

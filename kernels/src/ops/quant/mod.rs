@@ -32,7 +32,9 @@ mod tests;
 
 use std::sync::Arc;
 
-pub use attention::{BLOCK as FP8_ATTENTION_BLOCK, attention_fp8, attention_fp8_reference};
+pub use attention::{
+    BLOCK as FP8_ATTENTION_BLOCK, KeySplit as Fp8KeySplit, attention_fp8, attention_fp8_reference,
+};
 
 use super::same_device;
 #[cfg(not(feature = "cuda"))]

@@ -437,18 +437,98 @@ fn fp8_attention_follows_its_online_schedule() -> crate::Result<()> {
     let v = Tensor::randn(&[1, sk, h, d], DType::F32, 33, Device::Cpu)?;
     let options = crate::AttentionOptions::default();
     let (default, _) = attention_fp8(&q, &k, &v, options)?;
-    let (at_step, _) = attention_fp8_reference(&q, &k, &v, options, super::attention::STEP)?;
+    let none = super::attention::KeySplit::NONE;
+    let (at_step, _) = attention_fp8_reference(&q, &k, &v, options, super::attention::STEP, none)?;
     assert_eq!(default.to_vec_f32()?, at_step.to_vec_f32()?);
     let mut outs = Vec::new();
     for step in [64, 128, 192] {
-        let (out, _) = attention_fp8_reference(&q, &k, &v, options, step)?;
+        let (out, _) = attention_fp8_reference(&q, &k, &v, options, step, none)?;
         check_online_schedule(&q, &k, &v, &out, step)?;
         outs.push(out.to_vec_f32()?);
     }
     // The step is seen: P rounds at another running max.
     assert!(outs[0] != outs[1] && outs[1] != outs[2]);
-    let e = attention_fp8_reference(&q, &k, &v, options, 0).unwrap_err();
+    let e = attention_fp8_reference(&q, &k, &v, options, 0, none).unwrap_err();
     assert!(e.to_string().contains("step"), "{e}");
+    let no_runs = super::attention::KeySplit { first: 0, ways: 0 };
+    let e = attention_fp8_reference(&q, &k, &v, options, 128, no_runs).unwrap_err();
+    assert!(e.to_string().contains("split.ways"), "{e}");
+    Ok(())
+}
+
+/// A split of the keys (`KeySplit`, the GPU's sparse last wave) is the recipe over each run of
+/// key blocks alone, merged by the runs' LSEs: with V's channel scales 1 in every run (each run
+/// holds a 448 in every channel, the rest small integers, so V's codes are its values whatever
+/// keys a run holds) and runs at K's scale blocks, the reference over k and v cut to a run is
+/// that run exactly, and the merge of those must give the split reference's rows to f32 rounding
+/// (the same merge, in another order); tiles before `first` are untouched, bit for bit.
+#[test]
+fn fp8_attention_split_merges_its_runs() -> crate::Result<()> {
+    use super::attention::{BLOCK, KeySplit};
+    let (sq, h, d, kv_len) = (200, 2, 16, 700); // 2 q-tiles per head; 6 key blocks, the last partial
+    let q = crate::mul(
+        &Tensor::randn(&[1, sq, h, d], DType::F32, 34, Device::Cpu)?,
+        &Tensor::from_vec(vec![2.0], &[1])?,
+    )?;
+    let k = Tensor::randn(&[1, kv_len, h, d], DType::F32, 35, Device::Cpu)?;
+    let split = KeySplit { first: 1, ways: 3 }; // runs of blocks [0, 2), [2, 4), [4, 6)
+    let runs = [0..2 * BLOCK, 2 * BLOCK..4 * BLOCK, 4 * BLOCK..kv_len];
+    let v: Vec<f32> = (0..kv_len * h * d)
+        .map(|i| {
+            let t = i / (h * d);
+            if runs.iter().any(|r| r.start == t) {
+                448.0
+            } else {
+                ((i * 7919) % 17) as f32 - 8.0
+            }
+        })
+        .collect();
+    let v = Tensor::from_vec(v, &[1, kv_len, h, d])?;
+    let options = crate::AttentionOptions::default();
+    let (whole, whole_lse) = attention_fp8_reference(&q, &k, &v, options, 128, KeySplit::NONE)?;
+    let (out, lse) = attention_fp8_reference(&q, &k, &v, options, 128, split)?;
+    let parts = runs
+        .iter()
+        .map(|r| {
+            let cut = |t: &Tensor| t.narrow(1, r.start, r.len());
+            attention_fp8_reference(&q, &cut(&k)?, &cut(&v)?, options, 128, KeySplit::NONE)
+        })
+        .collect::<crate::Result<Vec<_>>>()?;
+    let parts: Vec<(Vec<f32>, Vec<f32>)> = parts
+        .iter()
+        .map(|(o, l)| Ok((o.to_vec_f32()?, l.to_vec_f32()?)))
+        .collect::<crate::Result<_>>()?;
+    let (whole, whole_lse) = (whole.to_vec_f32()?, whole_lse.to_vec_f32()?);
+    let (out, lse) = (out.to_vec_f32()?, lse.to_vec_f32()?);
+    let mut split_rows_differ = false;
+    for hi in 0..h {
+        for i in 0..sq {
+            let (row, at) = ((i * h + hi) * d, hi * sq + i);
+            let tile = i / BLOCK + sq.div_ceil(BLOCK) * hi;
+            if tile < split.first {
+                assert_eq!(out[row..row + d], whole[row..row + d], "row {i} head {hi}");
+                assert_eq!(lse[at], whole_lse[at]);
+                continue;
+            }
+            let mx = parts.iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.1[at]));
+            let wsum: f32 = parts.iter().map(|p| (p.1[at] - mx).exp()).sum();
+            for c in 0..d {
+                let merged: f32 = parts
+                    .iter()
+                    .map(|p| (p.1[at] - mx).exp() / wsum * p.0[row + c])
+                    .sum();
+                let got = out[row + c];
+                assert!(
+                    (got - merged).abs() <= 1e-5 * (1.0 + merged.abs()),
+                    "row {i} head {hi} channel {c}: {got} vs merged runs {merged}"
+                );
+            }
+            assert!((lse[at] - (mx + wsum.ln())).abs() <= 1e-5);
+            split_rows_differ |= out[row..row + d] != whole[row..row + d];
+        }
+    }
+    // The runs are seen: their offsets round P differently from one softmax over all the keys.
+    assert!(split_rows_differ);
     Ok(())
 }
 

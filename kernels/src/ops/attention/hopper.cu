@@ -756,7 +756,9 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // bf16 kernel splits it (`ws::Schedule`): each chunk of a split tile's blocks is its own softmax
 // from scratch, merged by the chunks' LSEs (`ws::merge_split`), and the reference takes the same
 // chunks (its `KeySplit`). At (1,12,32760,128) on 132 SMs the 36 tiles of a 24th wave run as 108
-// thirds. A K block is 128 rows of 128 bytes, a Vᵀ block [128 channels × 128 keys], one box each.
+// thirds: 0.7–3.3 % faster than whole tiles in 5 of 5 runs on an H200 (bench/RESULTS.md,
+// 2026-12-06, eleventh session). A K block is 128 rows of 128 bytes, a Vᵀ block [128 channels ×
+// 128 keys], one box each.
 // GEMMs: wgmma e4m3 (8-bit operands are K-major only): S = Q·Kᵀ (m64n128k32) as 4 SS k-steps of 32
 // bytes into each 128-byte row; P·V as 4 RS k-steps with P in registers and Vᵀ K-major (keys
 // contiguous), the same descriptors as Q and K. P·V is m64n136k32: after each Vᵀ stage sit 8 rows

@@ -74,9 +74,10 @@ struct Args {
     /// (random weights, bf16) with the videos' PSNR (0: none).
     #[arg(long, default_value_t = 0)]
     steps: usize,
-    /// With `--fp8`: also the FP8 forward with each of these FP8 attention kernels (names of
-    /// `HOPPER_FP8_VARIANTS` by label, comma-separated) in place of the default, each timed right after the
-    /// default again (alternating, so clock drift shows), with its error against the bf16 forward.
+    /// With `--fp8`: also the FP8 forward with each of these FP8 attention kernels (labels of
+    /// `HOPPER_FP8_VARIANTS`, comma-separated) in place of the default, each timed right after
+    /// the default again (alternating, so clock drift shows), with its error against the bf16
+    /// forward.
     #[arg(long, value_delimiter = ',')]
     fp8_attention: Vec<String>,
 }

@@ -137,7 +137,8 @@ const MAX_WAYS: usize = 8;
 /// would be at most half full, its tiles are split along their `blocks` K/V blocks over `ways` CTAs
 /// each (as many as fill the SMs, at most `MAX_WAYS`, at least 2 blocks per CTA) and merged by the
 /// last CTA of each: at (1,12,32760,128), 3,072 tiles leave 36 for a 24th wave, which as 108 thirds
-/// takes a third of the time. Returns (n_full, ways): the first n_full tiles whole, the rest split `ways` ways (1: none).
+/// takes a third of the time. Returns (n_full, ways): the first n_full tiles whole, the rest split
+/// `ways` ways (1: none).
 fn schedule(tiles: usize, sms: usize, blocks: usize) -> (usize, usize) {
     let tail = tiles % sms.max(1);
     if tail == 0 || 2 * tail > sms {

@@ -91,8 +91,9 @@ pub fn attention_fp8(
 /// The CPU recipe of [`attention_fp8`] with online-softmax steps of `step` keys (≥ 1) and the
 /// tiles' keys taken in the runs of `split`: the reference the GPU kernel is held to at its K/V
 /// block of 128 keys and its launch's split (any other step works too, and K's scale blocks stay
-/// 128 tokens, which a step may straddle; a step restarts at each run). Takes [`attention_fp8`]'s
-/// arguments (tensors anywhere, read on the host) and checks them the same.
+/// 128 tokens, which a step may straddle; a step restarts at each run; `split.ways` is at least
+/// 1 and at most the key blocks). Takes [`attention_fp8`]'s arguments (tensors anywhere, read on
+/// the host) and checks them the same.
 pub fn attention_fp8_reference(
     q: &Tensor,
     k: &Tensor,
@@ -114,6 +115,19 @@ pub fn attention_fp8_reference(
         ));
     }
     let (dims, args) = check(OP, (q, k, v), options)?;
+    // A run without keys has no softmax to merge: every run holds at least one block.
+    let blocks = args.1.div_ceil(BLOCK);
+    if split.ways > 1 && blocks > 0 && split.ways > blocks {
+        return Err(KernelError::arg(
+            OP,
+            "split.ways",
+            split.ways,
+            format!(
+                "it must be at most the {blocks} blocks of {BLOCK} keys that kv_len = {} makes",
+                args.1
+            ),
+        ));
+    }
     reference(OP, (q, k, v), dims, args, (step, split))
 }
 

@@ -529,6 +529,13 @@ fn fp8_attention_split_merges_its_runs() -> crate::Result<()> {
     }
     // The runs are seen: their offsets round P differently from one softmax over all the keys.
     assert!(split_rows_differ);
+    // More runs than key blocks would leave a run without keys: refused, naming the rule.
+    let seven = KeySplit { first: 0, ways: 7 };
+    let e = attention_fp8_reference(&q, &k, &v, options, 128, seven).unwrap_err();
+    assert!(
+        e.to_string().contains("split.ways") && e.to_string().contains("6 blocks"),
+        "{e}"
+    );
     Ok(())
 }
 

@@ -2020,6 +2020,72 @@ fn fp8_attention_matches_cpu_over_long_flat_key_runs() -> Result<()> {
     )
 }
 
+/// The default FP8 launch splits only a sparse last wave: on a call of a few more tiles than the
+/// GPU has SMs (one 128-row tile per head, 512 keys), the tiles before the split's first are
+/// computed by the same code as in the `_whole` launch, so their out and lse are bit-identical to
+/// it, and the split tiles' rows are not (their runs' offsets round P otherwise). A launch that
+/// split where `fp8_attention_split` says it does not, or that wrote a merged row over a whole
+/// tile, fails here; the split rows' distance to the recipe is `fp8_attention_matches_cpu`'s.
+#[test]
+fn fp8_attention_split_leaves_whole_tiles_alone() -> Result<()> {
+    use ditstream_kernels as k;
+    let Some(dev) = fp8_gpu()? else { return Ok(()) };
+    let Device::Cuda(ordinal) = dev else {
+        unreachable!("fp8_gpu returns a GPU")
+    };
+    let (sq, kv) = (128, 512);
+    let whole = HOPPER_FP8_VARIANTS
+        .iter()
+        .position(|v| !v.split)
+        .expect("a `_whole` variant");
+    // The fewest heads past the SM count whose last wave the default launch splits.
+    let mut found = None;
+    for h in 1..=1024 {
+        let split = k::cuda::fp8_attention_split(ordinal, 0, [1, sq, h], kv)?;
+        if split.first > 0 && split.ways > 1 {
+            found = Some((h, split));
+            break;
+        }
+    }
+    let (h, split) = found.expect("some head count splits a partial last wave");
+    let q = randn(&[1, sq, h, 128], DType::BF16, 44).to_device(dev)?;
+    let kt = randn(&[1, kv, h, 128], DType::BF16, 45).to_device(dev)?;
+    let v = randn(&[1, kv, h, 128], DType::BF16, 46).to_device(dev)?;
+    let options = AttentionOptions::default();
+    let run = |i| {
+        with_attention_kernel(AttentionKernel::HopperFp8(i), || {
+            k::attention_fp8(&q, &kt, &v, options)
+        })
+    };
+    let ((so, sl), (wo, wl)) = (run(0)?, run(whole)?);
+    let host = |t: &Tensor| t.to_device(Device::Cpu)?.to_vec_f32();
+    let (so, sl, wo, wl) = (host(&so)?, host(&sl)?, host(&wo)?, host(&wl)?);
+    // Tile t is head t here: out [1, 128, h, 128], lse [1, h, 128].
+    let rows_of = |o: &[f32], l: &[f32], t: usize| {
+        let out: Vec<f32> = (0..sq)
+            .flat_map(|r| o[(r * h + t) * 128..][..128].to_vec())
+            .collect();
+        (out, l[t * sq..][..sq].to_vec())
+    };
+    let differing = (0..h)
+        .filter(|&t| rows_of(&so, &sl, t) != rows_of(&wo, &wl, t))
+        .collect::<Vec<_>>();
+    println!(
+        "PARITY\tattention_fp8 split vs whole launch\t(1,{sq},{kv},{h}) tiles {}.. in {} runs\ttiles differing: {differing:?}",
+        split.first, split.ways
+    );
+    assert!(
+        differing.iter().all(|&t| t >= split.first),
+        "whole tiles differ between the launches: {differing:?} (split from {})",
+        split.first
+    );
+    assert!(
+        !differing.is_empty(),
+        "no split tile differs from the whole launch"
+    );
+    Ok(())
+}
+
 /// Every FP8 variant against the recipe at the kernels' softmax step on q [b, sq, h, 128] (N(0, 1)
 /// times `spread`), k and v [b, sk, h, 128] (N(0, 1), v plus `v_mean`, the keys from `k_from` on
 /// times `k_gain`), kv_len valid keys, with the tolerances of `fp8_attention_matches_cpu` (the

@@ -429,13 +429,15 @@ pub(super) fn quantize_attention(
 /// Speculative exponentials (bench/RESULTS.md, 2026-12-06, seventh session) were 8–14 % faster on an
 /// H100 than the same windows with the row max first, whose figures they matched in every parity
 /// case but one, where scores pass the offset by ~100 nats and they came closer to the recipe.
-/// Windows of 3 (ninth and tenth sessions) were 0.8–2.2 % faster than windows of 2 (second in the
+/// Windows of 3 (ninth and tenth sessions) were 0.8–2.2 % faster than windows of 2 (third in the
 /// list) at the 14B shape in all 9 runs of 5 H100 calls, ahead at the 1.3B one in 10 of 13, and
 /// made both FP8 forwards ~1.1 % faster; over 32,768 flat keys they come within 1.7e-3 of the
 /// recipe (windows of 2: 1.2e-3; of 1: 7.3e-4; bound 1e-2). Windows of 4 were no faster than 2.
 /// Its launch splits a sparse last wave along the keys (`split`; second in the list, the same
 /// kernel with every tile whole): on an H200 at the 1.3B shape, whose 3,072 tiles leave 36 for a
-/// 24th wave, 0.7–3.3 % faster in 5 of 5 runs; level at the 14B one (eleventh session).
+/// 24th wave, 0.7–3.3 % faster in 5 of 5 runs; level at the 14B one (eleventh session). P passed
+/// through shared memory instead of registers was 2.5–5 % slower at both shapes (thirteenth
+/// session; hopper.cu's fp8 namespace comment lists it with the other variants removed).
 const DEFAULT_FP8_ATTENTION: usize = 0;
 
 #[cfg(test)]

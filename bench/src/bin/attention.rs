@@ -18,18 +18,35 @@
 //! text tokens: `1,12,32760,128,512`); FLOPs are then 4·B·H·S·S_kv·D.
 //!
 //! `--fp8` adds the FP8 attention's variants (quantisation of Q, K, V included in the time) and their
-//! relative RMS distance to the bf16 result.
+//! relative RMS distance to the bf16 result, and for each the call's parts timed inside it: the
+//! quantisation's two kernels and the attention kernel, on a recorded timeline of `--iters` calls
+//! (`SPLIT` lines).
 //!
-//! Output: `RESULT\tours\t<kernel>\t(B,H,S,D[,S_kv])\t<ms>\t<TFLOP/s>` lines.
+//! Each kernel is timed two ways. `RESULT`: each call alone between an event pair, waited for
+//! before the next (the median of `--iters`), so a call's time also holds whatever the idle GPU
+//! waits for while the host queues the call. `BATCH`: the median of `BATCHES` batches of `--iters`
+//! back-to-back calls, one event pair around each batch, divided by `--iters`: the host queues
+//! ahead of the GPU, as through a forward's ops. Why both: on an H100 (bench/RESULTS.md,
+//! 2026-12-07) the FP8 default's `RESULT` exceeded the sum of its `SPLIT` parts (back to back) by
+//! 0.20–0.56 ms in 6 runs, 2.7–7.3 % of the call; the FP8 op does more on the host than the bf16 one
+//! (it allocates its operands' codes and scales and queues three kernels).
+//!
+//! Output: `RESULT|BATCH\tours\t<kernel>\t(B,H,S,D[,S_kv])\t<ms>\t<TFLOP/s>` lines; with `--fp8` also
+//! `SPLIT\t<kernel>\t(B,H,S,D)\tquantize q,k <ms>\tquantize v <ms>\tkernel <ms>` (medians per call).
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ditstream_bench::{median_per_call, rel_rms, time_on};
+use ditstream_bench::{median, median_per_call, rel_rms, time_on};
 use ditstream_kernels::cuda::{
     AttentionKernel, FLASH_VARIANTS, HOPPER_FP8_VARIANTS, HOPPER_VARIANTS, with_attention_kernel,
 };
 use ditstream_kernels::testing::max_abs_diff;
-use ditstream_kernels::{AttentionOptions, DType, Device, Tensor, attention, attention_fp8};
+use ditstream_kernels::{
+    AttentionOptions, DType, Device, FP8_ATTENTION_QUANTIZE_MARKS, Tensor, attention, attention_fp8,
+};
+
+/// `BATCH` timing: batches of `--iters` back-to-back calls (see the module docs).
+const BATCHES: usize = 3;
 
 #[derive(Parser, Debug)]
 #[command(about = "Time our attention forward (bf16, D = 128) at the DiT shapes")]
@@ -80,6 +97,35 @@ fn settle<T>(dev: Device, ms: u64, mut f: impl FnMut() -> Result<T>) -> Result<(
         spent += time_on(dev, &mut f)?;
     }
     Ok(())
+}
+
+/// The FP8 attention's parts inside `calls` back-to-back calls of `run`, on a recorded timeline
+/// (`ditstream_kernels::timeline`): the op marks the end of each of its two quantisation kernels
+/// (`FP8_ATTENTION_QUANTIZE_MARKS`), and here each call's end closes its kernel's interval → the
+/// medians per call, seconds, [quantize q and k, quantize v, kernel].
+fn fp8_split<T>(dev: Device, calls: usize, mut run: impl FnMut() -> Result<T>) -> Result<[f64; 3]> {
+    use ditstream_kernels::timeline::{mark, record};
+    const KERNEL: &str = "fp8 attention: kernel";
+    let (_, intervals) = record(dev, || {
+        for _ in 0..calls {
+            run()?;
+            mark(KERNEL);
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    let median_of = |label: &str| -> Result<f64> {
+        let v: Vec<f64> = intervals
+            .iter()
+            .filter(|(l, _)| *l == label)
+            .map(|(_, s)| *s)
+            .collect();
+        match median(&v) {
+            Some(m) if v.len() == calls => Ok(m),
+            _ => bail!("{label}: {} intervals in {calls} calls", v.len()),
+        }
+    };
+    let [qk, v] = FP8_ATTENTION_QUANTIZE_MARKS;
+    Ok([median_of(qk)?, median_of(v)?, median_of(KERNEL)?])
 }
 
 fn parse_shape(s: &str) -> Result<[usize; 5]> {
@@ -162,6 +208,12 @@ fn main() -> Result<()> {
                 t * 1e3,
                 flops / t / 1e12
             );
+            let t = median_per_call(dev, 0, BATCHES, args.iters, || Ok(run(*kernel)?))?;
+            println!(
+                "BATCH\tours\t{name}\t{label}\t{:.3}\t{:.1}",
+                t * 1e3,
+                flops / t / 1e12
+            );
         }
         if args.fp8 && d == 128 {
             for (i, variant) in HOPPER_FP8_VARIANTS.iter().enumerate() {
@@ -187,6 +239,21 @@ fn main() -> Result<()> {
                     variant.label(),
                     t * 1e3,
                     flops / t / 1e12
+                );
+                let t = median_per_call(dev, 0, BATCHES, args.iters, || Ok(run8()?))?;
+                println!(
+                    "BATCH\tours\t{}\t{label}\t{:.3}\t{:.1}",
+                    variant.label(),
+                    t * 1e3,
+                    flops / t / 1e12
+                );
+                let [qk, v, kernel] = fp8_split(dev, args.iters, || Ok(run8()?))?;
+                println!(
+                    "SPLIT\t{}\t{label}\tquantize q,k {:.3}\tquantize v {:.3}\tkernel {:.3}",
+                    variant.label(),
+                    qk * 1e3,
+                    v * 1e3,
+                    kernel * 1e3
                 );
             }
         }

@@ -330,7 +330,7 @@ fn fp8_forward(
     }
     if !args.no_split {
         // Where the FP8 forward's time goes, as the bf16 split below (the quantisations that
-        // no norm writes are their own marks: "fp8 quantize", "fp8 attention: quantize q, k, v").
+        // no norm writes are their own marks: "fp8 quantize", `FP8_ATTENTION_QUANTIZE_MARKS`).
         let forward = median_per_call(device, 1, 1, 1, || Ok(fp8.forward(x, t, ctx)?))?;
         in_forward_split("in fp8 forward", device, args.iters.max(3), forward, || {
             Ok(fp8.forward(x, t, ctx)?)

@@ -35,8 +35,9 @@ pub use norm::{
     rms_norm_channels, rms_norm_channels_silu, rms_norm_rope,
 };
 pub use quant::{
-    E4M3_MAX, FP8_ATTENTION_BLOCK, Fp8KeySplit, Fp8Tensor, attention_fp8, attention_fp8_reference,
-    e4m3, e4m3_value, linear_fp8, linear_fp8_gelu_tanh, linear_fp8_residual,
+    E4M3_MAX, FP8_ATTENTION_BLOCK, FP8_ATTENTION_QUANTIZE_MARKS, Fp8KeySplit, Fp8Tensor,
+    attention_fp8, attention_fp8_reference, e4m3, e4m3_value, linear_fp8, linear_fp8_gelu_tanh,
+    linear_fp8_residual,
 };
 pub use random::random_normal;
 pub use rope::{apply_rope, rope_band_dims, rope_tables_3d};

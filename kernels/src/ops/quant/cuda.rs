@@ -286,8 +286,6 @@ pub(super) fn attention(
         return Ok((out, lse));
     }
     let operands = quantize_attention(op, &backend, (q, k, v), dims, kv_len)?;
-    // The quantisation's share of the attention on a recorded timeline (`crate::timeline`).
-    crate::timeline::mark("fp8 attention: quantize q, k, v");
     let ptrs = hopper::Fp8Operands {
         q: operands.q.ptr(),
         k: operands.k.ptr(),
@@ -396,6 +394,8 @@ pub(super) fn quantize_attention(
     // is q_blocks + 2·k_blocks, as the kernel splits it.
     unsafe { launch.launch(cfg(q_blocks + 2 * k_blocks, THREADS)) }
         .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    // Each kernel's share of the attention on a recorded timeline (`crate::timeline`).
+    crate::timeline::mark(super::FP8_ATTENTION_QUANTIZE_MARKS[0]);
     let f = backend.function(&SOURCE, "quantize_attention_v_e4m3_bf16")?;
     let mut launch = stream.launch_builder(&f);
     launch
@@ -411,6 +411,7 @@ pub(super) fn quantize_attention(
     // f32; the kernel's 34 KiB of static shared memory is under the default limit.
     unsafe { launch.launch(cfg(k_blocks, THREADS)) }
         .map_err(|e| backend.err(op, "cuLaunchKernel", e))?;
+    crate::timeline::mark(super::FP8_ATTENTION_QUANTIZE_MARKS[1]);
     Ok(AttentionOperands {
         q: q8,
         k: k8,

@@ -41,6 +41,14 @@ use super::same_device;
 use super::unsupported;
 use crate::{DType, Device, KernelError, Result, Tensor};
 
+/// The [`crate::timeline`] marks that end the GPU's FP8 attention's two quantisation kernels, in
+/// order: Q's and K's codes with V's largest magnitudes per channel, then Vᵀ's codes (the
+/// attention kernel itself runs after the second).
+pub const FP8_ATTENTION_QUANTIZE_MARKS: [&str; 2] = [
+    "fp8 attention: quantize q, k (and v's amax)",
+    "fp8 attention: quantize v",
+];
+
 /// The largest finite e4m3 value.
 pub const E4M3_MAX: f32 = 448.0;
 

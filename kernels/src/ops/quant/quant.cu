@@ -142,7 +142,11 @@ extern "C" __global__ void quantize_attention_qkv_bf16(const bf16* q, const bf16
 // V → Vᵀ codes [B, H, 128, s_pad] (s_pad a multiple of 128; 0 for keys ≥ kv_len) and its scales
 // [B, H, 128] from `amax`: grid (s_pad/128, H, B), 256 threads. A block of 128 keys goes through
 // shared memory (rows padded by 16 bytes); Vᵀ's column 32r + 16h + 4t + 2j + e holds key
-// 32r + 16h + 8j + 2t + e, the order hopper.cu's fp8 P fragments take the keys in.
+// 32r + 16h + 8j + 2t + e, the order hopper.cu's fp8 P fragments take the keys in. Measured on an
+// H100 (bench/RESULTS.md, 2026-12-07): 95.5 µs at (1,12,32760,128), 43 % of the DRAM's peak, where
+// the kernel above takes 146 µs at 81 %. The padded rows' 8-way bank conflicts in the reads below
+// (11.2 M) are not what holds it back: an XOR swizzle of the rows' 16-byte chunks without them
+// (54 K) took 114.9 µs.
 extern "C" __global__ void quantize_attention_v_e4m3_bf16(const bf16* v, const unsigned* amax, unsigned char* vt,
                                                           float* v_scales, int seq, int heads, int kv_len, int s_pad) {
     __shared__ __align__(16) bf16 tile[128][136];

@@ -146,9 +146,9 @@ extern "C" __global__ void quantize_attention_qkv_bf16(const bf16* q, const bf16
 // H100 (bench/RESULTS.md, 2026-12-07): 95.5 µs at (1,12,32760,128), 43 % of the DRAM's peak, where
 // the kernel above takes 146 µs at 81 %. The padded rows' 8-way bank conflicts in the reads below
 // (11.2 M) are not what holds it back: an XOR swizzle of the rows' 16-byte chunks without them
-// (54 K) took 114.9 µs. Its SASS (scripts/kernel-sass.sh) makes each thread's 8 chunk loads and 4
-// amax loads one DRAM round trip after another (a load through a generic pointer may not pass the
-// store to the tile before it); branch fp8-quant-v issues them all first (not yet run on a GPU).
+// (54 K) took 114.9 µs. In its SASS (scripts/kernel-sass.sh) each of its two loops takes one load
+// per iteration, so each thread's 8 chunk loads and 4 amax loads are DRAM round trips one after
+// another; branch fp8-quant-v issues them all first (not yet run on a GPU).
 extern "C" __global__ void quantize_attention_v_e4m3_bf16(const bf16* v, const unsigned* amax, unsigned char* vt,
                                                           float* v_scales, int seq, int heads, int kv_len, int s_pad) {
     __shared__ __align__(16) bf16 tile[128][136];

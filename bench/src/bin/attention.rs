@@ -22,14 +22,14 @@
 //! quantisation's two kernels and the attention kernel, on a recorded timeline of `--iters` calls
 //! (`SPLIT` lines).
 //!
-//! Each kernel is timed two ways. `RESULT`: each call alone between an event pair, waited for
-//! before the next (the median of `--iters`), so a call's time also holds whatever the idle GPU
-//! waits for while the host queues the call. `BATCH`: the median of `BATCHES` batches of `--iters`
-//! back-to-back calls, one event pair around each batch, divided by `--iters`: the host queues
-//! ahead of the GPU, as through a forward's ops. Why both: on an H100 (bench/RESULTS.md,
-//! 2026-12-07) the FP8 default's `RESULT` exceeded the sum of its `SPLIT` parts (back to back) by
-//! 0.20–0.56 ms in 6 runs, 2.7–7.3 % of the call; the FP8 op does more on the host than the bf16 one
-//! (it allocates its operands' codes and scales and queues three kernels).
+//! Each kernel is timed one way, or two with `--batch`. `RESULT`: each call alone between an
+//! event pair, waited for before the next (the median of `--iters`), so a call's time also holds
+//! whatever the idle GPU waits for while the host queues the call. `BATCH`: the median of
+//! `BATCHES` batches of `--iters` back-to-back calls, one event pair around each batch, divided by
+//! `--iters`: the host queues ahead of the GPU, as through a forward's ops. Why both: on an H100
+//! (bench/RESULTS.md, 2026-12-07) the FP8 default's `RESULT` exceeded the sum of its `SPLIT` parts
+//! (back to back) by 0.20–0.56 ms in 6 runs, 2.7–7.3 % of the call; the FP8 op does more on the
+//! host than the bf16 one (it allocates its operands' codes and scales and queues three kernels).
 //!
 //! Output: `RESULT|BATCH\tours\t<kernel>\t(B,H,S,D[,S_kv])\t<ms>\t<TFLOP/s>` lines; with `--fp8` also
 //! `SPLIT\t<kernel>\t(B,H,S,D)\tquantize q,k <ms>\tquantize v <ms>\tkernel <ms>` (medians per call).
@@ -84,6 +84,10 @@ struct Args {
     /// Only the automatic choice and the Hopper kernel.
     #[arg(long)]
     hopper_only: bool,
+    /// Also time each kernel back to back (`BATCH` lines, see the module docs): `BATCHES` ×
+    /// `--iters` more calls per kernel and shape.
+    #[arg(long)]
+    batch: bool,
     /// Also time the FP8 attention (`attention_fp8`, every `HOPPER_FP8_VARIANTS` entry; D = 128),
     /// its operands' quantisation included, and print its distance to the bf16 result.
     #[arg(long)]
@@ -208,12 +212,14 @@ fn main() -> Result<()> {
                 t * 1e3,
                 flops / t / 1e12
             );
-            let t = median_per_call(dev, 0, BATCHES, args.iters, || Ok(run(*kernel)?))?;
-            println!(
-                "BATCH\tours\t{name}\t{label}\t{:.3}\t{:.1}",
-                t * 1e3,
-                flops / t / 1e12
-            );
+            if args.batch {
+                let t = median_per_call(dev, 0, BATCHES, args.iters, || Ok(run(*kernel)?))?;
+                println!(
+                    "BATCH\tours\t{name}\t{label}\t{:.3}\t{:.1}",
+                    t * 1e3,
+                    flops / t / 1e12
+                );
+            }
         }
         if args.fp8 && d == 128 {
             for (i, variant) in HOPPER_FP8_VARIANTS.iter().enumerate() {
@@ -240,13 +246,15 @@ fn main() -> Result<()> {
                     t * 1e3,
                     flops / t / 1e12
                 );
-                let t = median_per_call(dev, 0, BATCHES, args.iters, || Ok(run8()?))?;
-                println!(
-                    "BATCH\tours\t{}\t{label}\t{:.3}\t{:.1}",
-                    variant.label(),
-                    t * 1e3,
-                    flops / t / 1e12
-                );
+                if args.batch {
+                    let t = median_per_call(dev, 0, BATCHES, args.iters, || Ok(run8()?))?;
+                    println!(
+                        "BATCH\tours\t{}\t{label}\t{:.3}\t{:.1}",
+                        variant.label(),
+                        t * 1e3,
+                        flops / t / 1e12
+                    );
+                }
                 let [qk, v, kernel] = fp8_split(dev, args.iters, || Ok(run8()?))?;
                 println!(
                     "SPLIT\t{}\t{label}\tquantize q,k {:.3}\tquantize v {:.3}\tkernel {:.3}",

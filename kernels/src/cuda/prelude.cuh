@@ -121,6 +121,23 @@ __device__ __forceinline__ void offsets(const Layout& l, i64 i, i64* o0, i64* o1
     MACRO(bf16, bf16, f32, float) MACRO(bf16, bf16, bf16, bf16)
 
 #if __CUDA_ARCH__ >= 800
+// Shared by the kernels that stage global memory in shared memory with cp.async (flash.cu,
+// hopper.cu, quant.cu's Vᵀ quantisation).
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+// 16 bytes global → shared, zero-filled when !valid (no bytes are read then).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are in flight.
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Shared by the tensor-core attention kernels (flash.cu, hopper.cu).
 // 2^x on the special-function unit (approximate; denormals flushed to zero).
 __device__ __forceinline__ float ex2(float x) {

@@ -57,18 +57,6 @@ constexpr int THREADS = 256;          // 2 warpgroups
 constexpr int HALF = 128 * 128;       // bytes of a tile half: 128 rows × 64 bf16
 constexpr int TILE = 2 * HALF;        // bytes of a [128 × 128] bf16 tile
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
-// 16 bytes global → shared, zero-filled when !valid (no bytes are read then).
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 // Makes this thread's generic-proxy shared-memory writes (cp.async) visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -339,7 +327,7 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
     int j = 0;
     do {
         const int stage = j % STAGES, next = (j + 1) % STAGES;
-        cp_wait_all();
+        cp_wait<0>();
         fence_proxy_async();
         // Block j is in. Every thread has passed iteration j − 1's wgmma wait 0, which covered its reads of
         // block j − 1 (2 stages) or j − 2 (3 stages: that wait came before P·V of j − 1 was issued); either
@@ -391,7 +379,7 @@ __device__ __forceinline__ void fwd(const bf16* __restrict__ q, const bf16* __re
     } while (++j < nblk);
     wgmma_wait0();
     fence_regs(o);
-    cp_wait_all();
+    cp_wait<0>();
 
     store_rows(out, lse, o, m, l, b, h, q0 + wg * 64 + warp * 16, lane, seq_q, heads, scale);
 }

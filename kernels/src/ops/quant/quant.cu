@@ -140,39 +140,51 @@ extern "C" __global__ void quantize_attention_qkv_bf16(const bf16* q, const bf16
 }
 
 // V → Vᵀ codes [B, H, 128, s_pad] (s_pad a multiple of 128; 0 for keys ≥ kv_len) and its scales
-// [B, H, 128] from `amax`: grid (s_pad/128, H, B), 256 threads. A block of 128 keys goes through
-// shared memory (rows padded by 16 bytes); Vᵀ's column 32r + 16h + 4t + 2j + e holds key
-// 32r + 16h + 8j + 2t + e, the order hopper.cu's fp8 P fragments take the keys in. Measured on an
-// H100 (bench/RESULTS.md, 2026-12-07): 95.5 µs at (1,12,32760,128), 43 % of the DRAM's peak, where
-// the kernel above takes 146 µs at 81 %. The padded rows' 8-way bank conflicts in the reads below
-// (11.2 M) are not what holds it back: an XOR swizzle of the rows' 16-byte chunks without them
-// (54 K) took 114.9 µs. In its SASS (scripts/kernel-sass.sh) each of its two loops takes one load
-// per iteration, so each thread's 8 chunk loads and 4 amax loads are DRAM round trips one after
-// another; branch fp8-quant-v issues them all first (not yet run on a GPU).
+// [B, H, 128] from `amax`: grid (s_pad/128, H, B), 256 threads (the loops below count on it). A
+// block of 128 keys goes through shared memory (rows padded by 16 bytes); Vᵀ's column
+// 32r + 16h + 4t + 2j + e holds key 32r + 16h + 8j + 2t + e, the order hopper.cu's fp8 P fragments
+// take the keys in. Each thread's 8 chunks of V go to shared memory by cp.async, issued together
+// with its 4 loads of amax before it waits on any: written as loads into registers and stores to
+// shared memory, the kernel had one or a few loads in flight a thread (ptxas interleaves the
+// stores), and ran at 43 % of the DRAM's peak on an H100 (95.5 µs at (1,12,32760,128), where the
+// kernel above takes 146 µs at 81 %; bench/RESULTS.md, 2026-12-07). The padded rows' 8-way bank
+// conflicts in the reads below (11.2 M) were not what held it back: an XOR swizzle without them
+// (54 K) took 114.9 µs.
 extern "C" __global__ void quantize_attention_v_e4m3_bf16(const bf16* v, const unsigned* amax, unsigned char* vt,
                                                           float* v_scales, int seq, int heads, int kv_len, int s_pad) {
-    __shared__ __align__(16) bf16 tile[128][136];
+    constexpr int ROW = 136;  // bf16 a tile row: 128 keys' channels and 16 bytes of padding
+    __shared__ __align__(16) bf16 tile[128 * ROW];
     const int h = blockIdx.y, b = blockIdx.z, t0 = blockIdx.x * 128;
     const i64 head = (i64)b * heads + h;
-    for (int c = threadIdx.x; c < 128 * 16; c += blockDim.x) {
-        const int t = c / 16, col = 8 * (c % 16);
-        uint4 w = make_uint4(0u, 0u, 0u, 0u);
-        if (t0 + t < kv_len) w = *reinterpret_cast<const uint4*>(v + (((i64)b * seq + t0 + t) * heads + h) * 128 + col);
-        *reinterpret_cast<uint4*>(&tile[t][col]) = w;
+    const unsigned base = smem_addr(tile);
+    // Chunk c = threadIdx.x + 256·i: key c / 16 of the block, channels 8·(c % 16) on (none read
+    // past kv_len: zeros).
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int c = threadIdx.x + 256 * i, t = c / 16, col = 8 * (c % 16);
+        const bool valid = t0 + t < kv_len;
+        cp_async16(base + 2 * (t * ROW + col), v + (((i64)b * seq + t0 + (valid ? t : 0)) * heads + h) * 128 + col, valid);
     }
+    cp_commit();
+    // Item c = threadIdx.x + 256·i: channel c / 8, keys 16·(c % 8) on.
+    unsigned bits[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bits[i] = amax[head * 128 + (threadIdx.x + 256 * i) / 8];
+    cp_wait<0>();
     __syncthreads();
-    for (int c = threadIdx.x; c < 128 * 8; c += blockDim.x) {
-        const int d = c / 8, col0 = 16 * (c % 8);
-        const float s = e4m3_scale(__uint_as_float(amax[head * 128 + d])), rs = e4m3_rcp(s);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int c = threadIdx.x + 256 * i, d = c / 8, col0 = 16 * (c % 8);
+        const float s = e4m3_scale(__uint_as_float(bits[i])), rs = e4m3_rcp(s);
         unsigned int w[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             float x[4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int col = col0 + 4 * k + i, r = col % 32;  // r = 16h + 4t + 2j + e
+            for (int j = 0; j < 4; ++j) {
+                const int col = col0 + 4 * k + j, r = col % 32;  // r = 16h + 4t + 2j + e
                 const int key = col - r + 16 * (r / 16) + 8 * ((r % 4) / 2) + 2 * ((r % 16) / 4) + r % 2;
-                x[i] = __bfloat162float(tile[key][d]);
+                x[j] = __bfloat162float(tile[key * ROW + d]);
             }
             w[k] = e4m3x2(x[0] * rs, x[1] * rs) | ((unsigned int)e4m3x2(x[2] * rs, x[3] * rs) << 16);
         }

@@ -9,7 +9,8 @@
 #      Q, K, V included) at the DiT's self-attention shapes (1,12,32760,128) and (1,40,75600,128),
 #      when target/gpu/attention is there (scripts/build-gpu-attention.sh), ATTENTION_RUNS times
 #      (default 1; each run times every FP8 variant beside a fresh bf16 run, each kernel after 1 s
-#      of settling calls (the bench's --settle-ms), ~1.5 minutes);
+#      of settling calls (the bench's --settle-ms), each call alone and back to back (`RESULT` and
+#      `BATCH`: the bench's --batch), ~2 minutes);
 #   3. scripts/gpu-dit.sh with FP8=1 (KERNELS=0): the Wan GPU tests (mini128 in FP8 against the
 #      CPU's FP8 model and diffusers), then ours in bf16 and with FP8 linears beside diffusers'
 #      bf16 forward at 480p 5 and 81 frames (the latter with a 20-step denoise by both models);
@@ -35,12 +36,14 @@ if [ -x target/gpu/attention ]; then
   for run in $(seq "${ATTENTION_RUNS:-1}"); do
     echo "=== attention: FP8 beside bf16 (run $run) ==="
     log="$LOGS/attention_fp8_$run.log"
-    timeout 300 target/gpu/attention --auto-only --no-portable-check --fp8 --shapes 1,12,32760 1,40,75600 \
+    timeout 300 target/gpu/attention --auto-only --no-portable-check --fp8 --batch --shapes 1,12,32760 1,40,75600 \
       > "$log" 2>&1 || { echo "attention bench FAILED"; status=1; }
     grep -E "^(CHECK|SKIP)" "$log"
-    awk -F'\t' '/^RESULT/ { if ($3 == "auto") { bf[$4] = $5; printf "  %-48s %-16s %9.3f ms  %6.1f TFLOP/s\n", "bf16 (our auto)", $4, $5, $6 }
-      else if (bf[$4] > 0)
-      printf "  %-48s %-16s %9.3f ms  %6.1f TFLOP/s  %.3fx our bf16\n", $3, $4, $5, $6, bf[$4] / $5 }' "$log"
+    # Each FP8 row's ratio is over the bf16 time taken the same way (RESULT or BATCH).
+    awk -F'\t' '/^(RESULT|BATCH)/ { key = $1 $4
+      if ($3 == "auto") { bf[key] = $5; printf "  %-6s %-48s %-16s %9.3f ms  %6.1f TFLOP/s\n", $1, "bf16 (our auto)", $4, $5, $6 }
+      else if (bf[key] > 0)
+      printf "  %-6s %-48s %-16s %9.3f ms  %6.1f TFLOP/s  %.3fx our bf16\n", $1, $3, $4, $5, $6, bf[key] / $5 }' "$log"
   done
 fi
 

@@ -144,12 +144,12 @@ extern "C" __global__ void quantize_attention_qkv_bf16(const bf16* q, const bf16
 // block of 128 keys goes through shared memory (rows padded by 16 bytes); Vᵀ's column
 // 32r + 16h + 4t + 2j + e holds key 32r + 16h + 8j + 2t + e, the order hopper.cu's fp8 P fragments
 // take the keys in. Each thread's 8 chunks of V go to shared memory by cp.async, issued together
-// with its 4 loads of amax before it waits on any: written as loads into registers and stores to
-// shared memory, the kernel had one or a few loads in flight a thread (ptxas interleaves the
-// stores), and ran at 43 % of the DRAM's peak on an H100 (95.5 µs at (1,12,32760,128), where the
-// kernel above takes 146 µs at 81 %; bench/RESULTS.md, 2026-12-07). The padded rows' 8-way bank
-// conflicts in the reads below (11.2 M) were not what held it back: an XOR swizzle without them
-// (54 K) took 114.9 µs.
+// with its 4 loads of amax before it waits on any. Written as loads into registers and stores to
+// shared memory, the kernel had one to four loads in flight a thread (ptxas interleaves the
+// stores) and took 83.1 µs at (1,12,32760,128) on an H100, at 49 % of the DRAM's peak; this way
+// 67.9 µs at 60 % (ncu, same call; bench/RESULTS.md, 2026-12-07, fifteenth session). The padded
+// rows' 8-way bank conflicts in the reads below (11.2 M) are not what holds it back: an XOR
+// swizzle without them (54 K) was 20 % slower (fourteenth session).
 extern "C" __global__ void quantize_attention_v_e4m3_bf16(const bf16* v, const unsigned* amax, unsigned char* vt,
                                                           float* v_scales, int seq, int heads, int kv_len, int s_pad) {
     constexpr int ROW = 136;  // bf16 a tile row: 128 keys' channels and 16 bytes of padding

@@ -27,9 +27,10 @@
 //! whatever the idle GPU waits for while the host queues the call. `BATCH`: the median of
 //! `BATCHES` batches of `--iters` back-to-back calls, one event pair around each batch, divided by
 //! `--iters`: the host queues ahead of the GPU, as through a forward's ops. Why both: on an H100
-//! (bench/RESULTS.md, 2026-12-07) the FP8 default's `RESULT` exceeded the sum of its `SPLIT` parts
-//! (back to back) by 0.20–0.56 ms in 6 runs, 2.7–7.3 % of the call; the FP8 op does more on the
-//! host than the bf16 one (it allocates its operands' codes and scales and queues three kernels).
+//! (bench/RESULTS.md, 2026-12-07, fourteenth session) the FP8 default's `RESULT` exceeded the sum
+//! of its `SPLIT` parts (back to back) by 0.20–0.56 ms, 2.7–7.3 % of the call. Measured both ways
+//! (fifteenth session), the two kernels lose about as much back to back (bf16 0.33–0.68 ms, FP8
+//! 0.29–0.72), so the FP8/bf16 ratio moves little between the two.
 //!
 //! Output: `RESULT|BATCH\tours\t<kernel>\t(B,H,S,D[,S_kv])\t<ms>\t<TFLOP/s>` lines; with `--fp8` also
 //! `SPLIT\t<kernel>\t(B,H,S,D)\tquantize q,k <ms>\tquantize v <ms>\tkernel <ms>` (medians per call).

@@ -817,7 +817,11 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // warpgroup's two swizzled P tiles as soon as its exponentials were in, before the branch and the
 // P·V wait, and P·V an SS wgmma behind a warpgroup barrier, so the conversions no longer waited:
 // 2.5–5 % slower at both shapes in 6 of 6 runs on an H200, the extra shared-memory traffic and
-// barrier costing more than the wait; thirteenth session).
+// barrier costing more than the wait; thirteenth session). Exponentials on the FMA pipes were
+// not timed again beside the speculative softmax and the two levels: with even one of each
+// thread's 16 column groups on them (the degree-4 polynomial of the third session), ptxas has too
+// few registers left to pipeline the wgmmas (C7511: every QGMMA waits at once; read off
+// scripts/kernel-sass.sh, eighteenth session).
 namespace fp8 {
 
 constexpr int KB = 128;                            // keys per K/V block: the softmax step, one K scale block

@@ -821,7 +821,9 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // not timed again beside the speculative softmax and the two levels: with even one of each
 // thread's 16 column groups on them (the degree-4 polynomial of the third session), ptxas has too
 // few registers left to pipeline the wgmmas (C7511: every QGMMA waits at once; read off
-// scripts/kernel-sass.sh, eighteenth session).
+// scripts/kernel-sass.sh, eighteenth session). S as two GEMMs of 64 keys (m64n64k32, each its own
+// group), the first half's exponentials taken while the tensor cores ran the second: parity as
+// the default's, but 6–7 % slower at both shapes on an H100 (eighteenth session).
 namespace fp8 {
 
 constexpr int KB = 128;                            // keys per K/V block: the softmax step, one K scale block

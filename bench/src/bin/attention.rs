@@ -93,6 +93,9 @@ struct Args {
     /// its operands' quantisation included, and print its distance to the bf16 result.
     #[arg(long)]
     fp8: bool,
+    /// With --fp8, only the variants with these labels (`HopperFp8Variant::label`; repeatable).
+    #[arg(long = "fp8-variant")]
+    fp8_variants: Vec<String>,
 }
 
 /// Calls `f` until `ms` milliseconds of GPU time have passed (`--settle-ms`).
@@ -149,6 +152,13 @@ fn parse_shape(s: &str) -> Result<[usize; 5]> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let labels: Vec<String> = HOPPER_FP8_VARIANTS.iter().map(|v| v.label()).collect();
+    if let Some(bad) = args.fp8_variants.iter().find(|l| !labels.contains(l)) {
+        bail!(
+            "--fp8-variant {bad}: no such FP8 variant; the labels are {}",
+            labels.join(", ")
+        );
+    }
     // The GPU script's CUDA settings (kernel cache, CUDA headers, algorithm searches).
     ditstream_kernels::testing::configure_cuda()?;
     let dev = Device::Cuda(0);
@@ -224,6 +234,9 @@ fn main() -> Result<()> {
         }
         if args.fp8 && d == 128 {
             for (i, variant) in HOPPER_FP8_VARIANTS.iter().enumerate() {
+                if !args.fp8_variants.is_empty() && !args.fp8_variants.contains(&variant.label()) {
+                    continue;
+                }
                 let kernel = AttentionKernel::HopperFp8(i);
                 let run8 = || with_attention_kernel(kernel, || attention_fp8(&q, &k, &v, opts));
                 let (o, l) = match run8() {

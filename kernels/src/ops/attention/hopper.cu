@@ -842,7 +842,9 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // the default's spills (ptxas: 0 bytes against 12); `_ots_qr` spends 16 of them on Q's A fragments,
 // read once per tile, so that S's GEMMs stop reading Q from shared memory at every block (a
 // seventh of the block's operand reads; the fifth session's `_qr`, then without room, was
-// within ±4 %). The aim is energy at the 700 W limit, where both kernels run.
+// within ±4 %). The aim is energy at the 700 W limit, where both kernels run. With `_ots` the FMA
+// exponentials still serialise the wgmmas (C7511 with even one column group of 16 on the
+// polynomial), so registers were not all that stood in their way.
 namespace fp8 {
 
 constexpr int KB = 128;                            // keys per K/V block: the softmax step, one K scale block

@@ -156,11 +156,6 @@ pub struct HopperFp8Variant {
     /// [`crate::Fp8KeySplit`]), rather than every tile whole (`_whole`). The same kernel either way;
     /// this is the launch.
     pub split: bool,
-    /// The f32 O in shared memory (64 KiB), not in registers, and `fix_rows`' scratch in local
-    /// memory (`_ots`; speculative only).
-    pub o_shared: bool,
-    /// S's GEMMs take Q's fragments from registers, read once per tile (`_qr`; with `_ots`).
-    pub q_regs: bool,
 }
 
 impl HopperFp8Variant {
@@ -172,17 +167,11 @@ impl HopperFp8Variant {
 
     /// Dynamic shared memory: Q (16 KiB), `stages` K stages of 16 KiB and as many Vᵀ stages of 17
     /// (the block, then 8 rows of ones: hopper.cu's `VSTAGE`), with `_spec` 64 KiB of scratch for
-    /// `fix_rows`' S (64 words per consumer thread) or with `_ots` 64 KiB of f32 O (its scratch
-    /// in local memory), plus 1 KiB of alignment slack.
+    /// `fix_rows`' S (64 words per consumer thread), plus 1 KiB of alignment slack.
     pub fn shared_bytes(&self) -> usize {
         let tile = HOPPER_FP8_KEYS * 128;
-        let scratch = if self.speculative && !self.o_shared {
-            64 * 1024
-        } else {
-            0
-        };
-        let o = if self.o_shared { 64 * 1024 } else { 0 };
-        tile + self.stages * (2 * tile + 1024) + scratch + o + 1024
+        let scratch = if self.speculative { 64 * 1024 } else { 0 };
+        tile + self.stages * (2 * tile + 1024) + scratch + 1024
     }
 }
 
@@ -195,8 +184,6 @@ pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
         window: 3,
         speculative: true,
         split: true,
-        o_shared: false,
-        q_regs: false,
     },
     HopperFp8Variant {
         name: "hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec",
@@ -204,26 +191,6 @@ pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
         window: 3,
         speculative: true,
         split: false,
-        o_shared: false,
-        q_regs: false,
-    },
-    HopperFp8Variant {
-        name: "hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec_ots",
-        stages: 3,
-        window: 3,
-        speculative: true,
-        split: true,
-        o_shared: true,
-        q_regs: false,
-    },
-    HopperFp8Variant {
-        name: "hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec_ots_qr",
-        stages: 3,
-        window: 3,
-        speculative: true,
-        split: true,
-        o_shared: true,
-        q_regs: true,
     },
     HopperFp8Variant {
         name: "hopper_fp8_fwd_d128_br128_bc128_s3_win2_spec",
@@ -231,8 +198,6 @@ pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
         window: 2,
         speculative: true,
         split: true,
-        o_shared: false,
-        q_regs: false,
     },
     HopperFp8Variant {
         name: "hopper_fp8_fwd_d128_br128_bc128_s3_win2",
@@ -240,8 +205,6 @@ pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
         window: 2,
         speculative: false,
         split: true,
-        o_shared: false,
-        q_regs: false,
     },
     HopperFp8Variant {
         name: "hopper_fp8_fwd_d128_br128_bc128_s3_win1",
@@ -249,8 +212,6 @@ pub const HOPPER_FP8_VARIANTS: &[HopperFp8Variant] = &[
         window: 1,
         speculative: false,
         split: true,
-        o_shared: false,
-        q_regs: false,
     },
 ];
 
@@ -408,14 +369,7 @@ mod tests {
         assert!(default_flash_variant(96).is_none());
         for v in HOPPER_FP8_VARIANTS {
             let spec = if v.speculative { "_spec" } else { "" };
-            let ots = if v.o_shared { "_ots" } else { "" };
-            let qr = if v.q_regs { "_qr" } else { "" };
-            let tail = format!(
-                "_bc{HOPPER_FP8_KEYS}_s{}_win{}{spec}{ots}{qr}",
-                v.stages, v.window
-            );
-            assert!(!(v.o_shared || v.q_regs) || v.speculative, "{}", v.name);
-            assert!(!v.q_regs || v.o_shared, "{}", v.name);
+            let tail = format!("_bc{HOPPER_FP8_KEYS}_s{}_win{}{spec}", v.stages, v.window);
             assert!(v.name.ends_with(&tail), "{}", v.name);
             assert!((1..=4).contains(&v.window), "{}", v.name);
             assert!(v.shared_bytes() <= 227 * 1024, "{}", v.name);

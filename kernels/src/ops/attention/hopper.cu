@@ -146,16 +146,6 @@ __device__ __forceinline__ void wgmma_rs136_e4m3(float* d, const unsigned* a, u6
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
-// d (+)= A·B over one k32 step, m64n128, e4m3: A from registers (wgmma_rs136_e4m3's layout), B from
-// shared memory, K-major. S = Q·Kᵀ with Q's fragments in registers (the `_qr` variant).
-__device__ __forceinline__ void wgmma_rs128_e4m3(float* d, const unsigned* a, u64 db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-}
-
 // The helpers below take N, the keys per K/V block: S holds N/2 registers per thread.
 // Sets the scores of keys ≥ lim (columns of this K/V block) to −∞: register 4j + e holds column
 // 8j + 2·(lane % 4) + (e & 1).
@@ -836,15 +826,12 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
 // the default's, but 6–7 % slower at both shapes on an H100. Consumer 1 started 500 or 1,000
 // cycles after consumer 0 in each CTA (a spin on clock64), so that their softmaxes would start out
 // of phase: level with the default within ±1.5 % in 4 of 4 runs (eighteenth session).
-// Beside the default, to be timed (nineteenth session, no GPU came): `_ots` keeps the f32 O in
-// shared memory (64 KiB, the thread's own 16 float4 at a stride of 256 threads; `promote_shared`
-// every WIN blocks) and `fix_rows`' scratch in local memory, which frees the O's 64 registers and
-// the default's spills (ptxas: 0 bytes against 12); `_ots_qr` spends 16 of them on Q's A fragments,
-// read once per tile, so that S's GEMMs stop reading Q from shared memory at every block (a
-// seventh of the block's operand reads; the fifth session's `_qr`, then without room, was
-// within ±4 %). The aim is energy at the 700 W limit, where both kernels run. With `_ots` the FMA
-// exponentials still serialise the wgmmas (C7511 with even one column group of 16 on the
-// polynomial), so registers were not all that stood in their way.
+// The f32 O in shared memory (64 KiB, each thread's 16 float4 at a stride of 256 threads,
+// read-modify-written once per window) with fix_rows' scratch in local memory, which freed O's 64
+// registers and the spills: 4–10 % more time at both shapes on an H100; with Q's A fragments in
+// 16 of the freed registers as well, 2–9 % more (parity as the default's; twentieth session). Even
+// with O out of the registers, exponentials on the FMA pipes serialise the wgmmas (C7511 with one
+// column group of the polynomial).
 namespace fp8 {
 
 constexpr int KB = 128;                            // keys per K/V block: the softmax step, one K scale block
@@ -885,26 +872,6 @@ __device__ __forceinline__ void qk(float* s, unsigned q_wg, unsigned kt) {
         wgmma_ss_e4m3(s, desc(q_wg + kk * 32, 16, 1024), desc(kt + kk * 32, 16, 1024), kk > 0);
 }
 
-// The same with Q's A fragments in registers (`_qr`: read once per tile by `load_q`).
-__device__ __forceinline__ void qk_rs(float* s, const unsigned (*qa)[4], unsigned kt) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_rs128_e4m3(s, qa[kk], desc(kt + kk * 32, 16, 1024), kk > 0);
-}
-
-// This thread's A fragments of its warpgroup's 64 rows of the Q tile at sq (128B swizzle: 16-byte
-// chunk j of row r at chunk j ^ (r % 8)) for the 4 k-steps: qa[kk][i] holds row 64·w + 16·warp +
-// lane/4 + 8·(i % 2), bytes 32·kk + 16·(i / 2) + 4·(lane % 4) … + 3.
-__device__ __forceinline__ void load_q(unsigned (*qa)[4], unsigned sq, int w, int warp, int lane) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = 64 * w + 16 * warp + lane / 4 + 8 * (i % 2), chunk = 2 * kk + i / 2;
-            const unsigned at = sq + r * 128 + ((chunk ^ (r % 8)) * 16) + 4 * (lane % 4);
-            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(qa[kk][i]) : "r"(at) : "memory");
-        }
-}
-
 // o (+)= P·V over a block, and the row sums of P (`VSTAGE`): 4 k-steps of 32 (Vᵀ K-major, 32
 // bytes into each channel's row per step). fresh: the block's products alone (the first k-step
 // overwrites the accumulator), else added to it.
@@ -920,22 +887,6 @@ __device__ __forceinline__ void promote(float* ot, float* lt, const float* a, co
     for (int dt = 0; dt < D / 8; ++dt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) ot[4 * dt + e] = fmaf(ot[4 * dt + e], a[e >> 1], o[4 * dt + e]);
-    lt[0] = fmaf(lt[0], a[0], o[64]);
-    lt[1] = fmaf(lt[1], a[1], o[66]);
-}
-
-// The same with O in shared memory (`_ots`): this thread's 16 float4 at ot + 4096·j (a stride of
-// 256 threads, so a warp's accesses take consecutive 16-byte words).
-__device__ __forceinline__ void promote_shared(float4* ot, float* lt, const float* a, const float* o) {
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-        float4 v = ot[256 * dt];
-        v.x = fmaf(v.x, a[0], o[4 * dt]);
-        v.y = fmaf(v.y, a[0], o[4 * dt + 1]);
-        v.z = fmaf(v.z, a[1], o[4 * dt + 2]);
-        v.w = fmaf(v.w, a[1], o[4 * dt + 3]);
-        ot[256 * dt] = v;
-    }
     lt[0] = fmaf(lt[0], a[0], o[64]);
     lt[1] = fmaf(lt[1], a[1], o[66]);
 }
@@ -1054,11 +1005,8 @@ __device__ __forceinline__ float dot16(uint4 a, uint4 b) {
 // 1024-byte aligned, so that row r's 16-byte chunk j sits at chunk j ^ (r % 8) (the 128B swizzle).
 // `fix_rows`' rare path (a wgmma takes the whole warpgroup, this warp alone), kept small and out
 // of the registers: the loops stay rolled and S goes through this thread's 64 words of scratch at
-// `at` (a stride of 256 words) into s; with LOCAL (`_ots`, whose O takes that shared memory) through
-// this thread's local memory.
-template <bool LOCAL>
+// `at` (a stride of 256 words) into s.
 __device__ __forceinline__ void qk_scalar(float* s, unsigned q_rows, unsigned kt, unsigned at, int lane) {
-    float tmp[LOCAL ? KB / 2 : 1];
 #pragma unroll 1
     for (int x = 0; x < KB / 2; ++x) {  // s[x]: row lane / 4 + 8·hf, key 8·nt + 2·(lane % 4) + e
         const int nt = x / 4, hf = (x / 2) % 2, e = x % 2;
@@ -1068,14 +1016,10 @@ __device__ __forceinline__ void qk_scalar(float* s, unsigned q_rows, unsigned kt
         for (int ch = 0; ch < 8; ++ch)
             acc += dot16(lds128(q_rows + r * 128 + ((ch ^ (r & 7)) << 4)),
                          lds128(kt + key * 128 + ((ch ^ (key & 7)) << 4)));
-        if constexpr (LOCAL) tmp[x] = acc;
-        else asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at + 1024 * x), "f"(acc) : "memory");
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at + 1024 * x), "f"(acc) : "memory");
     }
 #pragma unroll
-    for (int x = 0; x < KB / 2; ++x) {
-        if constexpr (LOCAL) s[x] = tmp[x];
-        else asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(s[x]) : "r"(at + 1024 * x) : "memory");
-    }
+    for (int x = 0; x < KB / 2; ++x) asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(s[x]) : "r"(at + 1024 * x) : "memory");
 }
 
 // A warp some of whose p passed 448 (a score passed its row's offset: rare with the headroom)
@@ -1084,7 +1028,6 @@ __device__ __forceinline__ void qk_scalar(float* s, unsigned q_rows, unsigned kt
 // α = 2^(m_old − m_new): the exact softmax's p, to the exponentials' rounding. If a p overflowed
 // f32 (a score ~119 log2 units past the offset), the warp takes S again on the CUDA cores and
 // the block's exact softmax. Returns whether some row of the warp moved its offset.
-template <bool LOCAL>
 __device__ __forceinline__ bool fix_rows(float* s, float* m, float* alpha, float c, unsigned q_rows, unsigned kt,
                                          unsigned scratch_at, bool last, int lim, int lane) {
     float pm[2];
@@ -1097,7 +1040,7 @@ __device__ __forceinline__ bool fix_rows(float* s, float* m, float* alpha, float
         pm[hf] = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
     }
     if (__any_sync(0xffffffffu, isinf(pm[0]) || isinf(pm[1]))) {
-        qk_scalar<LOCAL>(s, q_rows, kt, scratch_at, lane);
+        qk_scalar(s, q_rows, kt, scratch_at, lane);
         if (last) mask_keys<KB>(s, lim, lane);
         return online_softmax(s, m, alpha, c);
     }
@@ -1124,10 +1067,9 @@ __device__ __forceinline__ bool fix_rows(float* s, float* m, float* alpha, float
 // runs, waits for P·V, then packs block i's P into p. When block i − 1 closes a window (PROMOTE),
 // the window goes into the f32 O (`promote`, with a = 2^(m at the last promotion − m_{i−1})) and a
 // takes block i's α; else the window's accumulator and a take α. Nothing is in flight on return.
-template <int STAGES, bool FRESH, bool PROMOTE, bool SPEC, bool OTS, bool QR>
-__device__ __forceinline__ void step(float* s, float* o, float* ot, float4* ots, float* lt, float* a, unsigned (*p)[4],
-                                     float* m, const float* ks, float cq, float cs, int i, int kv_len, unsigned q_wg,
-                                     const unsigned (*qa)[4],
+template <int STAGES, bool FRESH, bool PROMOTE, bool SPEC>
+__device__ __forceinline__ void step(float* s, float* o, float* ot, float* lt, float* a, unsigned (*p)[4], float* m,
+                                     const float* ks, float cq, float cs, int i, int kv_len, unsigned q_wg,
                                      unsigned sk, unsigned sv, unsigned full_k, unsigned full_v, unsigned empty_k,
                                      unsigned empty_v, unsigned scratch, unsigned q_warp, unsigned scratch_s,
                                      bool leader, int lane) {
@@ -1141,8 +1083,7 @@ __device__ __forceinline__ void step(float* s, float* o, float* ot, float4* ots,
     fence_regs<ON>(o);
     fence_regs(&p[0][0], KB / 8);
     wgmma_fence();
-    if constexpr (QR) qk_rs(s, qa, sk + st * TILE8);
-    else qk(s, q_wg, sk + st * TILE8);
+    qk(s, q_wg, sk + st * TILE8);
     wgmma_commit();
     pv(o, p, sv + prev * VSTAGE, FRESH);
     wgmma_commit();
@@ -1158,7 +1099,7 @@ __device__ __forceinline__ void step(float* s, float* o, float* ot, float4* ots,
         // The branch needs every exponential, which keeps the P·V wait below them. Each warp
         // releases K_i itself: `fix_rows` may still read it after the others are done.
         if (__any_sync(0xffffffffu, spec_softmax(s, m, c)))
-            rescale = fix_rows<OTS>(s, m, alpha, c, q_warp, sk + st * TILE8, scratch_s, last, kv_len - i * KB, lane);
+            rescale = fix_rows(s, m, alpha, c, q_warp, sk + st * TILE8, scratch_s, last, kv_len - i * KB, lane);
         if (lane == 0) mbar_arrive(empty_k + 8 * st);
     } else {
         if (leader) mbar_arrive(empty_k + 8 * st);
@@ -1176,8 +1117,7 @@ __device__ __forceinline__ void step(float* s, float* o, float* ot, float4* ots,
     fence_regs(&p[0][0], KB / 8);
     if (leader) mbar_arrive(empty_v + 8 * prev);
     if constexpr (PROMOTE) {
-        if constexpr (OTS) promote_shared(ots, lt, a, o);
-        else promote(ot, lt, a, o);
+        promote(ot, lt, a, o);
         a[0] = alpha[0];
         a[1] = alpha[1];
     } else {
@@ -1188,16 +1128,14 @@ __device__ __forceinline__ void step(float* s, float* o, float* ot, float4* ots,
     pack_p(s, p);
 }
 
-template <int STAGES, int WIN, bool SPEC, bool OTS, bool QR>
+template <int STAGES, int WIN, bool SPEC>
 __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
                                     const float* __restrict__ q_scales, const float* __restrict__ k_scales,
                                     const float* __restrict__ v_scales, bf16* __restrict__ out, float* __restrict__ lse,
                                     int seq_q, int heads, int kv_len, float scale, const ws::Schedule sched) {
     static_assert(WIN >= 1 && WIN <= 4, "windows of 1 to 4 blocks");
-    static_assert(!(OTS || QR) || SPEC, "_ots and _qr are speculative variants");
-    // fix_rows' S: 64 words per consumer thread (`_ots`: in local memory); `_ots`' O: 64 KiB
-    constexpr int SCRATCH = SPEC && !OTS ? 64 * 1024 : 0, OT = OTS ? 64 * 1024 : 0;
-    static_assert(TILE8 + STAGES * (TILE8 + VSTAGE) + SCRATCH + OT + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024,
+    constexpr int SCRATCH = SPEC ? 64 * 1024 : 0;  // fix_rows' S: 64 words per consumer thread
+    static_assert(TILE8 + STAGES * (TILE8 + VSTAGE) + SCRATCH + 1024 + 8 * (1 + 4 * STAGES) + 4 * 256 <= 227 * 1024,
                   "shared memory");
     using namespace ws;
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -1271,14 +1209,9 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     float o[ON];  // the open window's P·V and sums (the tensor cores')
 #pragma unroll
     for (int i = 0; i < ON; ++i) o[i] = 0.0f;
-    float ot[OTS ? 1 : 64], lt[2] = {0.0f, 0.0f}, a[2];  // O and its sums in f32, and the factor they wait for
-    // `_ots`: O in shared memory instead, this thread's float4 j at ots[256·j].
-    float4* const ots = reinterpret_cast<float4*>(smem + (sv - smem_addr(smem)) + STAGES * VSTAGE) + threadIdx.x;
+    float ot[64], lt[2] = {0.0f, 0.0f}, a[2];  // O and its sums in f32, and the factor they wait for
 #pragma unroll
-    for (int i = 0; i < (OTS ? 16 : 64); ++i) {
-        if constexpr (OTS) ots[256 * i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        else ot[i] = 0.0f;
-    }
+    for (int i = 0; i < 64; ++i) ot[i] = 0.0f;
     const bool leader = threadIdx.x % 128 == 0;
     const unsigned q_wg = sq + w * 64 * 128;
     const unsigned scratch = smem_addr(&pin[threadIdx.x]);
@@ -1289,13 +1222,10 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     // Prologue: block 0.
     const float c0 = (cq * __ldg(ks)) * cs;
     mbar_wait(full_q, 0);
-    unsigned qa[QR ? 4 : 1][4];
-    if constexpr (QR) load_q(qa, sq, w, warp, lane);
     mbar_wait(full_k, 0);
     fence_regs<KB / 2>(s);
     wgmma_fence();
-    if constexpr (QR) qk_rs(s, qa, sk);
-    else qk(s, q_wg, sk);
+    qk(s, q_wg, sk);
     wgmma_commit();
     wgmma_wait0();
     fence_regs<KB / 2>(s);
@@ -1305,8 +1235,8 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     pack_p(s, p);
 
 #define FP8_STEP(I, FRESH, PROMOTE)                                                                          \
-    step<STAGES, FRESH, PROMOTE, SPEC, OTS, QR>(s, o, ot, ots, lt, a, p, m, ks, cq, cs, I, kv_rel, q_wg, qa, sk, sv, \
-                                                full_k, full_v, empty_k, empty_v, scratch, q_warp, scratch_s, leader, lane)
+    step<STAGES, FRESH, PROMOTE, SPEC>(s, o, ot, lt, a, p, m, ks, cq, cs, I, kv_rel, q_wg, sk, sv, full_k,    \
+                                       full_v, empty_k, empty_v, scratch, q_warp, scratch_s, leader, lane)
     // Window w holds blocks w·WIN … w·WIN + WIN − 1, so step i opens one (P·V_{i−1} fresh) when
     // i ≡ 1 and closes one when i ≡ 0 (mod WIN): the loop is unrolled by WIN so that both are known
     // at compile time; the steps left after it open at most one and close none.
@@ -1334,19 +1264,7 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
     wgmma_commit();
     wgmma_wait0();
     fence_regs<ON>(o);
-    float of[64];  // the f32 O, from shared memory with `_ots`
-    if constexpr (OTS) {
-        promote_shared(ots, lt, a, o);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const float4 v = ots[256 * j];
-            of[4 * j] = v.x, of[4 * j + 1] = v.y, of[4 * j + 2] = v.z, of[4 * j + 3] = v.w;
-        }
-    } else {
-        promote(ot, lt, a, o);
-#pragma unroll
-        for (int j = 0; j < 64; ++j) of[j] = ot[j];
-    }
+    promote(ot, lt, a, o);
 
     // out = O·s_v / l, lse = m·ln 2 + ln l − ln 448; register 4·dt + 2·hf + e holds channel
     // 8·dt + 2·(lane % 4) + e, and lt the whole row's sum in every thread of its quad.
@@ -1357,14 +1275,14 @@ __device__ __forceinline__ void fwd(const TmaMap& tq, const TmaMap& tk, const Tm
         const float inv = lt[hf] > 0.0f ? 1.0f / lt[hf] : 0.0f;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
-            of[4 * dt + 2 * hf] *= inv * __ldg(vs + 8 * dt);
-            of[4 * dt + 2 * hf + 1] *= inv * __ldg(vs + 8 * dt + 1);
+            ot[4 * dt + 2 * hf] *= inv * __ldg(vs + 8 * dt);
+            ot[4 * dt + 2 * hf + 1] *= inv * __ldg(vs + 8 * dt + 1);
         }
         row_lse[hf] = lt[hf] > 0.0f ? m[hf] * 0.69314718055994531f + logf(lt[hf]) - LN_448 : -INFINITY;
     }
     const int row0 = q0 + w * 64 + warp * 16;
-    if ((int)blockIdx.x < sched.n_full) write_rows(out, lse, of, row_lse, b, h, row0, lane, seq_q, heads);
-    else ws::merge_split(of, row_lse, sched, blockIdx.x, it, row0, lane, seq_q, heads, out, lse, last);
+    if ((int)blockIdx.x < sched.n_full) write_rows(out, lse, ot, row_lse, b, h, row0, lane, seq_q, heads);
+    else ws::merge_split(ot, row_lse, sched, blockIdx.x, it, row0, lane, seq_q, heads, out, lse, last);
 }
 
 }  // namespace fp8
@@ -1423,23 +1341,21 @@ HOPPER_WS_KERNEL(2, 192)
 // boxes of 128 keys × 128 channels), all in the 128B swizzle, and their scales (q, k [B, H,
 // ⌈S/128⌉], v [B, H, 128]).
 #ifdef HOPPER_WGMMA
-#define HOPPER_FP8_BODY(STAGES, WIN, SPEC, OTS, QR)                                                           \
-    hopper::fp8::fwd<STAGES, WIN, SPEC, OTS, QR>(tq, tk, tv, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, \
+#define HOPPER_FP8_BODY(STAGES, WIN, SPEC)                                                                    \
+    hopper::fp8::fwd<STAGES, WIN, SPEC>(tq, tk, tv, q_scales, k_scales, v_scales, out, lse, seq_q, heads, kv_len, scale, \
                                         hopper::ws::Schedule{part, tickets, tiles_x, n_full, ways, items});
 #else
-#define HOPPER_FP8_BODY(STAGES, WIN, SPEC, OTS, QR)
+#define HOPPER_FP8_BODY(STAGES, WIN, SPEC)
 #endif
-#define HOPPER_FP8_KERNEL(STAGES, WIN, SPEC, OTS, QR, NAME)                                                                \
+#define HOPPER_FP8_KERNEL(STAGES, WIN, SPEC, NAME)                                                                \
     extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                   \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, \
         const float* q_scales, const float* k_scales, const float* v_scales, bf16* out, float* lse, int seq_q,   \
         int heads, int kv_len, float scale, float* part, unsigned* tickets, int tiles_x, int n_full, int ways,  \
         int items) {                                                                                             \
-        HOPPER_FP8_BODY(STAGES, WIN, SPEC, OTS, QR)                                                                 \
+        HOPPER_FP8_BODY(STAGES, WIN, SPEC)                                                                        \
     }
-HOPPER_FP8_KERNEL(3, 3, true, false, false, hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec)
-HOPPER_FP8_KERNEL(3, 3, true, true, false, hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec_ots)
-HOPPER_FP8_KERNEL(3, 3, true, true, true, hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec_ots_qr)
-HOPPER_FP8_KERNEL(3, 2, true, false, false, hopper_fp8_fwd_d128_br128_bc128_s3_win2_spec)
-HOPPER_FP8_KERNEL(3, 2, false, false, false, hopper_fp8_fwd_d128_br128_bc128_s3_win2)
-HOPPER_FP8_KERNEL(3, 1, false, false, false, hopper_fp8_fwd_d128_br128_bc128_s3_win1)
+HOPPER_FP8_KERNEL(3, 3, true, hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec)
+HOPPER_FP8_KERNEL(3, 2, true, hopper_fp8_fwd_d128_br128_bc128_s3_win2_spec)
+HOPPER_FP8_KERNEL(3, 2, false, hopper_fp8_fwd_d128_br128_bc128_s3_win2)
+HOPPER_FP8_KERNEL(3, 1, false, hopper_fp8_fwd_d128_br128_bc128_s3_win1)

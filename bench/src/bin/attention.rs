@@ -94,7 +94,7 @@ struct Args {
     #[arg(long)]
     fp8: bool,
     /// With --fp8, only the variants with these labels (`HopperFp8Variant::label`; repeatable).
-    #[arg(long = "fp8-variant")]
+    #[arg(long = "fp8-variant", requires = "fp8")]
     fp8_variants: Vec<String>,
 }
 

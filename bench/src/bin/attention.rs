@@ -32,16 +32,8 @@
 //! (fifteenth session), the two kernels lose about as much back to back (bf16 0.33–0.68 ms, FP8
 //! 0.29–0.72), so the FP8/bf16 ratio moves little between the two.
 //!
-//! `ROUNDS` (`--fp8 --rounds N`): the FP8 variant and the bf16 automatic choice in N interleaved
-//! rounds, each a batch of `--iters` back-to-back calls of one then the other, the order turned
-//! round every other round (bf16 first, FP8 first, …), so that what drifts over a process (the
-//! GPU's temperature, hence its clock at the power limit) weighs on both alike. `RESULT` and
-//! `BATCH` time the kernels one after the other, bf16 first, each after its own settling.
-//!
 //! Output: `RESULT|BATCH\tours\t<kernel>\t(B,H,S,D[,S_kv])\t<ms>\t<TFLOP/s>` lines; with `--fp8` also
-//! `SPLIT\t<kernel>\t(B,H,S,D)\tquantize q,k <ms>\tquantize v <ms>\tkernel <ms>` (medians per call)
-//! and `ROUNDS\t<kernel>\t(B,H,S,D)\tbf16 <ms>\tfp8 <ms>\tratio <median> (<min>–<max>)` (medians
-//! per call over the rounds; the ratio's median, least and largest over the rounds).
+//! `SPLIT\t<kernel>\t(B,H,S,D)\tquantize q,k <ms>\tquantize v <ms>\tkernel <ms>` (medians per call).
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -104,10 +96,6 @@ struct Args {
     /// With --fp8, only the variants with these labels (`HopperFp8Variant::label`; repeatable).
     #[arg(long = "fp8-variant", requires = "fp8")]
     fp8_variants: Vec<String>,
-    /// With --fp8, also time each FP8 variant against the bf16 automatic choice in this many
-    /// interleaved rounds (`ROUNDS` lines, see the module docs); 0 leaves them out.
-    #[arg(long, default_value_t = 0, requires = "fp8")]
-    rounds: usize,
 }
 
 /// Calls `f` until `ms` milliseconds of GPU time have passed (`--settle-ms`).
@@ -146,34 +134,6 @@ fn fp8_split<T>(dev: Device, calls: usize, mut run: impl FnMut() -> Result<T>) -
     };
     let [qk, v] = FP8_ATTENTION_QUANTIZE_MARKS;
     Ok([median_of(qk)?, median_of(v)?, median_of(KERNEL)?])
-}
-
-/// `a` and `b` in `rounds` interleaved rounds (`ROUNDS` in the module docs), each a batch of
-/// `calls` back-to-back calls of one then the other, a first in even rounds and b first in odd
-/// ones → (a's median seconds per call, b's, [median, min, max] of the rounds' a/b).
-fn interleaved<A, B>(
-    dev: Device,
-    rounds: usize,
-    calls: usize,
-    mut a: impl FnMut() -> Result<A>,
-    mut b: impl FnMut() -> Result<B>,
-) -> Result<(f64, f64, [f64; 3])> {
-    let (mut ta, mut tb) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
-    for r in 0..rounds {
-        if r % 2 == 0 {
-            ta.push(median_per_call(dev, 0, 1, calls, &mut a)?);
-            tb.push(median_per_call(dev, 0, 1, calls, &mut b)?);
-        } else {
-            tb.push(median_per_call(dev, 0, 1, calls, &mut b)?);
-            ta.push(median_per_call(dev, 0, 1, calls, &mut a)?);
-        }
-    }
-    let ratios: Vec<f64> = ta.iter().zip(&tb).map(|(x, y)| x / y).collect();
-    let (lo, hi) = ratios.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &r| {
-        (lo.min(r), hi.max(r))
-    });
-    let med = |v: &[f64]| median(v).context("no rounds");
-    Ok((med(&ta)?, med(&tb)?, [med(&ratios)?, lo, hi]))
 }
 
 fn parse_shape(s: &str) -> Result<[usize; 5]> {
@@ -307,24 +267,6 @@ fn main() -> Result<()> {
                         variant.label(),
                         t * 1e3,
                         flops / t / 1e12
-                    );
-                }
-                if args.rounds > 0 {
-                    let (bf, f8, ratio) = interleaved(
-                        dev,
-                        args.rounds,
-                        args.iters,
-                        || Ok(run(AttentionKernel::Auto)?),
-                        || Ok(run8()?),
-                    )?;
-                    println!(
-                        "ROUNDS\t{}\t{label}\tbf16 {:.3}\tfp8 {:.3}\tratio {:.3} ({:.3}–{:.3})",
-                        variant.label(),
-                        bf * 1e3,
-                        f8 * 1e3,
-                        ratio[0],
-                        ratio[1],
-                        ratio[2]
                     );
                 }
                 let [qk, v, kernel] = fp8_split(dev, args.iters, || Ok(run8()?))?;

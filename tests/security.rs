@@ -657,6 +657,150 @@ async fn idle_connections_are_closed() {
     gw.stop(Duration::from_secs(1)).await;
 }
 
+/// A client that sends its request a byte at a time gets DEADLINE_EXCEEDED at the request
+/// timeout, and its connection, with no call left in flight, is closed at the idle timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_trickled_a_byte_at_a_time_are_ended() {
+    let gw = bare_gateway("  request_timeout_s: 1\n  idle_timeout_s: 2\n").await;
+    let tcp = TcpStream::connect(gw.addr).await.unwrap();
+    let (h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    let connection = tokio::spawn(connection);
+    let request = http::Request::post(format!(
+        "http://{}/ditstream.v1.VideoService/Generate",
+        gw.addr
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .body(())
+    .unwrap();
+    let mut h2 = h2.ready().await.unwrap();
+    let (response, mut body) = h2.send_request(request, false).unwrap();
+    let started = Instant::now();
+    // A 100-byte message announced, then one byte every 100 ms: 10 s if the server waited.
+    body.send_data(bytes::Bytes::from_static(&[0, 0, 0, 0, 100]), false)
+        .unwrap();
+    let trickle = tokio::spawn(async move {
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if body
+                .send_data(bytes::Bytes::from_static(b"a"), false)
+                .is_err()
+            {
+                return;
+            }
+        }
+    });
+    let response = tokio::time::timeout(Duration::from_secs(5), response)
+        .await
+        .expect("no answer to the trickled request")
+        .unwrap();
+    let answered = started.elapsed();
+    let (parts, mut rest) = response.into_parts();
+    let trailers = match parts.headers.get("grpc-status") {
+        Some(_) => parts.headers,
+        None => {
+            while rest.data().await.is_some() {}
+            rest.trailers().await.unwrap().unwrap_or_default()
+        }
+    };
+    assert_eq!(
+        trailers.get("grpc-status").map(|v| v.as_bytes()),
+        Some(&b"4"[..]),
+        "{trailers:?}"
+    );
+    let message = trailers
+        .get("grpc-message")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    assert!(
+        message.contains("connections.request_timeout_s"),
+        "{message}"
+    );
+    assert!(
+        answered >= Duration::from_millis(900) && answered < Duration::from_secs(4),
+        "answered after {answered:?}"
+    );
+    trickle.abort();
+    let ended = tokio::time::timeout(Duration::from_secs(10), connection).await;
+    assert!(
+        ended.is_ok(),
+        "the connection stayed open after its call ended"
+    );
+    drop(h2);
+    gw.stop(Duration::from_secs(1)).await;
+}
+
+/// A `grpc.health.v1.Health/Watch` call (a stream that waits for changes) on a new HTTP/2
+/// connection whose receive window is `window`: the connection's task and the response.
+async fn watch_health(
+    addr: std::net::SocketAddr,
+    window: u32,
+) -> (
+    tokio::task::JoinHandle<Result<(), h2::Error>>,
+    h2::client::SendRequest<bytes::Bytes>,
+    http::Response<h2::RecvStream>,
+) {
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (h2, connection) = h2::client::Builder::new()
+        .initial_window_size(window)
+        .handshake(tcp)
+        .await
+        .unwrap();
+    let connection = tokio::spawn(connection);
+    let request = http::Request::post(format!("http://{addr}/grpc.health.v1.Health/Watch"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let mut h2 = h2.ready().await.unwrap();
+    let (response, mut body) = h2.send_request(request, false).unwrap();
+    body.send_data(bytes::Bytes::from_static(&[0, 0, 0, 0, 0]), true)
+        .unwrap();
+    (connection, h2, response.await.unwrap())
+}
+
+/// A client that takes nothing of a response (HTTP/2 window 0) loses its connection at the send
+/// timeout; one that reads keeps it however long the response waits for its own next event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_never_read_lose_their_connection_waiting_ones_do_not() {
+    let cfg = config(
+        &std::env::temp_dir(),
+        "  client_send_timeout_s: 0.5\n",
+        "connections:\n  send_timeout_s: 1\n",
+    );
+    let any = "127.0.0.1:0".parse().unwrap();
+    let gw = gateway::serve(Gateway::new(&cfg, None).unwrap(), any, None)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let (stalled, _h2, _response) = watch_health(gw.addr, 0).await;
+    let stalled = tokio::spawn(async move {
+        let _ = stalled.await;
+        started.elapsed()
+    });
+    let (reading, _h2_reading, response) = watch_health(gw.addr, 65_535).await;
+    let mut body = response.into_body();
+    let first = body.data().await.unwrap().unwrap();
+    body.flow_control().release_capacity(first.len()).unwrap();
+    // The health status does not change: the reading client's stream waits, open.
+    let next = tokio::time::timeout(Duration::from_secs(4), body.data()).await;
+    assert!(next.is_err(), "the waiting stream ended: {next:?}");
+    assert!(
+        !reading.is_finished(),
+        "a reading client's connection was closed"
+    );
+    // Looked at every second, closed at the first look a second after its response was handed.
+    let closed = tokio::time::timeout(Duration::from_secs(6), stalled).await;
+    let after = closed
+        .expect("a client that never reads kept its connection")
+        .unwrap();
+    assert!(
+        after >= Duration::from_millis(900) && after < Duration::from_secs(3),
+        "closed after {after:?}"
+    );
+    gw.stop(Duration::from_secs(1)).await;
+}
+
 /// `ditstream serve` as an operator runs it, with a keys file named relative to its config: a
 /// key added while it runs works after SIGHUP.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

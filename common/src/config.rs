@@ -96,6 +96,13 @@ pub struct ConnectionLimits {
     pub handshake_timeout_s: f64,
     /// Seconds a connection may stay open with no request in flight.
     pub idle_timeout_s: f64,
+    /// Seconds a call's request body (its gRPC message, an HTTP body) has to arrive in full
+    /// once its headers have; a slower one ends the call with DEADLINE_EXCEEDED (HTTP 408).
+    pub request_timeout_s: f64,
+    /// Seconds a response may wait for the client to read (an HTTP/2 window left at 0, a
+    /// socket left full) before the connection is closed; a `Generate` whose client reads
+    /// nothing loses its request sooner, at `serving.client_send_timeout_s`.
+    pub send_timeout_s: f64,
     /// Seconds between HTTP/2 keepalive pings on a connection.
     pub keepalive_interval_s: f64,
     /// Seconds a ping may go unanswered before the connection is closed as dead.
@@ -114,6 +121,8 @@ impl Default for ConnectionLimits {
             max_connections: 4096,
             handshake_timeout_s: 10.0,
             idle_timeout_s: 300.0,
+            request_timeout_s: 30.0,
+            send_timeout_s: 30.0,
             keepalive_interval_s: 30.0,
             keepalive_timeout_s: 20.0,
             max_streams: 64,
@@ -1282,6 +1291,8 @@ impl Config {
         for (key, value) in [
             ("connections.handshake_timeout_s", c.handshake_timeout_s),
             ("connections.idle_timeout_s", c.idle_timeout_s),
+            ("connections.request_timeout_s", c.request_timeout_s),
+            ("connections.send_timeout_s", c.send_timeout_s),
             ("connections.keepalive_interval_s", c.keepalive_interval_s),
             ("connections.keepalive_timeout_s", c.keepalive_timeout_s),
         ] {
@@ -1292,6 +1303,21 @@ impl Config {
                     "must be a number of seconds in (0, 86400]",
                 ));
             }
+        }
+        if c.send_timeout_s <= s.client_send_timeout_s {
+            // A relay blocked on a slow client stops reading its pool's stream; the client must
+            // lose its request before the pool's connection, shared by every request, looks
+            // stalled.
+            return Err(invalid(
+                "connections.send_timeout_s",
+                c.send_timeout_s,
+                format!(
+                    "must be more than serving.client_send_timeout_s ({}): a client too slow to \
+                     read loses its request before a pool's connection to the gateway is closed \
+                     as stalled",
+                    s.client_send_timeout_s
+                ),
+            ));
         }
         for (key, value) in [
             ("connections.max_connections", c.max_connections),
@@ -1449,6 +1475,20 @@ serving: {device: cuda}
         .unwrap_err()
         .to_string();
         assert!(e.starts_with("connections.idle_timeout_s = -1:"), "{e}");
+        let e = Config::parse(
+            "model: {preset: tiny}\nconnections: {send_timeout_s: 5}\n",
+            "<t>",
+        )
+        .unwrap()
+        .validate(None)
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with(
+                "connections.send_timeout_s = 5: must be more than serving.client_send_timeout_s (10)"
+            ),
+            "{e}"
+        );
     }
 
     #[test]

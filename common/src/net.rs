@@ -11,16 +11,22 @@
 //!   concurrently, off the accept loop);
 //! - an idle timeout: a connection with no call in flight for that long is closed (counted by
 //!   [`TrackCalls`], a layer on the server);
+//! - a send timeout: a connection whose client has not taken a response's next bytes for that
+//!   long (an HTTP/2 window left at 0, a socket left full) is closed, so a client that never
+//!   reads cannot hold a connection with a call that never ends (also [`TrackCalls`]);
+//! - a request deadline: a call's request body (a gRPC message, an HTTP body) must arrive in
+//!   full within `request_timeout_s` of its headers, so a client that trickles it a byte at a
+//!   time cannot keep a call, and with it the connection, open (also [`TrackCalls`]);
 //! - HTTP/2 keepalive pings, a cap on concurrent streams per connection, a header size cap
 //!   ([`server`]); message sizes are capped per service by the caller.
 //!
 //! With TLS, the peer's verified certificate travels with each call ([`ConnInfo::peer`]).
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -69,23 +75,53 @@ impl ConnInfo {
     }
 }
 
-/// Calls in flight on one connection, and when the last one ended.
-struct Calls {
-    open: AtomicUsize,
-    last_end: Mutex<Instant>,
+/// Calls in flight on one connection: when the last one ended (for the idle timeout), and
+/// which response bodies wait for the client to read (for the send timeout).
+struct Calls(Mutex<CallState>);
+
+struct CallState {
+    open: usize,
+    last_end: Instant,
+    next_body: u64,
+    /// Response bodies the server has not asked for a frame since they were returned or
+    /// handed it their last one, and since when: the server asks again as soon as the client
+    /// has taken that frame (the HTTP/2 window or the socket has room), so a long wait here
+    /// is a client that does not read. A body waiting for its own data is not here.
+    unread: HashMap<u64, Instant>,
+}
+
+/// What a connection is doing, for its timeouts.
+enum Activity {
+    /// No call in flight, for this long.
+    Idle(Duration),
+    /// Calls in flight; the longest any of their responses has waited for the client to read.
+    Busy(Option<Duration>),
 }
 
 impl Calls {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Instant> {
-        // One Instant per critical section: a poisoned lock still holds a valid one.
-        self.last_end
+    fn new() -> Calls {
+        Calls(Mutex::new(CallState {
+            open: 0,
+            last_end: Instant::now(),
+            next_body: 0,
+            unread: HashMap::new(),
+        }))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, CallState> {
+        // Each critical section leaves the state whole: a poisoned lock still holds a valid one.
+        self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// How long the connection has had no call in flight (`None` while one is).
-    fn idle_for(&self) -> Option<Duration> {
-        (self.open.load(Ordering::SeqCst) == 0).then(|| self.lock().elapsed())
+    fn activity(&self) -> Activity {
+        let s = self.lock();
+        if s.open == 0 {
+            Activity::Idle(s.last_end.elapsed())
+        } else {
+            Activity::Busy(s.unread.values().min().map(Instant::elapsed))
+        }
     }
 }
 
@@ -94,15 +130,16 @@ struct CallGuard(Arc<Calls>);
 
 impl CallGuard {
     fn new(calls: &Arc<Calls>) -> CallGuard {
-        calls.open.fetch_add(1, Ordering::SeqCst);
+        calls.lock().open += 1;
         CallGuard(Arc::clone(calls))
     }
 }
 
 impl Drop for CallGuard {
     fn drop(&mut self) {
-        *self.0.lock() = Instant::now();
-        self.0.open.fetch_sub(1, Ordering::SeqCst);
+        let mut s = self.0.lock();
+        s.last_end = Instant::now();
+        s.open -= 1;
     }
 }
 
@@ -294,11 +331,7 @@ async fn handshake(
                 ),
             )
         })??;
-    let calls = Arc::new(Calls {
-        open: AtomicUsize::new(0),
-        last_end: Mutex::new(Instant::now()),
-    });
-    let idle = secs(limits.idle_timeout_s);
+    let (idle, send_timeout) = (secs(limits.idle_timeout_s), secs(limits.send_timeout_s));
     Ok(Conn {
         io,
         first,
@@ -306,10 +339,11 @@ async fn handshake(
         info: ConnInfo {
             remote,
             peer,
-            calls,
+            calls: Arc::new(Calls::new()),
         },
         idle,
-        idle_check: Box::pin(tokio::time::sleep(idle)),
+        send_timeout,
+        check: Box::pin(tokio::time::sleep(idle.min(send_timeout))),
         _slot: slot,
     })
 }
@@ -378,7 +412,8 @@ impl AsyncWrite for Io {
 }
 
 /// An accepted connection past its handshake: replays the first bytes it consumed, holds one
-/// of the listener's connection slots, and ends itself when idle too long.
+/// of the listener's connection slots, and ends itself when idle too long or when its client
+/// has not read for the send timeout.
 pub struct Conn {
     io: Io,
     /// The client's first bytes, read during the handshake.
@@ -387,30 +422,57 @@ pub struct Conn {
     replayed: usize,
     info: ConnInfo,
     idle: Duration,
-    idle_check: Pin<Box<tokio::time::Sleep>>,
+    send_timeout: Duration,
+    /// When to look at the calls next.
+    check: Pin<Box<tokio::time::Sleep>>,
     _slot: OwnedSemaphorePermit,
 }
 
 impl Conn {
-    /// Fails the connection's reads once it has had no call in flight for the idle timeout.
-    /// The server always has a read pending, so this timer always has a waker.
-    fn check_idle(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
-        while self.idle_check.as_mut().poll(cx).is_ready() {
-            let next = match self.info.calls.idle_for() {
-                Some(idle) if idle >= self.idle => {
+    /// Fails the connection's reads and writes once it has had no call in flight for the idle
+    /// timeout, or a response has waited for the client to read for the send timeout. The
+    /// server always has a read pending (and a write, while the socket is full), so this timer
+    /// always has a waker. It looks at least every send timeout (a call may start at any
+    /// time), so a client that stops reading is closed after one to two of them.
+    fn check(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        while self.check.as_mut().poll(cx).is_ready() {
+            let next = match self.info.calls.activity() {
+                Activity::Idle(idle) if idle >= self.idle => {
                     return Err(io::Error::new(
                         io::ErrorKind::TimedOut,
                         "idle for connections.idle_timeout_s",
                     ));
                 }
-                Some(idle) => self.idle - idle,
-                None => self.idle,
+                Activity::Idle(idle) => (self.idle - idle).min(self.send_timeout),
+                Activity::Busy(Some(unread)) if unread >= self.send_timeout => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the client read nothing for connections.send_timeout_s",
+                    ));
+                }
+                Activity::Busy(Some(unread)) => self.send_timeout - unread,
+                Activity::Busy(None) => self.send_timeout,
             };
-            self.idle_check
+            self.check
                 .as_mut()
                 .reset(tokio::time::Instant::now() + next);
         }
         Ok(())
+    }
+
+    /// A write that could not proceed (the socket is full) checks the timeouts.
+    fn blocked<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        poll: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        match poll {
+            Poll::Pending => match self.check(cx) {
+                Err(e) => Poll::Ready(Err(e)),
+                Ok(()) => Poll::Pending,
+            },
+            ready => ready,
+        }
     }
 }
 
@@ -427,7 +489,7 @@ impl AsyncRead for Conn {
             this.replayed += n;
             return Poll::Ready(Ok(()));
         }
-        if let Err(e) = this.check_idle(cx) {
+        if let Err(e) = this.check(cx) {
             return Poll::Ready(Err(e));
         }
         Pin::new(&mut this.io).poll_read(cx, buf)
@@ -440,7 +502,8 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let poll = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.blocked(cx, poll)
     }
 
     fn poll_write_vectored(
@@ -448,7 +511,8 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let poll = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.blocked(cx, poll)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -456,7 +520,8 @@ impl AsyncWrite for Conn {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
+        let poll = Pin::new(&mut self.io).poll_flush(cx);
+        self.blocked(cx, poll)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -472,21 +537,24 @@ impl tonic::transport::server::Connected for Conn {
     }
 }
 
-/// Every server's layers: call tracking for the idle timeout.
+/// Every server's layers: call tracking for the idle and send timeouts, and the request
+/// deadline.
 pub type Layers = tower::layer::util::Stack<TrackCalls, tower::layer::util::Identity>;
 
 /// A server's services, ready for [`spawn`].
 pub type Router = tonic::transport::server::Router<Layers>;
 
-/// A tonic server with the HTTP/2 limits of `limits` and call tracking for the idle timeout;
-/// add its services, then [`spawn`] it on a [`Listener`].
+/// A tonic server with the HTTP/2 limits of `limits`, call tracking for the idle and send
+/// timeouts, and the request deadline; add its services, then [`spawn`] it on a [`Listener`].
 pub fn server(limits: &ConnectionLimits) -> tonic::transport::Server<Layers> {
     tonic::transport::Server::builder()
         .max_concurrent_streams(limits.max_streams)
         .http2_keepalive_interval(Some(secs(limits.keepalive_interval_s)))
         .http2_keepalive_timeout(Some(secs(limits.keepalive_timeout_s)))
         .http2_max_header_list_size(MAX_HEADER_BYTES)
-        .layer(TrackCalls)
+        .layer(TrackCalls {
+            request_timeout: secs(limits.request_timeout_s),
+        })
 }
 
 /// Serves `router` on `listener` until `shutdown` resolves (then lets open calls finish);
@@ -508,27 +576,36 @@ pub fn spawn(
 }
 
 /// Counts each connection's calls in flight (from a call's start to the end of its response
-/// body), for the idle timeout.
+/// body) and notes responses waiting for their client to read, for the idle and send
+/// timeouts; gives each call's request body its deadline.
 #[derive(Clone, Copy, Debug)]
-pub struct TrackCalls;
+pub struct TrackCalls {
+    request_timeout: Duration,
+}
 
 impl<S> tower::Layer<S> for TrackCalls {
     type Service = Tracked<S>;
 
     fn layer(&self, inner: S) -> Tracked<S> {
-        Tracked(inner)
+        Tracked {
+            inner,
+            request_timeout: self.request_timeout,
+        }
     }
 }
 
-/// A service whose calls [`TrackCalls`] counts.
+/// A service whose calls [`TrackCalls`] counts and times.
 #[derive(Clone, Debug)]
-pub struct Tracked<S>(S);
+pub struct Tracked<S> {
+    inner: S,
+    request_timeout: Duration,
+}
 
 type Body = tonic::body::Body;
 
-impl<S, B> tower::Service<http::Request<B>> for Tracked<S>
+impl<S> tower::Service<http::Request<Body>> for Tracked<S>
 where
-    S: tower::Service<http::Request<B>, Response = http::Response<Body>>,
+    S: tower::Service<http::Request<Body>, Response = http::Response<Body>>,
     S::Future: Send + 'static,
 {
     type Response = http::Response<Body>;
@@ -536,34 +613,92 @@ where
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
-        self.0.poll_ready(cx)
+        self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
         let guard = request
             .extensions()
             .get::<ConnInfo>()
             .map(|c| CallGuard::new(&c.calls));
-        let response = self.0.call(request);
+        let timeout = self.request_timeout;
+        let request = request.map(|body| {
+            if http_body::Body::is_end_stream(&body) {
+                body
+            } else {
+                Body::new(Deadlined {
+                    body,
+                    deadline: Box::pin(tokio::time::sleep(timeout)),
+                    timeout,
+                })
+            }
+        });
+        let response = self.inner.call(request);
         Box::pin(async move {
             let response = response.await?;
             Ok(match guard {
-                Some(guard) => response.map(|body| {
-                    Body::new(Guarded {
-                        body,
-                        _guard: guard,
-                    })
-                }),
+                Some(guard) => response.map(|body| Body::new(Guarded::new(body, guard))),
                 None => response,
             })
         })
     }
 }
 
-/// A response body that keeps its call counted until it is done or dropped.
+/// A request body that fails with DEADLINE_EXCEEDED unless it ends within `timeout` of the
+/// call's start: what stops a client that sends its request a byte at a time (a gRPC server
+/// reads the whole message, the HTTP API the whole body, before anything else).
+struct Deadlined {
+    body: Body,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    timeout: Duration,
+}
+
+impl http_body::Body for Deadlined {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, tonic::Status>>> {
+        if let Poll::Ready(frame) = Pin::new(&mut self.body).poll_frame(cx) {
+            return Poll::Ready(frame);
+        }
+        match self.deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                Poll::Ready(Some(Err(crate::status::request_too_slow(self.timeout))))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// A response body that keeps its call counted until it is done or dropped, and tells the
+/// connection while the server waits for the client to take its next frame.
 struct Guarded {
     body: Body,
-    _guard: CallGuard,
+    id: u64,
+    guard: CallGuard,
+}
+
+impl Guarded {
+    fn new(body: Body, guard: CallGuard) -> Guarded {
+        let mut s = guard.0.lock();
+        let id = s.next_body;
+        s.next_body += 1;
+        // Returned, not yet asked for a frame: a client whose HTTP/2 window is 0 leaves it so.
+        s.unread.insert(id, Instant::now());
+        drop(s);
+        Guarded { body, id, guard }
+    }
 }
 
 impl http_body::Body for Guarded {
@@ -574,7 +709,13 @@ impl http_body::Body for Guarded {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, tonic::Status>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        let id = self.id;
+        self.guard.0.lock().unread.remove(&id);
+        let poll = Pin::new(&mut self.body).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(_))) = &poll {
+            self.guard.0.lock().unread.insert(id, Instant::now());
+        }
+        poll
     }
 
     fn is_end_stream(&self) -> bool {
@@ -583,6 +724,12 @@ impl http_body::Body for Guarded {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.body.size_hint()
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        self.guard.0.lock().unread.remove(&self.id);
     }
 }
 

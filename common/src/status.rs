@@ -9,7 +9,7 @@
 //! | PERMISSION_DENIED | a pool's registration names an address its certificate does not, or another pool's id |
 //! | RESOURCE_EXHAUSTED | the queue is full; this key's queue share is used; the request's estimated cost exceeds the devices; a pool is busy |
 //! | CANCELLED | `Cancel`, the client went away, or it read nothing for the send timeout |
-//! | DEADLINE_EXCEEDED | the request's deadline passed, queued or running |
+//! | DEADLINE_EXCEEDED | the request's deadline passed, queued or running; or its request message did not arrive in full within `connections.request_timeout_s` |
 //! | UNAVAILABLE | shutting down; a pool was lost mid-request, out of service, or unreachable |
 //! | ALREADY_EXISTS | a pool is asked twice for one request |
 //! | FAILED_PRECONDITION | a pool registers for another model |
@@ -118,6 +118,15 @@ pub fn client_stalled(timeout: Duration) -> Status {
 /// The deadline passed.
 pub fn deadline() -> Status {
     Status::deadline_exceeded("the request's deadline passed")
+}
+
+/// The client's request (message or HTTP body) did not arrive in full within `timeout` of
+/// its headers.
+pub fn request_too_slow(timeout: Duration) -> Status {
+    Status::deadline_exceeded(format!(
+        "the request did not arrive in full within {:.1} s (connections.request_timeout_s)",
+        timeout.as_secs_f64()
+    ))
 }
 
 /// A pool cannot serve at all (a rank thread of its stage is gone).

@@ -412,6 +412,93 @@ async fn metrics_health_and_reflection() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// Requests no handler should see are answered in OpenAI's error shape with the HTTP status
+/// that says why: a body trickled past `connections.request_timeout_s` (408), one over
+/// `max_request_bytes` (413), a query that does not parse (400), a method a route does not
+/// serve (405), and a clip longer than the server makes, named by the field the client sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_slow_requests_get_openai_errors() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = scratch("malformed");
+    let mut cfg = config(&dir.join("videos"), "ttl_s: 3600");
+    cfg.connections.request_timeout_s = 1.0;
+    cfg.connections.max_request_bytes = 4096;
+    let (server, base) = serve(cfg).await;
+    let videos = format!("{base}/v1/videos");
+    let error = |text: &str| -> serde_json::Value {
+        let v: serde_json::Value = serde_json::from_str(text).unwrap();
+        v["error"].clone()
+    };
+
+    // 1000 bytes announced, one sent every 100 ms: answered at the request timeout.
+    let mut tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let head = "POST /v1/videos HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                content-length: 1000\r\n\r\n{";
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    let started = Instant::now();
+    let (mut read, mut write) = tcp.into_split();
+    let trickle = tokio::spawn(async move {
+        while write.write_all(b" ").await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), read.read(&mut answer))
+        .await
+        .expect("no answer to a trickled body")
+        .unwrap();
+    let answered = started.elapsed();
+    trickle.abort();
+    let answer = String::from_utf8_lossy(&answer[..n]).to_string();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    let (_, body) = answer.split_once("\r\n\r\n").unwrap();
+    let e = error(body);
+    assert_eq!(e["code"], "request_timeout", "{e}");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("connections.request_timeout_s"),
+        "{e}"
+    );
+    assert!(
+        answered >= Duration::from_millis(900) && answered < Duration::from_secs(4),
+        "answered after {answered:?}"
+    );
+
+    let big = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(5000));
+    let json = ["-H", "content-type: application/json", "-d"];
+    let (text, code) = curl(&[&[videos.as_str()][..], &json, &[&big]].concat()).await;
+    assert_eq!(code, 413, "{text}");
+    let e = error(&text);
+    assert_eq!(e["code"], "request_too_large", "{e}");
+    assert!(e["message"].as_str().unwrap().contains("4096"), "{e}");
+
+    let (text, code) = curl(&[&format!("{videos}?limit=-5")]).await;
+    assert_eq!(code, 400, "{text}");
+    assert_eq!(error(&text)["param"], "query", "{text}");
+
+    let (text, code) = curl(&["-X", "PUT", &videos]).await;
+    assert_eq!(code, 405, "{text}");
+    assert_eq!(error(&text)["code"], "method_not_allowed", "{text}");
+
+    // 100 s at 16 fps is 1601 frames, past the server's limit: the error names `seconds`.
+    let long = r#"{"prompt": "x", "seconds": "100"}"#;
+    let (text, code) = curl(&[&[videos.as_str()][..], &json, &[long]].concat()).await;
+    assert_eq!(code, 400, "{text}");
+    let e = error(&text);
+    assert_eq!(e["param"], "seconds", "{e}");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("seconds \"100\" is 1601 frames at 16 fps; num_frames = 1601:"),
+        "{e}"
+    );
+    server.stop().await.unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_needs_the_api_key_and_hides_other_keys_videos() {
     let dir = scratch("keys");

@@ -65,6 +65,14 @@ assert finished.status == "completed", finished
 gone = [v.id for v in client.videos.list()]
 assert long.id not in gone, gone
 
+# A request that breaks a limit is the SDK's BadRequestError, naming the parameter.
+try:
+    client.videos.create(prompt="a narrow one", size="7x16", seconds="1")
+    raise AssertionError("a 7-pixel width was accepted")
+except Exception as e:  # openai.BadRequestError
+    assert type(e).__name__ == "BadRequestError", repr(e)
+    assert e.param == "size" and "width = 7" in e.message, (e.param, e.message)
+
 # An unknown id is the SDK's NotFoundError.
 try:
     client.videos.retrieve("req-00000000000000000000000000000000")

@@ -64,6 +64,44 @@ impl ApiError {
         }
     }
 
+    /// A body that could not be read: larger than `connections.max_request_bytes` (413), not
+    /// in full within `connections.request_timeout_s` (408, the deadline's status found in the
+    /// error's sources), or malformed (400).
+    fn unreadable_body(
+        status: StatusCode,
+        text: String,
+        error: &(dyn std::error::Error + 'static),
+        max_body: usize,
+    ) -> ApiError {
+        let mut source = Some(error);
+        while let Some(e) = source {
+            if let Some(s) = e.downcast_ref::<tonic::Status>()
+                && s.code() == tonic::Code::DeadlineExceeded
+            {
+                return ApiError {
+                    status: StatusCode::REQUEST_TIMEOUT,
+                    kind: "invalid_request_error",
+                    code: "request_timeout".into(),
+                    param: Some("body"),
+                    message: s.message().to_string(),
+                };
+            }
+            source = e.source();
+        }
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            return ApiError {
+                status,
+                kind: "invalid_request_error",
+                code: "request_too_large".into(),
+                param: Some("body"),
+                message: format!(
+                    "the body is over connections.max_request_bytes = {max_body} bytes"
+                ),
+            };
+        }
+        ApiError::invalid("body", text)
+    }
+
     fn not_found(id: &str) -> ApiError {
         ApiError {
             status: StatusCode::NOT_FOUND,
@@ -101,6 +139,13 @@ impl From<tonic::Status> for ApiError {
     }
 }
 
+impl From<axum::extract::rejection::QueryRejection> for ApiError {
+    /// A query string that does not parse (`limit=-5`), in OpenAI's shape like every error.
+    fn from(e: axum::extract::rejection::QueryRejection) -> ApiError {
+        ApiError::invalid("query", e.body_text())
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({
@@ -121,6 +166,8 @@ struct Http {
     gateway: Gateway,
     store: Arc<Store>,
     fps: u32,
+    /// `connections.max_request_bytes`, named when a body is over it.
+    max_body: usize,
 }
 
 impl Http {
@@ -146,6 +193,7 @@ pub fn router(gateway: Gateway, store: Arc<Store>, max_body: usize) -> Router {
         gateway,
         store,
         fps,
+        max_body,
     };
     Router::new()
         .route("/", get(page))
@@ -155,6 +203,7 @@ pub fn router(gateway: Gateway, store: Arc<Store>, max_body: usize) -> Router {
         .route("/v1/videos/{id}/content", get(content))
         .route("/v1/videos/{id}/events", get(events))
         .fallback(unknown_route)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
@@ -177,6 +226,18 @@ async fn unknown_route(headers: HeaderMap) -> Response {
         message: "no such route".into(),
     }
     .into_response()
+}
+
+/// A known route with a method it does not serve, in OpenAI's shape (axum's own answer is an
+/// empty 405).
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        kind: "invalid_request_error",
+        code: "method_not_allowed".into(),
+        param: None,
+        message: format!("{method} is not served at {}", uri.path()),
+    }
 }
 
 async fn page() -> Response {
@@ -225,10 +286,33 @@ fn parse_size(size: &str) -> Option<(u32, u32)> {
     Some((w.trim().parse().ok()?, h.trim().parse().ok()?))
 }
 
-/// Seconds at `fps` as a 4k+1 frame count (the nearest, at least 1).
-fn frames_for(seconds: f64, fps: u32) -> u32 {
+/// Seconds at `fps` as a 4k+1 frame count (the nearest, at least 1); `None` past `u32`.
+fn frames_for(seconds: f64, fps: u32) -> Option<u32> {
     let k = (seconds * f64::from(fps) / 4.0).round().max(0.0);
-    (k as u32).saturating_mul(4).saturating_add(1)
+    if k >= f64::from(u32::MAX / 4) {
+        return None;
+    }
+    Some(k as u32 * 4 + 1)
+}
+
+/// OpenAI's `param` for an INVALID_ARGUMENT from the request's checks, whose messages start
+/// with the field they name (`width = 7: …`, `common/src/status.rs`); `seconds` when the frame
+/// count came from it.
+fn param_of(message: &str, from_seconds: bool) -> Option<&'static str> {
+    let (field, _) = message.split_once(" = ")?;
+    Some(match field {
+        "width" | "height" => "size",
+        "num_frames" if from_seconds => "seconds",
+        "num_frames" => "num_frames",
+        "steps" => "num_inference_steps",
+        "prompt" => "prompt",
+        "negative_prompt" => "negative_prompt",
+        "model" => "model",
+        "fps" => "fps",
+        "seed" => "seed",
+        "guidance_scale" => "guidance_scale",
+        _ => return None,
+    })
 }
 
 /// A clip's length as the Video object writes it ("1", "1.0625").
@@ -242,10 +326,12 @@ fn seconds_text(frames: u32, fps: u32) -> String {
 /// `input_reference` image) is refused until image input exists.
 async fn multipart_fields(
     mut form: axum::extract::Multipart,
+    max_body: usize,
 ) -> Result<serde_json::Value, ApiError> {
     const TEXT: [&str; 5] = ["prompt", "model", "size", "seconds", "negative_prompt"];
-    let bad =
-        |e: axum::extract::multipart::MultipartError| ApiError::invalid("body", e.body_text());
+    let bad = |e: axum::extract::multipart::MultipartError| {
+        ApiError::unreadable_body(e.status(), e.body_text(), &e, max_body)
+    };
     let mut fields = serde_json::Map::new();
     while let Some(field) = form.next_field().await.map_err(bad)? {
         let name = field.name().unwrap_or("").to_string();
@@ -286,11 +372,11 @@ async fn create(
         let form = axum::extract::Multipart::from_request(request, &())
             .await
             .map_err(|e| ApiError::invalid("body", e.body_text()))?;
-        multipart_fields(form).await?
+        multipart_fields(form, h.max_body).await?
     } else {
         let bytes = Bytes::from_request(request, &())
             .await
-            .map_err(|e| ApiError::invalid("body", e.body_text()))?;
+            .map_err(|e| ApiError::unreadable_body(e.status(), e.body_text(), &e, h.max_body))?;
         serde_json::from_slice(&bytes)
             .map_err(|e| ApiError::invalid("body", format!("not JSON: {e}")))?
     };
@@ -312,21 +398,26 @@ async fn create(
     let num_frames = match (&r.num_frames, &r.seconds) {
         (Some(n), _) => Some(*n),
         (None, Some(s)) => {
-            let secs: f64 = s
+            let frames = s
                 .trim()
                 .parse()
                 .ok()
                 .filter(|v: &f64| v.is_finite() && *v > 0.0)
+                .and_then(|secs| frames_for(secs, fps))
                 .ok_or_else(|| {
                     ApiError::invalid(
                         "seconds",
-                        format!("seconds {s:?}: must be a positive number, e.g. \"4\""),
+                        format!(
+                            "seconds {s:?}: must be a positive number (e.g. \"4\") of at most \
+                             2^32 frames at {fps} fps"
+                        ),
                     )
                 })?;
-            Some(frames_for(secs, fps))
+            Some(frames)
         }
         (None, None) => None,
     };
+    let from_seconds = r.num_frames.is_none() && r.seconds.is_some();
     let request = pb::GenerateRequest {
         prompt: r.prompt.clone(),
         negative_prompt: r.negative_prompt.unwrap_or_default(),
@@ -343,7 +434,24 @@ async fn create(
     };
     let mut grpc = tonic::Request::new(request);
     *grpc.metadata_mut() = tonic::metadata::MetadataMap::from_headers(headers.clone());
-    let mut events = h.gateway.generate(grpc).await?.into_inner();
+    let mut events = match h.gateway.generate(grpc).await {
+        Ok(events) => events.into_inner(),
+        Err(status) if status.code() == tonic::Code::InvalidArgument => {
+            let param = param_of(status.message(), from_seconds);
+            let mut e = ApiError::from(status);
+            if param == Some("seconds") {
+                e.message = format!(
+                    "seconds {:?} is {} frames at {fps} fps; {}",
+                    r.seconds.as_deref().unwrap_or_default(),
+                    num_frames.unwrap_or_default(),
+                    e.message
+                );
+            }
+            e.param = param;
+            return Err(e);
+        }
+        Err(status) => return Err(status.into()),
+    };
     let accepted = match events.next().await {
         Some(Ok(pb::GenerateEvent {
             event: Some(pb::generate_event::Event::Accepted(a)),
@@ -405,9 +513,10 @@ struct ListQuery {
 async fn list(
     State(h): State<Http>,
     headers: HeaderMap,
-    Query(q): Query<ListQuery>,
+    q: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let owner = h.owner(&headers)?;
+    let Query(q) = q?;
     let limit = q.limit.unwrap_or(20);
     if !(1..=100).contains(&limit) {
         return Err(ApiError::invalid(
@@ -468,9 +577,10 @@ async fn content(
     State(h): State<Http>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    Query(q): Query<ContentQuery>,
+    q: Result<Query<ContentQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let job = h.job(&headers, &id)?;
+    let Query(q) = q?;
     match q.variant.as_deref() {
         None | Some("video") => {}
         Some("thumbnail") => return thumbnail(&h, &id).await,
@@ -594,11 +704,32 @@ mod tests {
 
     #[test]
     fn seconds_become_4k_plus_1_frames() {
-        assert_eq!(frames_for(1.0, 16), 17);
-        assert_eq!(frames_for(5.0, 16), 81);
-        assert_eq!(frames_for(0.01, 16), 1);
+        assert_eq!(frames_for(1.0, 16), Some(17));
+        assert_eq!(frames_for(5.0, 16), Some(81));
+        assert_eq!(frames_for(0.01, 16), Some(1));
+        assert_eq!(frames_for(1e308, 16), None);
         assert_eq!(seconds_text(17, 16), "1.0625");
         assert_eq!(seconds_text(16, 16), "1");
+    }
+
+    #[test]
+    fn the_checks_fields_become_openai_params() {
+        let param = |m| param_of(m, false);
+        assert_eq!(
+            param("width = 7: must be a positive multiple of 16"),
+            Some("size")
+        );
+        assert_eq!(
+            param("steps = 0: must be in 1..=100"),
+            Some("num_inference_steps")
+        );
+        assert_eq!(param("num_frames = 8: must be 4k+1"), Some("num_frames"));
+        assert_eq!(
+            param_of("num_frames = 8: must be 4k+1", true),
+            Some("seconds")
+        );
+        assert_eq!(param("segment_frames = 3: …"), None);
+        assert_eq!(param("the queue is full"), None);
     }
 
     #[test]

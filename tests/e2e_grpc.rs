@@ -478,8 +478,12 @@ async fn cancel_disconnect_and_deadline_stop_the_work_and_the_next_request_runs(
     until_first_step(&mut stream).await;
     drop(stream);
 
-    // A deadline that passes mid-denoise.
-    let mut req = tonic::Request::new(long());
+    // A deadline that passes mid-denoise (81 frames: several seconds even in a release build,
+    // where 9 frames of 100 steps finish inside the deadline).
+    let mut req = tonic::Request::new(pb::GenerateRequest {
+        num_frames: Some(81),
+        ..long()
+    });
     req.set_timeout(Duration::from_millis(1500));
     let (_, status) = match client.generate(req).await {
         Ok(s) => {

@@ -355,7 +355,17 @@ async fn shutdown_refuses_new_work_drains_then_ends_the_rest_unavailable() {
     let mut client = VideoServiceClient::connect(format!("http://{addr}"))
         .await
         .unwrap();
-    let mut running = client.generate(long()).await.unwrap().into_inner();
+    // 81 frames of 100 steps: several seconds, far past the grace (9 frames took ~0.9 s on a
+    // fast machine, and once finished inside it).
+    let outlives_the_grace = pb::GenerateRequest {
+        num_frames: Some(81),
+        ..long()
+    };
+    let mut running = client
+        .generate(outlives_the_grace)
+        .await
+        .unwrap()
+        .into_inner();
     until_denoising(&mut running).await;
     let t = Instant::now();
     let stopping = tokio::spawn(server.stop());

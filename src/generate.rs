@@ -148,10 +148,24 @@ async fn connect(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<tonic::t
         };
         e = e.tls_config(tls)?;
     }
-    e.connect()
+    // A server that never answers must not hang the client: TCP and TLS within the connect
+    // timeout, then HTTP/2 pings, so a connection whose server fell silent (at the start or
+    // mid-stream, a host gone without a reset) fails within KEEPALIVE + PING_TIMEOUT.
+    e.connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(KEEPALIVE)
+        .keep_alive_timeout(PING_TIMEOUT)
+        .keep_alive_while_idle(true)
+        .connect()
         .await
         .with_context(|| format!("cannot connect to {endpoint}"))
 }
+
+/// How long the TCP connection and the TLS handshake to `--server` may take.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How often the client pings the server while a call waits.
+const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a ping may go unanswered before the connection is given up.
+const PING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 async fn request(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
     let mut client =
@@ -272,6 +286,18 @@ async fn request(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
     }
 }
 
+/// The call's status as an error; a transport failure's causes too (tonic's own message for
+/// a dead connection is only "http2 error").
 fn status_error(status: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{:?}: {}", status.code(), status.message())
+    let mut text = format!("{:?}: {}", status.code(), status.message());
+    let mut source = std::error::Error::source(&status);
+    while let Some(e) = source {
+        let cause = e.to_string();
+        if !text.ends_with(&cause) {
+            text.push_str(": ");
+            text.push_str(&cause);
+        }
+        source = e.source();
+    }
+    anyhow::anyhow!(text)
 }

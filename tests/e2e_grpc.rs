@@ -635,6 +635,42 @@ fn the_client_prints_no_raw_encoder_log() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// `ditstream generate` against a server that accepts the connection and never answers: it
+/// fails with the reason (its HTTP/2 pings unanswered) instead of waiting for ever.
+#[test]
+fn the_client_gives_up_on_a_server_that_never_answers() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = silent.local_addr().unwrap();
+    // Accepts, holds and never reads or writes.
+    std::thread::spawn(move || {
+        let held: Vec<_> = silent.incoming().collect();
+        drop(held);
+    });
+    let output = std::env::temp_dir().join(format!("ditstream-silent-{}.mp4", std::process::id()));
+    let started = std::time::Instant::now();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ditstream"))
+        .args(["generate", "--prompt", "anyone there", "--server"])
+        .arg(addr.to_string())
+        .arg("--output")
+        .arg(&output)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Pings every 10 s, each given 10 s: it gives up after about 20 s.
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("still waiting after {:?}", started.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("keep-alive timed out"), "{stderr}");
+    let _ = std::fs::remove_file(output);
+}
+
 /// An encoder that fails once, at frame 5 (the first of segment 3), and otherwise is OpenH264.
 struct FailsOnce(EncoderBackend, Arc<AtomicBool>);
 

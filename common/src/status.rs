@@ -26,6 +26,26 @@ fn code_names_are_snake_case() {
     assert_eq!(code_name(Code::Cancelled), "cancelled");
 }
 
+/// A string the client sent, as an error message shows it: quoted, and cut to its first 64
+/// characters (with its length) when longer, so echoing it keeps the message readable and the
+/// `grpc-message` trailer small (gRPC clients cap metadata at 8–16 KiB).
+pub fn shown(value: &str) -> String {
+    const MAX_CHARS: usize = 64;
+    match value.char_indices().nth(MAX_CHARS) {
+        None => format!("{value:?}"),
+        Some((cut, _)) => format!("{:?}… ({} bytes)", &value[..cut], value.len()),
+    }
+}
+
+#[cfg(test)]
+#[test]
+fn long_client_strings_are_cut_when_shown() {
+    assert_eq!(shown("tiny"), "\"tiny\"");
+    let long = "é".repeat(100_000);
+    let s = shown(&long);
+    assert_eq!(s, format!("{:?}… (200000 bytes)", "é".repeat(64)));
+}
+
 /// A code as a stable lower-case name (`ResourceExhausted` → `resource_exhausted`), for
 /// metric labels and the HTTP API's error codes.
 pub fn code_name(code: Code) -> String {
@@ -63,7 +83,8 @@ pub fn unauthenticated(why: &str) -> Status {
 /// ended, or another key made it (the three answer alike).
 pub fn no_such_request(id: &str) -> Status {
     Status::not_found(format!(
-        "no request {id:?} of this API key is queued or running"
+        "no request {} of this API key is queued or running",
+        shown(id)
     ))
 }
 
@@ -182,7 +203,10 @@ pub fn duplicate(id: &str) -> Status {
 
 /// A pool registers for another model.
 pub fn wrong_model(sent: &str, served: &str) -> Status {
-    Status::failed_precondition(format!("model = {sent:?}: this gateway serves {served:?}"))
+    Status::failed_precondition(format!(
+        "model = {}: this gateway serves {served:?}",
+        shown(sent)
+    ))
 }
 
 /// A stage or link failed; `what` says where.

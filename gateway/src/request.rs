@@ -119,7 +119,7 @@ impl RawRequest {
         if !self.model.is_empty() && self.model != model_name {
             return Err(invalid(
                 "model",
-                format!("{:?}", self.model),
+                ditstream_common::status::shown(&self.model),
                 format!("unknown; this server runs {model_name:?}"),
             ));
         }
@@ -296,6 +296,17 @@ mod tests {
             .unwrap_err(),
             "model = \"sora\": unknown; this server runs \"tiny\""
         );
+        // A megabyte of model name is not echoed back whole.
+        let e = check(RawRequest {
+            model: "m".repeat(1 << 20),
+            ..req()
+        })
+        .unwrap_err();
+        assert!(
+            e.ends_with("… (1048576 bytes): unknown; this server runs \"tiny\""),
+            "{e}"
+        );
+        assert!(e.len() < 200, "{} bytes", e.len());
         assert_eq!(
             check(RawRequest {
                 guidance_scale: Some(f64::NAN),

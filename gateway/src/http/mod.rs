@@ -108,7 +108,7 @@ impl ApiError {
             kind: "invalid_request_error",
             code: "not_found".into(),
             param: Some("video_id"),
-            message: format!("no video {id:?} of this API key"),
+            message: format!("no video {} of this API key", status::shown(id)),
         }
     }
 }
@@ -387,7 +387,10 @@ async fn create(
             let (w, h) = parse_size(s).ok_or_else(|| {
                 ApiError::invalid(
                     "size",
-                    format!("size {s:?}: must be \"WIDTHxHEIGHT\", e.g. \"832x480\""),
+                    format!(
+                        "size {}: must be \"WIDTHxHEIGHT\", e.g. \"832x480\"",
+                        status::shown(s)
+                    ),
                 )
             })?;
             (Some(w), Some(h))
@@ -408,8 +411,9 @@ async fn create(
                     ApiError::invalid(
                         "seconds",
                         format!(
-                            "seconds {s:?}: must be a positive number (e.g. \"4\") of at most \
-                             2^32 frames at {fps} fps"
+                            "seconds {}: must be a positive number (e.g. \"4\") of at most \
+                             2^32 frames at {fps} fps",
+                            status::shown(s)
                         ),
                     )
                 })?;
@@ -531,7 +535,7 @@ async fn list(
         Some(o) => {
             return Err(ApiError::invalid(
                 "order",
-                format!("order {o:?}: must be \"asc\" or \"desc\""),
+                format!("order {}: must be \"asc\" or \"desc\"", status::shown(o)),
             ));
         }
     }
@@ -540,7 +544,12 @@ async fn list(
             .iter()
             .position(|v| &v.id == after)
             .map(|i| i + 1)
-            .ok_or_else(|| ApiError::invalid("after", format!("after {after:?}: no such video")))?,
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "after",
+                    format!("after {}: no such video", status::shown(after)),
+                )
+            })?,
         None => 0,
     };
     let page: Vec<&Video> = all.iter().skip(start).take(limit).collect();
@@ -587,7 +596,10 @@ async fn content(
         Some(v) => {
             return Err(ApiError::invalid(
                 "variant",
-                format!("variant {v:?}: must be \"video\" or \"thumbnail\""),
+                format!(
+                    "variant {}: must be \"video\" or \"thumbnail\"",
+                    status::shown(v)
+                ),
             ));
         }
     }

@@ -1,7 +1,10 @@
 //! The service end to end, as a client sees it: a real server on a loopback port, a real gRPC
-//! client, the built-in tiny model on the CPU, and the MP4 checked with ffprobe/ffmpeg.
+//! client (tonic's, and grpcio from PyPI with stubs generated from our .proto), the built-in
+//! tiny model on the CPU, and the MP4 checked with ffprobe/ffmpeg.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
+
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -264,6 +267,63 @@ async fn events_arrive_in_order_and_form_a_playable_mp4() {
     let path = temp_file("ordered.mp4", &mp4_of(&events));
     probe(&path, 9, 64, 48, "12/1", &[0, 1, 5, 7]);
     server.stop().await.unwrap();
+}
+
+/// grpcio, the version the test installs (pinned), and the protoc that generates its stubs.
+const GRPCIO: [&str; 2] = ["grpcio==1.68.1", "grpcio-tools==1.68.1"];
+
+/// A client we did not write: grpcio with stubs generated from `proto/ditstream/v1/video.proto`
+/// (tests/grpc/grpcio_client.py) streams a video, gets the documented statuses (limits, a
+/// 100 kB model name, a deadline, Cancel), Health and ListModels; ffprobe plays the video.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpcio_client_from_our_proto_is_served() {
+    let python = tokio::task::spawn_blocking(|| support::python_venv("venv-grpcio", &GRPCIO))
+        .await
+        .unwrap();
+    let dir = std::env::temp_dir().join(format!("ditstream-grpcio-{}", std::process::id()));
+    let stubs = dir.join("stubs");
+    std::fs::create_dir_all(&stubs).unwrap();
+    let protos = concat!(env!("CARGO_MANIFEST_DIR"), "/proto");
+    let out = Command::new(&python)
+        .args(["-m", "grpc_tools.protoc", "-I", protos])
+        .arg(format!("--python_out={}", stubs.display()))
+        .arg(format!("--grpc_python_out={}", stubs.display()))
+        .arg(format!("{protos}/ditstream/v1/video.proto"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (server, _) = server(config("openh264", 4)).await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/grpc/grpcio_client.py");
+    let args = [
+        server.addr.to_string(),
+        stubs.display().to_string(),
+        dir.display().to_string(),
+    ];
+    let run = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .arg(script)
+            .args(args)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(stdout.trim().lines().last().unwrap()).unwrap();
+    assert_eq!(report["frames"], 9, "{report}");
+    probe(&dir.join("grpcio.mp4"), 9, 64, 48, "12/1", &[0, 1, 5, 7]);
+    server.stop().await.unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// The embedded default's video for one seed, pinned: CRC-32 of the MP4 that `ditstream generate`

@@ -7,6 +7,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -129,31 +131,7 @@ async fn run_script(python: PathBuf, script: &'static str, args: Vec<String>) ->
 
 /// A venv under target/ with the openai SDK; its python.
 fn sdk_python() -> PathBuf {
-    let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("venv-openai");
-    let python = venv.join("bin/python");
-    let marker = venv.join(OPENAI_SDK);
-    if !marker.exists() {
-        let ok = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-            .unwrap();
-        assert!(ok.success(), "python3 -m venv (Debian: python3-venv)");
-        let ok = Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--disable-pip-version-check",
-                OPENAI_SDK,
-            ])
-            .status()
-            .unwrap();
-        assert!(ok.success(), "pip install {OPENAI_SDK}");
-        std::fs::write(&marker, "").unwrap();
-    }
-    python
+    support::python_venv("venv-openai", &[OPENAI_SDK])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

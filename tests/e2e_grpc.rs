@@ -298,28 +298,12 @@ async fn a_grpcio_client_from_our_proto_is_served() {
     );
     let (server, _) = server(config("openh264", 4)).await;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/grpc/grpcio_client.py");
-    let args = [
+    let args = vec![
         server.addr.to_string(),
         stubs.display().to_string(),
         dir.display().to_string(),
     ];
-    let run = tokio::task::spawn_blocking(move || {
-        Command::new(python)
-            .arg(script)
-            .args(args)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(
-        run.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let report: serde_json::Value =
-        serde_json::from_str(stdout.trim().lines().last().unwrap()).unwrap();
+    let report = support::run_script(python, script, args).await;
     assert_eq!(report["frames"], 9, "{report}");
     probe(&dir.join("grpcio.mp4"), 9, 64, 48, "12/1", &[0, 1, 5, 7]);
     server.stop().await.unwrap();

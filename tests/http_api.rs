@@ -108,27 +108,6 @@ fn frames(file: &Path) -> usize {
         .unwrap_or(0)
 }
 
-/// Runs `python script args…` off the runtime; its JSON report (the last line of stdout), or a
-/// failure with everything it printed.
-async fn run_script(python: PathBuf, script: &'static str, args: Vec<String>) -> serde_json::Value {
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new(python)
-            .arg(script)
-            .args(args)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(stdout.trim()).unwrap()
-}
-
 /// A venv under target/ with the openai SDK; its python.
 fn sdk_python() -> PathBuf {
     support::python_venv("venv-openai", &[OPENAI_SDK])
@@ -141,7 +120,7 @@ async fn the_openai_sdk_drives_the_videos_api() {
     let (server, base) = serve(config(&dir.join("videos"), "ttl_s: 3600")).await;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/http/openai_videos.py");
     let args = vec![format!("{base}/v1"), dir.display().to_string()];
-    let report = run_script(python, script, args).await;
+    let report = support::run_script(python, script, args).await;
     // seconds "1" at 16 fps is 17 frames (4k+1); the thumbnail is frame 0 at the video's size.
     assert_eq!(frames(&dir.join("sdk.mp4")), 17);
     let probe = Command::new("ffprobe")
@@ -551,7 +530,7 @@ async fn the_page_plays_the_video_while_it_is_made() {
     // 81 frames: 21 segments, decoded over seconds, so the first plays long before the last
     // exists (the script checks that while the job is in progress).
     let args = vec![format!("{base}/"), shot.display().to_string(), "81".into()];
-    let report = run_script("python3".into(), script, args).await;
+    let report = support::run_script("python3".into(), script, args).await;
     assert_eq!(report["end"]["frames"], 81, "{report}");
     assert!(std::fs::metadata(&shot).unwrap().len() > 1000);
     server.stop().await.unwrap();

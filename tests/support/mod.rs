@@ -1,5 +1,6 @@
 //! What several integration tests share: Python venvs under target/ for the outside clients
-//! (the `openai` SDK, grpcio), so nothing is installed into the system or the repository.
+//! (the `openai` SDK, grpcio), so nothing is installed into the system or the repository, and
+//! running their scripts.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -26,4 +27,29 @@ pub fn python_venv(name: &str, packages: &[&str]) -> PathBuf {
         std::fs::write(&marker, "").unwrap();
     }
     python
+}
+
+/// Runs `python script args…` off the runtime; its JSON report (the last line of stdout), or a
+/// failure with everything it printed.
+pub async fn run_script(
+    python: PathBuf,
+    script: &'static str,
+    args: Vec<String>,
+) -> serde_json::Value {
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .arg(script)
+            .args(args)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim().lines().last().unwrap_or_default()).unwrap()
 }

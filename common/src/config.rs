@@ -1431,15 +1431,7 @@ mod tests {
     /// are opened, `devices::rank_devices`).
     #[test]
     fn fp8_is_refused_on_the_cpu() {
-        let e = Config::parse(
-            "model: {preset: tiny, dtype: fp8}
-",
-            "<t>",
-        )
-        .unwrap()
-        .validate(None)
-        .unwrap_err()
-        .to_string();
+        let e = validation_error("model: {preset: tiny, dtype: fp8}\n");
         assert!(
             e.starts_with("model.dtype = fp8: FP8 runs on GPUs only"),
             "{e}"
@@ -1455,34 +1447,22 @@ serving: {device: cuda}
         assert!(gpu.validate(None).is_ok());
     }
 
+    /// What validating `yaml` says is wrong with it.
+    fn validation_error(yaml: &str) -> String {
+        Config::parse(yaml, "<t>")
+            .unwrap()
+            .validate(None)
+            .unwrap_err()
+            .to_string()
+    }
+
     #[test]
     fn connection_limits_are_checked() {
-        let e = Config::parse(
-            "model: {preset: tiny}\nconnections: {max_streams: 0}\n",
-            "<t>",
-        )
-        .unwrap()
-        .validate(None)
-        .unwrap_err()
-        .to_string();
+        let e = validation_error("model: {preset: tiny}\nconnections: {max_streams: 0}\n");
         assert_eq!(e, "connections.max_streams = 0: must be at least 1");
-        let e = Config::parse(
-            "model: {preset: tiny}\nconnections: {idle_timeout_s: -1}\n",
-            "<t>",
-        )
-        .unwrap()
-        .validate(None)
-        .unwrap_err()
-        .to_string();
+        let e = validation_error("model: {preset: tiny}\nconnections: {idle_timeout_s: -1}\n");
         assert!(e.starts_with("connections.idle_timeout_s = -1:"), "{e}");
-        let e = Config::parse(
-            "model: {preset: tiny}\nconnections: {send_timeout_s: 5}\n",
-            "<t>",
-        )
-        .unwrap()
-        .validate(None)
-        .unwrap_err()
-        .to_string();
+        let e = validation_error("model: {preset: tiny}\nconnections: {send_timeout_s: 5}\n");
         assert!(
             e.starts_with(
                 "connections.send_timeout_s = 5: must be more than serving.client_send_timeout_s (10)"

@@ -121,14 +121,29 @@ __device__ __forceinline__ void offsets(const Layout& l, i64 i, i64* o0, i64* o1
     MACRO(bf16, bf16, f32, float) MACRO(bf16, bf16, bf16, bf16)
 
 #if __CUDA_ARCH__ >= 800
-// Shared by the kernels that stage global memory in shared memory with cp.async (flash.cu,
-// hopper.cu, quant.cu's Vᵀ quantisation).
+// Shared by the kernels that stage global memory in shared memory with cp.async and read it with
+// ldmatrix (flash.cu, hopper.cu, quant.cu's Vᵀ quantisation).
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 // 16 bytes global → shared, zero-filled when !valid (no bytes are read then).
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+// Four 8 × 8 b16 matrices from shared memory (lanes 8i…8i+7 give matrix i's row addresses, 16
+// bytes each): lane l gets row l / 4, elements 2·(l % 4) and + 1, of each (the low half first).
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+// The same, transposed: lane l gets column l / 4, rows 2·(l % 4) and + 1.
+__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
                  : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }

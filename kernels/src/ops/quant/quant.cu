@@ -141,15 +141,19 @@ extern "C" __global__ void quantize_attention_qkv_bf16(const bf16* q, const bf16
 
 // V → Vᵀ codes [B, H, 128, s_pad] (s_pad a multiple of 128; 0 for keys ≥ kv_len) and its scales
 // [B, H, 128] from `amax`: grid (s_pad/128, H, B), 256 threads (the loops below count on it). A
-// block of 128 keys goes through shared memory (rows padded by 16 bytes); Vᵀ's column
-// 32r + 16h + 4t + 2j + e holds key 32r + 16h + 8j + 2t + e, the order hopper.cu's fp8 P fragments
-// take the keys in. Each thread's 8 chunks of V go to shared memory by cp.async, issued together
-// with its 4 loads of amax before it waits on any. Written as loads into registers and stores to
-// shared memory, the kernel had one to four loads in flight a thread (ptxas interleaves the
-// stores) and took 83.1 µs at (1,12,32760,128) on an H100, at 49 % of the DRAM's peak; this way
-// 67.9 µs at 60 % (ncu, same call; bench/RESULTS.md, 2026-12-07, fifteenth session). The padded
-// rows' 8-way bank conflicts in the reads below (11.2 M) are not what holds it back: an XOR
-// swizzle without them (54 K) was 20 % slower (fourteenth session).
+// block of 128 keys goes through shared memory (rows padded by 16 bytes, so that the 8 rows an
+// ldmatrix reads start 4 banks apart); Vᵀ's column 32r + 16h + 4t + 2j + e holds key 32r + 16h +
+// 8j + 2t + e, the order hopper.cu's fp8 P fragments take the keys in. Each thread's 8 chunks of V
+// go to shared memory by cp.async, issued together with its loads of amax before it waits on any
+// (this way the kernel took 67.9 µs at (1,12,32760,128) on an H100 against 83.1 with loads into
+// registers: bench/RESULTS.md, 2026-12-07, fifteenth session). The transpose is ldmatrix's: one
+// `.trans` x4 gives lane (g, t) = (l / 4, l % 4) keys 8i + 2t and + 1 of channel g in register i,
+// which for i = 2h + j are Vᵀ's columns 16h + 4t + 2j + e: four codes in a row for each h, one
+// word a store. It replaces 64 scalar 2-byte reads a thread with 8-way bank conflicts (by
+// arithmetic 4,096 wavefronts a block against 128; a conflict-free XOR swizzle of those scalar
+// reads was 20 % slower, fourteenth session), and a third of the kernel's SASS. Not yet timed or
+// run on a GPU (twenty-third session: no machine); kernels_unit's `ops::quant` GPU test checks its
+// codes bit for bit.
 extern "C" __global__ void quantize_attention_v_e4m3_bf16(const bf16* v, const unsigned* amax, unsigned char* vt,
                                                           float* v_scales, int seq, int heads, int kv_len, int s_pad) {
     constexpr int ROW = 136;  // bf16 a tile row: 128 keys' channels and 16 bytes of padding
@@ -166,29 +170,33 @@ extern "C" __global__ void quantize_attention_v_e4m3_bf16(const bf16* v, const u
         cp_async16(base + 2 * (t * ROW + col), v + (((i64)b * seq + t0 + (valid ? t : 0)) * heads + h) * 128 + col, valid);
     }
     cp_commit();
-    // Item c = threadIdx.x + 256·i: channel c / 8, keys 16·(c % 8) on.
-    unsigned bits[4];
+    // Warp w: channel blocks 2w and 2w + 1, this lane's channel 8·(block) + g in each.
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    unsigned bits[2];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) bits[i] = amax[head * 128 + (threadIdx.x + 256 * i) / 8];
+    for (int cb = 0; cb < 2; ++cb) bits[cb] = amax[head * 128 + 8 * (2 * warp + cb) + g];
     cp_wait<0>();
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int c = threadIdx.x + 256 * i, d = c / 8, col0 = 16 * (c % 8);
-        const float s = e4m3_scale(__uint_as_float(bits[i])), rs = e4m3_rcp(s);
-        unsigned int w[4];
+    for (int cb = 0; cb < 2; ++cb) {
+        const int c8 = 8 * (2 * warp + cb), d = c8 + g;
+        const float s = e4m3_scale(__uint_as_float(bits[cb])), rs = e4m3_rcp(s);
+        unsigned char* row = vt + (head * 128 + d) * s_pad + t0 + 4 * t;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float x[4];
+        for (int run = 0; run < 4; ++run) {  // keys 32·run on
+            // Matrix i = lane / 8: keys 32·run + 8i + lane % 8 (its rows), channels c8 … c8 + 7.
+            unsigned r[4];
+            ldsm_x4_t(base + 2 * ((32 * run + lane) * ROW + c8), r[0], r[1], r[2], r[3]);
+            unsigned w[2];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int col = col0 + 4 * k + j, r = col % 32;  // r = 16h + 4t + 2j + e
-                const int key = col - r + 16 * (r / 16) + 8 * ((r % 4) / 2) + 2 * ((r % 16) / 4) + r % 2;
-                x[j] = __bfloat162float(tile[key * ROW + d]);
+            for (int hh = 0; hh < 2; ++hh) {
+                const unsigned lo = r[2 * hh], hi = r[2 * hh + 1];  // j = 0, 1: keys 2t, 2t + 1 (low half first)
+                w[hh] = e4m3x2(__uint_as_float(lo << 16) * rs, __uint_as_float(lo & 0xffff0000u) * rs) |
+                        ((unsigned)e4m3x2(__uint_as_float(hi << 16) * rs, __uint_as_float(hi & 0xffff0000u) * rs) << 16);
             }
-            w[k] = e4m3x2(x[0] * rs, x[1] * rs) | ((unsigned int)e4m3x2(x[2] * rs, x[3] * rs) << 16);
+            *reinterpret_cast<unsigned*>(row + 32 * run) = w[0];
+            *reinterpret_cast<unsigned*>(row + 32 * run + 16) = w[1];
         }
-        *reinterpret_cast<uint4*>(vt + (head * 128 + d) * s_pad + t0 + col0) = make_uint4(w[0], w[1], w[2], w[3]);
-        if (blockIdx.x == 0 && c % 8 == 0) v_scales[head * 128 + d] = s;
+        if (blockIdx.x == 0 && t == 0) v_scales[head * 128 + d] = s;
     }
 }

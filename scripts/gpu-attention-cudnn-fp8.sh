@@ -23,11 +23,8 @@ FP8_DEFAULT=hopper_fp8_fwd_d128_br128_bc128_s3_win3_spec
 
 echo "== $(nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | head -n 1)"
 [ -x "$BENCH" ] || { echo "missing $BENCH: run scripts/build-gpu-attention.sh here" >&2; exit 2; }
-whl=$(ls .whl/nvidia_cudnn_frontend-*-cp312-*.whl 2>/dev/null | head -n 1)
-if [ -n "$whl" ]; then
-  site=/tmp/cudnn-frontend
-  rm -rf "$site"
-  "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$whl" "$site"
+site=/tmp/cudnn-frontend
+if [ -n "$(unpack_wheel 'nvidia_cudnn_frontend-*-cp312-*.whl' "$site")" ]; then
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 else
   echo "no cuDNN frontend wheel in .whl/: cuDNN's FP8 rows will be skipped"

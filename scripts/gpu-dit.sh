@@ -68,11 +68,7 @@ grep -E "^test |panicked|failed|test result" "$LOGS/wan_cuda.log" | head -n 30
 
 # The diffusers wheel is pure Python: unpack it where PYTHONPATH can see it.
 site=/tmp/ditstream-site
-whl=$(ls .whl/diffusers-0.42.1-*.whl 2>/dev/null | head -n 1)
-if [ -n "$whl" ]; then
-  rm -rf "$site" && mkdir -p "$site"
-  "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$whl" "$site"
-fi
+whl=$(unpack_wheel 'diffusers-0.42.1-*.whl' "$site")
 
 run_pair() { # $1: label, then the shared shape arguments; ours' iteration args come from OURS_ITERS
   local label=$1; shift

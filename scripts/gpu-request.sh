@@ -29,10 +29,8 @@ done
 
 echo "=== diffusers: WanPipeline, 1 request of $STEPS steps after a warm-up ==="
 site=/tmp/ditstream-site
-whl=$(ls .whl/diffusers-0.42.1-*.whl 2>/dev/null | head -n 1)
+whl=$(unpack_wheel 'diffusers-0.42.1-*.whl' "$site")
 if [ -n "$whl" ]; then
-  rm -rf "$site" && mkdir -p "$site"
-  "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$whl" "$site"
   PYTHONPATH=$site timeout 300 "$PY" bench/wan_pipeline_torch.py --steps "$STEPS" 2>&1 \
     | tee "$LOGS/request_diffusers.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "wan_pipeline_torch FAILED"; status=1; }

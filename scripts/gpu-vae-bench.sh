@@ -72,11 +72,7 @@ grep -E "^test |panicked|test result|outside|cases on" "$LOGS/parallel_vae_nccl.
 
 # The diffusers wheel is pure Python: unpack it where PYTHONPATH can see it.
 site=/tmp/ditstream-site
-whl=$(ls .whl/diffusers-0.42.1-*.whl 2>/dev/null | head -n 1)
-if [ -n "$whl" ]; then
-  rm -rf "$site" && mkdir -p "$site"
-  "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$whl" "$site"
-fi
+whl=$(unpack_wheel 'diffusers-0.42.1-*.whl' "$site")
 
 ours() { # $1: log name, then vae_decode's arguments
   local name=$1; shift

@@ -25,3 +25,15 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 LOGS=${OUT:-/tmp/ditstream-gpu}
 mkdir -p "$LOGS"
 export DITSTREAM_KERNEL_CACHE=/tmp/ditstream-kernel-cache
+# The first wheel in .whl/ whose name matches the glob $1, unpacked into $2 (emptied first), for a
+# PYTHONPATH: pure wheels the torch venv lacks travel there (GPU.md). Prints the wheel's path, or
+# nothing when there is none (the caller then skips what needs it).
+unpack_wheel() {
+  local whl
+  # shellcheck disable=SC2086  # $1 is a glob
+  whl=$(ls .whl/$1 2>/dev/null | head -n 1) || true
+  [ -n "$whl" ] || return 0
+  rm -rf "$2" && mkdir -p "$2"
+  "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$whl" "$2"
+  echo "$whl"
+}

@@ -151,9 +151,9 @@ extern "C" __global__ void quantize_attention_qkv_bf16(const bf16* q, const bf16
 // which for i = 2h + j are Vᵀ's columns 16h + 4t + 2j + e: four codes in a row for each h, one
 // word a store. It replaces 64 scalar 2-byte reads a thread with 8-way bank conflicts (by
 // arithmetic 4,096 wavefronts a block against 128; a conflict-free XOR swizzle of those scalar
-// reads was 20 % slower, fourteenth session), and a third of the kernel's SASS. Not yet timed or
-// run on a GPU (twenty-third session: no machine); kernels_unit's `ops::quant` GPU test checks its
-// codes bit for bit.
+// reads was 20 % slower, fourteenth session), and a third of the kernel's SASS: 0.063 ms against
+// 0.074 in the FP8 call's `SPLIT` at (1,12,32760,128) on an H100, codes bit for bit the same
+// (kernels_unit's `ops::quant` GPU test; bench/RESULTS.md, 2026-12-07, twenty-fifth session).
 extern "C" __global__ void quantize_attention_v_e4m3_bf16(const bf16* v, const unsigned* amax, unsigned char* vt,
                                                           float* v_scales, int seq, int heads, int kv_len, int s_pad) {
     constexpr int ROW = 136;  // bf16 a tile row: 128 keys' channels and 16 bytes of padding

@@ -263,12 +263,6 @@ async fn videos_survive_a_restart_within_their_bounds() {
 }
 
 /// `name{labels} value` in the text format, 0 when absent.
-fn sample(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_health_and_reflection() {
     use tonic_health::pb::health_check_response::ServingStatus;
@@ -291,14 +285,14 @@ async fn metrics_health_and_reflection() {
         ("ditstream_segment_gap_seconds_count", 3.0), // 9 frames: 4 segments (the last in halves), 3 gaps
     ] {
         assert_eq!(
-            sample(&after, name) - sample(&before, name),
+            support::sample(&after, name) - support::sample(&before, name),
             grows_by,
             "{name}\n{after}"
         );
     }
     assert!(
-        sample(&after, "ditstream_streamed_bytes_total")
-            > sample(&before, "ditstream_streamed_bytes_total")
+        support::sample(&after, "ditstream_streamed_bytes_total")
+            > support::sample(&before, "ditstream_streamed_bytes_total")
     );
     assert!(
         after.contains("ditstream_pool_up{pool=\"denoiser-1\",role=\"denoiser\"} 1"),

@@ -9,9 +9,13 @@
 //! - a public address without TLS and keys is refused;
 //! - connections that never speak are closed at the handshake deadline, and a thousand of them
 //!   do not keep a real client waiting; connections beyond the cap are refused with the reason;
-//!   streams beyond the per-connection cap are refused; idle connections are closed.
+//!   streams beyond the per-connection cap are refused; idle connections are closed;
+//! - an operator sees each of these at `/metrics`: connections refused, closed and why, calls
+//!   whose request came too slowly.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
+
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -24,6 +28,7 @@ use ditstream_proto::v1::denoiser_pool_client::DenoiserPoolClient;
 use ditstream_proto::v1::generate_event::Event as E;
 use ditstream_proto::v1::pool_registry_client::PoolRegistryClient;
 use ditstream_proto::v1::video_service_client::VideoServiceClient;
+use support::{metric_passes, metric_reaches};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tonic::Code;
@@ -150,13 +155,18 @@ async fn registration_needs_a_pool_ca_certificate_naming_its_address() {
     let gw = registry_gateway(&certs).await;
     let registry = gw.registry_addr.unwrap().to_string();
     // Plaintext, TLS without a client certificate, a certificate from another CA: refused.
+    let failed = r#"ditstream_connections_closed_total{listener="pools.registry_listen",reason="handshake_failed"}"#;
     for (what, tls) in [
         ("plaintext", None),
         ("TLS without a client certificate", Some(None)),
         ("a certificate from another CA", Some(Some("stranger"))),
     ] {
+        let before = support::sample(&support::scrape(gw.addr).await, failed);
         let r = register(&certs, &registry, tls, "127.0.0.1:1").await;
         assert!(r.is_err(), "{what} registered: {r:?}");
+        // Its TLS handshake failed, which the operator sees (tonic's client, its first
+        // connection reset, may try a second: 3 attempts counted 3 to 5 failures).
+        metric_passes(gw.addr, failed, before).await;
     }
     // The public port has no registry at all.
     let r = register(&certs, &gw.addr.to_string(), None, "127.0.0.1:1").await;
@@ -507,6 +517,8 @@ async fn silent_connections_are_closed_and_do_not_block_clients() {
         let closed = until_closed(s, Duration::from_secs(10)).await;
         assert!(closed.is_some(), "a silent connection stayed open");
     }
+    let closed = r#"ditstream_connections_closed_total{listener="serving.listen",reason="handshake_timeout"}"#;
+    metric_reaches(gw.addr, closed, 1000.0).await;
     gw.stop(Duration::from_secs(1)).await;
 }
 
@@ -540,6 +552,16 @@ async fn connections_beyond_the_cap_are_refused_with_the_reason() {
         .await
         .unwrap();
     client.health(pb::HealthRequest {}).await.unwrap();
+    // With the others gone, a scraper finds the one refusal and only itself open.
+    drop((client, held));
+    let refused = r#"ditstream_connections_refused_total{listener="serving.listen"}"#;
+    metric_reaches(gw.addr, refused, 1.0).await;
+    metric_reaches(
+        gw.addr,
+        r#"ditstream_connections{listener="serving.listen"}"#,
+        1.0,
+    )
+    .await;
     gw.stop(Duration::from_secs(1)).await;
 }
 
@@ -654,6 +676,9 @@ async fn idle_connections_are_closed() {
         after >= Duration::from_millis(500),
         "closed too early: {after:?}"
     );
+    let idle =
+        r#"ditstream_connections_closed_total{listener="serving.listen",reason="idle_timeout"}"#;
+    metric_reaches(gw.addr, idle, 1.0).await;
     gw.stop(Duration::from_secs(1)).await;
 }
 
@@ -727,6 +752,11 @@ async fn requests_trickled_a_byte_at_a_time_are_ended() {
         "the connection stayed open after its call ended"
     );
     drop(h2);
+    let missed = r#"ditstream_request_timeouts_total{listener="serving.listen"}"#;
+    metric_reaches(gw.addr, missed, 1.0).await;
+    let idle =
+        r#"ditstream_connections_closed_total{listener="serving.listen",reason="idle_timeout"}"#;
+    metric_reaches(gw.addr, idle, 1.0).await;
     gw.stop(Duration::from_secs(1)).await;
 }
 
@@ -798,6 +828,9 @@ async fn clients_that_never_read_lose_their_connection_waiting_ones_do_not() {
         after >= Duration::from_millis(900) && after < Duration::from_secs(3),
         "closed after {after:?}"
     );
+    let unread =
+        r#"ditstream_connections_closed_total{listener="serving.listen",reason="send_timeout"}"#;
+    metric_reaches(gw.addr, unread, 1.0).await;
     gw.stop(Duration::from_secs(1)).await;
 }
 

@@ -21,6 +21,9 @@
 //!   ([`server`]); message sizes are capped per service by the caller.
 //!
 //! With TLS, the peer's verified certificate travels with each call ([`ConnInfo::peer`]).
+//!
+//! A listener [`Listener::counted_in`] a [`ConnMetrics`] counts its open connections, its
+//! refusals and every connection or call those limits ended, for `/metrics`.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -31,6 +34,11 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use rustls::pki_types::CertificateDer;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -66,6 +74,8 @@ pub struct ConnInfo {
     /// The peer's certificate, verified during the handshake (mutual TLS only).
     pub peer: Option<CertificateDer<'static>>,
     calls: Arc<Calls>,
+    /// The listener's count of request deadlines missed.
+    request_timeouts: Counter,
 }
 
 impl ConnInfo {
@@ -73,6 +83,91 @@ impl ConnInfo {
     pub fn of<T>(request: &tonic::Request<T>) -> Option<&ConnInfo> {
         request.extensions().get::<ConnInfo>()
     }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ListenerLabel {
+    /// The listener's config key (`serving.listen`, `pools.registry_listen`, …).
+    listener: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClosedLabels {
+    listener: &'static str,
+    /// `handshake_timeout`, `handshake_failed`, `idle_timeout` or `send_timeout`.
+    reason: &'static str,
+}
+
+/// The listeners' connection metrics, labelled by listener: open connections, connections
+/// refused at the cap, connections the server closed and why, and calls whose request missed
+/// its deadline. Clones share the values; [`ConnMetrics::register`] exports them.
+#[derive(Clone, Default)]
+pub struct ConnMetrics {
+    open: Family<ListenerLabel, Gauge>,
+    refused: Family<ListenerLabel, Counter>,
+    closed: Family<ClosedLabels, Counter>,
+    request_timeouts: Family<ListenerLabel, Counter>,
+}
+
+impl ConnMetrics {
+    /// Adds the metrics to `registry` (names under its prefix).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "connections",
+            "Open connections past their handshake, by listener",
+            self.open.clone(),
+        );
+        registry.register(
+            "connections_refused",
+            "Connections refused at connections.max_connections",
+            self.refused.clone(),
+        );
+        registry.register(
+            "connections_closed",
+            "Connections the server closed, by reason: handshake_timeout (no TLS handshake \
+             and request within connections.handshake_timeout_s), handshake_failed (the TLS \
+             handshake failed, e.g. a certificate the listener does not trust), idle_timeout, \
+             send_timeout (the client read nothing for connections.send_timeout_s)",
+            self.closed.clone(),
+        );
+        registry.register(
+            "request_timeouts",
+            "Calls ended because their request did not arrive within \
+             connections.request_timeout_s",
+            self.request_timeouts.clone(),
+        );
+    }
+
+    /// `listener`'s handles, its series created at zero (so a scrape shows every one).
+    fn of(&self, listener: &'static str) -> Counts {
+        let label = ListenerLabel { listener };
+        let closed = |reason| {
+            self.closed
+                .get_or_create(&ClosedLabels { listener, reason })
+                .clone()
+        };
+        Counts {
+            open: self.open.get_or_create(&label).clone(),
+            refused: self.refused.get_or_create(&label).clone(),
+            handshake_timeout: closed("handshake_timeout"),
+            handshake_failed: closed("handshake_failed"),
+            idle_timeout: closed("idle_timeout"),
+            send_timeout: closed("send_timeout"),
+            request_timeouts: self.request_timeouts.get_or_create(&label).clone(),
+        }
+    }
+}
+
+/// One listener's series in a [`ConnMetrics`]; unregistered ones (the default) count for no one.
+#[derive(Clone, Default)]
+struct Counts {
+    open: Gauge,
+    refused: Counter,
+    handshake_timeout: Counter,
+    handshake_failed: Counter,
+    idle_timeout: Counter,
+    send_timeout: Counter,
+    request_timeouts: Counter,
 }
 
 /// Calls in flight on one connection: when the last one ended (for the idle timeout), and
@@ -161,6 +256,7 @@ pub struct Listener {
     security: Security,
     limits: ConnectionLimits,
     what: &'static str,
+    counts: Counts,
 }
 
 fn secs(s: f64) -> Duration {
@@ -183,7 +279,14 @@ impl Listener {
             security,
             limits: limits.clone(),
             what,
+            counts: Counts::default(),
         })
+    }
+
+    /// The listener, counting its connections into `metrics` under its name.
+    pub fn counted_in(self, metrics: &ConnMetrics) -> Listener {
+        let counts = metrics.of(self.what);
+        Listener { counts, ..self }
     }
 
     /// Where it listens (the real port when bound to port 0).
@@ -206,6 +309,7 @@ async fn accept_loop(listener: Listener, tx: mpsc::Sender<io::Result<Conn>>) {
         security,
         limits,
         what,
+        counts,
     } = listener;
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
@@ -227,6 +331,7 @@ async fn accept_loop(listener: Listener, tx: mpsc::Sender<io::Result<Conn>>) {
         let _ = stream.set_nodelay(true);
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             tracing::warn!(what, %remote, limit = limits.max_connections, "connection refused: at connections.max_connections");
+            counts.refused.inc();
             if let (Security::Plaintext, Ok(permit)) =
                 (&security, Arc::clone(&refusing).try_acquire_owned())
             {
@@ -234,13 +339,23 @@ async fn accept_loop(listener: Listener, tx: mpsc::Sender<io::Result<Conn>>) {
             }
             continue;
         };
-        let (tx, security, limits) = (tx.clone(), security.clone(), limits.clone());
+        let (tx, security, limits, counts) =
+            (tx.clone(), security.clone(), limits.clone(), counts.clone());
         tokio::spawn(async move {
-            match handshake(stream, remote, &security, &limits, slot).await {
+            match handshake(stream, remote, &security, &limits, &counts, slot).await {
                 Ok(conn) => {
                     let _ = tx.send(Ok(conn)).await;
                 }
                 Err(e) => {
+                    let closed = match e.kind() {
+                        io::ErrorKind::TimedOut => Some(&counts.handshake_timeout),
+                        // The client left before it asked anything: its choice, not a failure.
+                        io::ErrorKind::UnexpectedEof => None,
+                        _ => Some(&counts.handshake_failed),
+                    };
+                    if let Some(closed) = closed {
+                        closed.inc();
+                    }
                     tracing::debug!(what, %remote, error = %e, "connection closed in its handshake")
                 }
             }
@@ -287,6 +402,7 @@ async fn handshake(
     remote: SocketAddr,
     security: &Security,
     limits: &ConnectionLimits,
+    counts: &Counts,
     slot: OwnedSemaphorePermit,
 ) -> io::Result<Conn> {
     let timeout = secs(limits.handshake_timeout_s);
@@ -332,6 +448,7 @@ async fn handshake(
             )
         })??;
     let (idle, send_timeout) = (secs(limits.idle_timeout_s), secs(limits.send_timeout_s));
+    counts.open.inc();
     Ok(Conn {
         io,
         first,
@@ -340,10 +457,13 @@ async fn handshake(
             remote,
             peer,
             calls: Arc::new(Calls::new()),
+            request_timeouts: counts.request_timeouts.clone(),
         },
         idle,
         send_timeout,
         check: Box::pin(tokio::time::sleep(idle.min(send_timeout))),
+        timed_out: None,
+        counts: counts.clone(),
         _slot: slot,
     })
 }
@@ -425,7 +545,16 @@ pub struct Conn {
     send_timeout: Duration,
     /// When to look at the calls next.
     check: Pin<Box<tokio::time::Sleep>>,
+    /// Which timeout ended it: every read and write after fails the same way.
+    timed_out: Option<&'static str>,
+    counts: Counts,
     _slot: OwnedSemaphorePermit,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.counts.open.dec();
+    }
 }
 
 impl Conn {
@@ -435,20 +564,18 @@ impl Conn {
     /// always has a waker. It looks at least every send timeout (a call may start at any
     /// time), so a client that stops reading is closed after one to two of them.
     fn check(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
-        while self.check.as_mut().poll(cx).is_ready() {
+        while self.timed_out.is_none() && self.check.as_mut().poll(cx).is_ready() {
             let next = match self.info.calls.activity() {
                 Activity::Idle(idle) if idle >= self.idle => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "idle for connections.idle_timeout_s",
-                    ));
+                    self.counts.idle_timeout.inc();
+                    self.timed_out = Some("idle for connections.idle_timeout_s");
+                    break;
                 }
                 Activity::Idle(idle) => (self.idle - idle).min(self.send_timeout),
                 Activity::Busy(Some(unread)) if unread >= self.send_timeout => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "the client read nothing for connections.send_timeout_s",
-                    ));
+                    self.counts.send_timeout.inc();
+                    self.timed_out = Some("the client read nothing for connections.send_timeout_s");
+                    break;
                 }
                 Activity::Busy(Some(unread)) => self.send_timeout - unread,
                 Activity::Busy(None) => self.send_timeout,
@@ -457,7 +584,10 @@ impl Conn {
                 .as_mut()
                 .reset(tokio::time::Instant::now() + next);
         }
-        Ok(())
+        match self.timed_out {
+            Some(why) => Err(io::Error::new(io::ErrorKind::TimedOut, why)),
+            None => Ok(()),
+        }
     }
 
     /// A write that could not proceed (the socket is full) checks the timeouts.
@@ -617,10 +747,9 @@ where
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        let guard = request
-            .extensions()
-            .get::<ConnInfo>()
-            .map(|c| CallGuard::new(&c.calls));
+        let conn = request.extensions().get::<ConnInfo>();
+        let guard = conn.map(|c| CallGuard::new(&c.calls));
+        let missed = conn.map(|c| c.request_timeouts.clone());
         let timeout = self.request_timeout;
         let request = request.map(|body| {
             if http_body::Body::is_end_stream(&body) {
@@ -630,6 +759,7 @@ where
                     body,
                     deadline: Box::pin(tokio::time::sleep(timeout)),
                     timeout,
+                    missed,
                 })
             }
         });
@@ -651,6 +781,8 @@ struct Deadlined {
     body: Body,
     deadline: Pin<Box<tokio::time::Sleep>>,
     timeout: Duration,
+    /// The listener's count, taken when the deadline passes (so counted once).
+    missed: Option<Counter>,
 }
 
 impl http_body::Body for Deadlined {
@@ -666,6 +798,9 @@ impl http_body::Body for Deadlined {
         }
         match self.deadline.as_mut().poll(cx) {
             Poll::Ready(()) => {
+                if let Some(missed) = self.missed.take() {
+                    missed.inc();
+                }
                 Poll::Ready(Some(Err(crate::status::request_too_slow(self.timeout))))
             }
             Poll::Pending => Poll::Pending,

@@ -2,10 +2,12 @@
 //! (`prometheus-client`): requests by outcome, time to first segment, the gap between
 //! segments, each phase's duration, bytes streamed, and — read at scrape time — the queue, the
 //! running requests and every pool's health and load, so operators can scale the two pools
-//! separately.
+//! separately; and the gateway's listeners' connections (`ditstream_common::net::ConnMetrics`):
+//! open, refused, and closed or cut short by the `connections:` limits.
 
 use std::sync::Mutex;
 
+use ditstream_common::net::ConnMetrics;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -57,6 +59,7 @@ pub struct Metrics {
     running: Gauge,
     pool_up: Family<PoolLabels, Gauge>,
     pool_inflight: Family<PoolLabels, Gauge>,
+    connections: ConnMetrics,
     /// Encoding reads the gauges set just before it; one scrape at a time.
     scrape: Mutex<()>,
 }
@@ -126,6 +129,8 @@ impl Metrics {
             "Requests routed to a pool and not finished",
             pool_inflight.clone(),
         );
+        let connections = ConnMetrics::default();
+        connections.register(&mut registry);
         Metrics {
             registry,
             requests,
@@ -137,8 +142,14 @@ impl Metrics {
             running,
             pool_up,
             pool_inflight,
+            connections,
             scrape: Mutex::new(()),
         }
+    }
+
+    /// What the gateway's listeners count into ([`ditstream_common::net::Listener::counted_in`]).
+    pub fn connections(&self) -> &ConnMetrics {
+        &self.connections
     }
 
     /// A request ended: `completed` or the gRPC code's name.

@@ -1,6 +1,9 @@
 //! What several integration tests share: Python venvs under target/ for the outside clients
 //! (the `openai` SDK, grpcio), so nothing is installed into the system or the repository, and
-//! running their scripts.
+//! running their scripts; reading `/metrics` as a scraper does.
+
+// Each test crate uses a part of this module.
+#![allow(dead_code)]
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -52,4 +55,56 @@ pub async fn run_script(
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_str(stdout.trim().lines().last().unwrap_or_default()).unwrap()
+}
+
+/// `/metrics` of the server at `addr`, as a Prometheus scraper gets it (HTTP/1.1 on a new
+/// connection): the whole response.
+pub async fn scrape(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: ditstream\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).await.unwrap();
+    text
+}
+
+/// The value of the sample `name` (with its labels) in a `/metrics` text; 0 when absent.
+pub fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Waits up to 5 s for `/metrics` at `addr` to show `want` for the sample `name` (the server
+/// counts a closed connection just after the client sees it close).
+pub async fn metric_reaches(addr: std::net::SocketAddr, name: &str, want: f64) {
+    metric_until(addr, name, &format!("{want}"), |got| got == want).await
+}
+
+/// Waits up to 5 s for `/metrics` at `addr` to show more than `floor` for the sample `name`.
+pub async fn metric_passes(addr: std::net::SocketAddr, name: &str, floor: f64) {
+    metric_until(addr, name, &format!("more than {floor}"), |got| got > floor).await
+}
+
+async fn metric_until(
+    addr: std::net::SocketAddr,
+    name: &str,
+    want: &str,
+    ok: impl Fn(f64) -> bool,
+) {
+    let start = std::time::Instant::now();
+    loop {
+        let text = scrape(addr).await;
+        let got = sample(&text, name);
+        if ok(got) {
+            return;
+        }
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(5),
+            "{name} = {got}, expected {want}\n{text}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }

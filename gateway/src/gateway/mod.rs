@@ -584,7 +584,9 @@ pub async fn serve(
         )?),
         None => Security::Plaintext,
     };
-    let public = Listener::bind("serving.listen", listen, security, &cfg.connections).await?;
+    let public = Listener::bind("serving.listen", listen, security, &cfg.connections)
+        .await?
+        .counted_in(shared.metrics.connections());
     let addr = public.local_addr()?;
     let secured = cfg.serving.tls.is_some() && shared.keys.required();
     if !addr.ip().is_loopback() && !secured {
@@ -640,7 +642,8 @@ pub async fn serve(
             Security::Tls(identity.mtls_server()?),
             &cfg.connections,
         )
-        .await?;
+        .await?
+        .counted_in(shared.metrics.connections());
         registry_addr = Some(listener.local_addr()?);
         let router = net::server(&cfg.connections).add_service(
             PoolRegistryServer::new(gateway.clone())

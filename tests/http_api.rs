@@ -446,6 +446,21 @@ async fn malformed_and_slow_requests_get_openai_errors() {
             .starts_with("seconds \"100\" is 1601 frames at 16 fps; num_frames = 1601:"),
         "{e}"
     );
+    let (_, code) = curl(&[&format!("{base}/v2/videos")]).await;
+    assert_eq!(code, 404);
+
+    // Each answer is counted by its route and status, also those no handler saw.
+    let text = support::scrape(server.addr).await;
+    for (route, code, count) in [
+        ("/v1/videos", 408, 1.0),
+        ("/v1/videos", 413, 1.0),
+        ("/v1/videos", 400, 2.0),
+        ("/v1/videos", 405, 1.0),
+        ("unmatched", 404, 1.0),
+    ] {
+        let name = format!(r#"ditstream_http_responses_total{{route="{route}",code="{code}"}}"#);
+        assert_eq!(support::sample(&text, &name), count, "{name}\n{text}");
+    }
     server.stop().await.unwrap();
     std::fs::remove_dir_all(dir).unwrap();
 }

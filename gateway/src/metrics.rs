@@ -22,6 +22,13 @@ struct Outcome {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HttpLabels {
+    /// The route's template (`/v1/videos/{id}`), or `unmatched`.
+    route: String,
+    code: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Phase {
     phase: &'static str,
 }
@@ -55,6 +62,7 @@ pub struct Metrics {
     segment_gap: Histogram,
     phases: Family<Phase, Histogram>,
     streamed: Counter,
+    http: Family<HttpLabels, Counter>,
     queued: Gauge,
     running: Gauge,
     pool_up: Family<PoolLabels, Gauge>,
@@ -105,6 +113,12 @@ impl Metrics {
             "Bytes of video sent to clients",
             streamed.clone(),
         );
+        let http = Family::<HttpLabels, Counter>::default();
+        registry.register(
+            "http_responses",
+            "HTTP answers (the Videos API, the page, /metrics), by route and status code",
+            http.clone(),
+        );
         let queued = Gauge::default();
         registry.register(
             "queued_requests",
@@ -138,6 +152,7 @@ impl Metrics {
             segment_gap,
             phases,
             streamed,
+            http,
             queued,
             running,
             pool_up,
@@ -157,6 +172,16 @@ impl Metrics {
         self.requests
             .get_or_create(&Outcome {
                 outcome: outcome.to_string(),
+            })
+            .inc();
+    }
+
+    /// An HTTP answer with status `code` on `route` (its template, or `unmatched`).
+    pub fn http_response(&self, route: &str, code: u16) {
+        self.http
+            .get_or_create(&HttpLabels {
+                route: route.to_string(),
+                code,
             })
             .inc();
     }

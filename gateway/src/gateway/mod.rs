@@ -161,6 +161,11 @@ impl Gateway {
         self.0.metrics.render(queued, running, &pools)
     }
 
+    /// Counts an HTTP answer ([`crate::metrics::Metrics::http_response`]).
+    pub fn http_response(&self, route: &str, code: u16) {
+        self.0.metrics.http_response(route, code);
+    }
+
     /// Who a call with `metadata` acts for (its API key's name); UNAUTHENTICATED without a
     /// valid key when the server has keys.
     pub fn authenticate(&self, metadata: &tonic::metadata::MetadataMap) -> Result<String, Status> {

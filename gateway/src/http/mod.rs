@@ -25,8 +25,9 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, State};
+use axum::extract::{MatchedPath, Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use ditstream_proto::v1 as pb;
@@ -205,7 +206,28 @@ pub fn router(gateway: Gateway, store: Arc<Store>, max_body: usize) -> Router {
         .fallback(unknown_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
+}
+
+/// Counts every HTTP answer at `/metrics`, by route template (so ids add no series) and status:
+/// errors the handlers never see (413, 405, 408, an unknown route) included. A gRPC call to
+/// no service is answered here too, but as gRPC, and is not counted.
+async fn count(State(h): State<Http>, request: axum::extract::Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", MatchedPath::as_str)
+        .to_string();
+    let response = next.run(request).await;
+    let grpc = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"application/grpc"));
+    if !grpc {
+        h.gateway.http_response(&route, response.status().as_u16());
+    }
+    response
 }
 
 /// A route nobody serves: gRPC's UNIMPLEMENTED for a gRPC call (tonic's own answer for an

@@ -2,7 +2,8 @@
 //! `openai` Python SDK (from PyPI, in a venv under target/) drives the Videos API against
 //! `serve`; `curl` streams a running job's content; ffprobe decodes what they got; a
 //! grpc.health.v1 client and a reflection client (tonic's generated ones, from the standard
-//! protos) check the probes; `/metrics` is parsed before and after a request. Storage bounds and
+//! protos) check the probes; `/metrics` is parsed before and after a request, and by the Prometheus
+//! project's OpenMetrics parser (`prometheus_client`, PyPI, in a venv). Storage bounds and
 //! a restart are checked over the same HTTP API.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed unwrap is a failed test
@@ -19,6 +20,8 @@ use ditstream_common::config::Config;
 /// The openai SDK version the test installs (pinned, so a new release cannot change the
 /// verdict silently).
 const OPENAI_SDK: &str = "openai==3.57.0";
+/// The Prometheus project's Python client, whose OpenMetrics parser judges `/metrics`.
+const PROMETHEUS_CLIENT: &str = "prometheus-client==0.21.1";
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ditstream-http-{name}-{}", std::process::id()));
@@ -297,6 +300,48 @@ async fn metrics_health_and_reflection() {
     assert!(
         after.contains("ditstream_pool_up{pool=\"denoiser-1\",role=\"denoiser\"} 1"),
         "{after}"
+    );
+
+    // The Prometheus project's own OpenMetrics parser takes the whole text, types and all.
+    let python = tokio::task::spawn_blocking(|| {
+        support::python_venv("venv-prometheus", &[PROMETHEUS_CLIENT])
+    })
+    .await
+    .unwrap();
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/http/prometheus_scrape.py"
+    );
+    let report = support::run_script(python, script, vec![base.clone()]).await;
+    let content_type = report["content_type"].as_str().unwrap();
+    assert!(
+        content_type.starts_with("application/openmetrics-text"),
+        "{content_type}"
+    );
+    let families = &report["families"];
+    let value = |family: &str, kind: &str, labels: serde_json::Value| -> f64 {
+        let f = &families[family];
+        assert_eq!(f["type"], kind, "{family}: {f}");
+        let samples = f["samples"].as_array().unwrap();
+        let found = samples.iter().find(|s| s[1] == labels);
+        found.unwrap_or_else(|| panic!("{family} {labels}: {f}"))[2]
+            .as_f64()
+            .unwrap()
+    };
+    let completed = serde_json::json!({"outcome": "completed"});
+    assert!(value("ditstream_requests", "counter", completed) >= 1.0);
+    let created = serde_json::json!({"route": "/v1/videos", "code": "200"});
+    assert!(value("ditstream_http_responses", "counter", created) >= 1.0);
+    let public = serde_json::json!({"listener": "serving.listen"});
+    assert!(value("ditstream_connections", "gauge", public) >= 1.0);
+    let unread = serde_json::json!({"listener": "serving.listen", "reason": "send_timeout"});
+    assert_eq!(
+        value("ditstream_connections_closed", "counter", unread),
+        0.0
+    );
+    assert_eq!(
+        families["ditstream_time_to_first_segment_seconds"]["type"],
+        "histogram"
     );
 
     // grpc.health.v1 on the same port: SERVING with both pools.

@@ -285,6 +285,8 @@ async fn metrics_health_and_reflection() {
         ("ditstream_requests_total{outcome=\"completed\"}", 1.0),
         ("ditstream_time_to_first_segment_seconds_count", 1.0),
         ("ditstream_phase_seconds_count{phase=\"denoise\"}", 1.0),
+        ("ditstream_phase_seconds_count{phase=\"queue\"}", 1.0),
+        ("ditstream_request_seconds_count", 1.0),
         ("ditstream_segment_gap_seconds_count", 3.0), // 9 frames: 4 segments (the last in halves), 3 gaps
     ] {
         assert_eq!(
@@ -339,10 +341,13 @@ async fn metrics_health_and_reflection() {
         value("ditstream_connections_closed", "counter", unread),
         0.0
     );
-    assert_eq!(
-        families["ditstream_time_to_first_segment_seconds"]["type"],
-        "histogram"
-    );
+    for histogram in [
+        "ditstream_request_seconds",
+        "ditstream_time_to_first_segment_seconds",
+        "ditstream_phase_seconds",
+    ] {
+        assert_eq!(families[histogram]["type"], "histogram", "{histogram}");
+    }
 
     // grpc.health.v1 on the same port: SERVING with both pools.
     let channel = tonic::transport::Endpoint::from_shared(base.clone())

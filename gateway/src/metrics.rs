@@ -1,6 +1,7 @@
 //! What the gateway measures, exported at `/metrics` in the Prometheus text format
-//! (`prometheus-client`): requests by outcome, time to first segment, the gap between
-//! segments, each phase's duration, bytes streamed, and — read at scrape time — the queue, the
+//! (`prometheus-client`): requests by outcome, a completed request's duration, its time to
+//! first segment, the gap between segments, each phase's duration (the queue's included), bytes
+//! streamed, and — read at scrape time — the queue, the
 //! running requests and every pool's health and load, so operators can scale the two pools
 //! separately; and the gateway's listeners' connections (`ditstream_common::net::ConnMetrics`):
 //! open, refused, and closed or cut short by the `connections:` limits.
@@ -58,6 +59,7 @@ fn seconds_buckets() -> impl Iterator<Item = f64> {
 pub struct Metrics {
     registry: Registry,
     requests: Family<Outcome, Counter>,
+    duration: Histogram,
     first_segment: Histogram,
     segment_gap: Histogram,
     phases: Family<Phase, Histogram>,
@@ -88,6 +90,12 @@ impl Metrics {
             "Requests that ended, by outcome",
             requests.clone(),
         );
+        let duration = Histogram::new(seconds_buckets());
+        registry.register(
+            "request_seconds",
+            "Accepted to Completed, for each completed request",
+            duration.clone(),
+        );
         let first_segment = Histogram::new(seconds_buckets());
         registry.register(
             "time_to_first_segment_seconds",
@@ -104,7 +112,8 @@ impl Metrics {
             Family::<Phase, Histogram>::new_with_constructor(|| Histogram::new(seconds_buckets()));
         registry.register(
             "phase_seconds",
-            "Duration of each phase of a completed request (text, denoise, decode, encode)",
+            "Duration of each phase of a completed request (queue: accepted to the start of \
+             work; text, denoise, decode, encode)",
             phases.clone(),
         );
         let streamed = Counter::default();
@@ -148,6 +157,7 @@ impl Metrics {
         Metrics {
             registry,
             requests,
+            duration,
             first_segment,
             segment_gap,
             phases,
@@ -188,8 +198,10 @@ impl Metrics {
 
     /// A completed request's timings (milliseconds, as the protocol carries them).
     pub fn timings(&self, t: &ditstream_proto::v1::Timings) {
+        self.duration.observe(t.total_ms / 1e3);
         self.first_segment.observe(t.first_segment_ms / 1e3);
         for (phase, ms) in [
+            ("queue", t.queue_ms),
             ("text", t.text_ms),
             ("denoise", t.denoise_ms),
             ("decode", t.decode_ms),

@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 
 use ditstream::serve::{RunningServer, start};
 use ditstream_common::config::Config;
+use ditstream_proto::v1 as pb;
+use ditstream_proto::v1::video_service_client::VideoServiceClient;
 
 /// The openai SDK version the test installs (pinned, so a new release cannot change the
 /// verdict silently).
@@ -539,6 +541,18 @@ async fn http_needs_the_api_key_and_hides_other_keys_videos() {
     assert_eq!(code, 401, "{text}");
     let e: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(e["error"]["type"], "authentication_error", "{e}");
+    // A wrong key, and a gRPC call with none: the operator sees each refusal.
+    let (_, code) = curl(&[&videos, "-H", "authorization: Bearer not-a-key"]).await;
+    assert_eq!(code, 401);
+    let mut grpc = VideoServiceClient::connect(base.clone()).await.unwrap();
+    let e = grpc
+        .list_models(pb::ListModelsRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+    let text = support::scrape(server.addr).await;
+    let failures = support::sample(&text, "ditstream_auth_failures_total");
+    assert_eq!(failures, 3.0, "{text}");
     let auth = |key: &str| format!("authorization: Bearer {key}");
     let (text, code) = curl(&[
         "-X",

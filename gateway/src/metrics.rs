@@ -64,6 +64,7 @@ pub struct Metrics {
     segment_gap: Histogram,
     phases: Family<Phase, Histogram>,
     streamed: Counter,
+    auth_failures: Counter,
     http: Family<HttpLabels, Counter>,
     queued: Gauge,
     running: Gauge,
@@ -122,6 +123,12 @@ impl Metrics {
             "Bytes of video sent to clients",
             streamed.clone(),
         );
+        let auth_failures = Counter::default();
+        registry.register(
+            "auth_failures",
+            "Calls refused for a missing or unknown API key (gRPC and HTTP)",
+            auth_failures.clone(),
+        );
         let http = Family::<HttpLabels, Counter>::default();
         registry.register(
             "http_responses",
@@ -162,6 +169,7 @@ impl Metrics {
             segment_gap,
             phases,
             streamed,
+            auth_failures,
             http,
             queued,
             running,
@@ -184,6 +192,11 @@ impl Metrics {
                 outcome: outcome.to_string(),
             })
             .inc();
+    }
+
+    /// A call was refused for its API key.
+    pub fn auth_failed(&self) {
+        self.auth_failures.inc();
     }
 
     /// An HTTP answer with status `code` on `route` (its template, or `unmatched`).

@@ -167,9 +167,13 @@ impl Gateway {
     }
 
     /// Who a call with `metadata` acts for (its API key's name); UNAUTHENTICATED without a
-    /// valid key when the server has keys.
+    /// valid key when the server has keys (counted at `/metrics`). Every gRPC method and HTTP
+    /// route that needs a key asks here.
     pub fn authenticate(&self, metadata: &tonic::metadata::MetadataMap) -> Result<String, Status> {
-        self.0.keys.authenticate(metadata)
+        self.0
+            .keys
+            .authenticate(metadata)
+            .inspect_err(|_| self.0.metrics.auth_failed())
     }
 
     /// The model it serves.
@@ -351,7 +355,7 @@ impl VideoService for Gateway {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<EventStream>, Status> {
-        let owner = self.0.keys.authenticate(request.metadata())?;
+        let owner = self.authenticate(request.metadata())?;
         let max = Duration::from_secs(self.0.cfg.serving.max_deadline_s);
         let deadline = grpc_timeout(request.metadata(), max).map(|d| Instant::now() + d);
         let raw = RawRequest::from(request.into_inner());
@@ -416,7 +420,7 @@ impl VideoService for Gateway {
         &self,
         request: Request<pb::CancelRequest>,
     ) -> Result<Response<pb::CancelResponse>, Status> {
-        let owner = self.0.keys.authenticate(request.metadata())?;
+        let owner = self.authenticate(request.metadata())?;
         let id = request.into_inner().request_id;
         let cancelled = match lock(&self.0.requests).get(&id) {
             Some(e) if e.owner == owner => e.stop.send(Stop::Cancelled).is_ok(),
@@ -443,7 +447,7 @@ impl VideoService for Gateway {
         &self,
         request: Request<pb::ListModelsRequest>,
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
-        self.0.keys.authenticate(request.metadata())?;
+        self.authenticate(request.metadata())?;
         let description = lock(&self.0.registry).describe();
         Ok(Response::new(pb::ListModelsResponse {
             models: vec![pb::ModelInfo {

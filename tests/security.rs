@@ -155,18 +155,18 @@ async fn registration_needs_a_pool_ca_certificate_naming_its_address() {
     let gw = registry_gateway(&certs).await;
     let registry = gw.registry_addr.unwrap().to_string();
     // Plaintext, TLS without a client certificate, a certificate from another CA: refused.
-    let failed = r#"ditstream_connections_closed_total{listener="pools.registry_listen",reason="handshake_failed"}"#;
+    let failed = closed_by("pools.registry_listen", "handshake_failed");
     for (what, tls) in [
         ("plaintext", None),
         ("TLS without a client certificate", Some(None)),
         ("a certificate from another CA", Some(Some("stranger"))),
     ] {
-        let before = support::sample(&support::scrape(gw.addr).await, failed);
+        let before = support::sample(&support::scrape(gw.addr).await, &failed);
         let r = register(&certs, &registry, tls, "127.0.0.1:1").await;
         assert!(r.is_err(), "{what} registered: {r:?}");
         // Its TLS handshake failed, which the operator sees (tonic's client, its first
         // connection reset, may try a second: 3 attempts counted 3 to 5 failures).
-        metric_passes(gw.addr, failed, before).await;
+        metric_passes(gw.addr, &failed, before).await;
     }
     // The public port has no registry at all.
     let r = register(&certs, &gw.addr.to_string(), None, "127.0.0.1:1").await;
@@ -465,6 +465,11 @@ async fn a_public_address_needs_tls_and_keys() {
     );
 }
 
+/// The `/metrics` sample counting `listener`'s connections the server closed for `reason`.
+fn closed_by(listener: &str, reason: &str) -> String {
+    format!(r#"ditstream_connections_closed_total{{listener="{listener}",reason="{reason}"}}"#)
+}
+
 /// A gateway with no pools (nothing to build) and these connection limits.
 async fn bare_gateway(connections: &str) -> RunningGateway {
     let certs = std::env::temp_dir();
@@ -517,8 +522,8 @@ async fn silent_connections_are_closed_and_do_not_block_clients() {
         let closed = until_closed(s, Duration::from_secs(10)).await;
         assert!(closed.is_some(), "a silent connection stayed open");
     }
-    let closed = r#"ditstream_connections_closed_total{listener="serving.listen",reason="handshake_timeout"}"#;
-    metric_reaches(gw.addr, closed, 1000.0).await;
+    let closed = closed_by("serving.listen", "handshake_timeout");
+    metric_reaches(gw.addr, &closed, 1000.0).await;
     gw.stop(Duration::from_secs(1)).await;
 }
 
@@ -686,9 +691,8 @@ async fn idle_connections_are_closed() {
         after >= Duration::from_millis(500),
         "closed too early: {after:?}"
     );
-    let idle =
-        r#"ditstream_connections_closed_total{listener="serving.listen",reason="idle_timeout"}"#;
-    metric_reaches(gw.addr, idle, 1.0).await;
+    let idle = closed_by("serving.listen", "idle_timeout");
+    metric_reaches(gw.addr, &idle, 1.0).await;
     gw.stop(Duration::from_secs(1)).await;
 }
 
@@ -764,9 +768,8 @@ async fn requests_trickled_a_byte_at_a_time_are_ended() {
     drop(h2);
     let missed = r#"ditstream_request_timeouts_total{listener="serving.listen"}"#;
     metric_reaches(gw.addr, missed, 1.0).await;
-    let idle =
-        r#"ditstream_connections_closed_total{listener="serving.listen",reason="idle_timeout"}"#;
-    metric_reaches(gw.addr, idle, 1.0).await;
+    let idle = closed_by("serving.listen", "idle_timeout");
+    metric_reaches(gw.addr, &idle, 1.0).await;
     gw.stop(Duration::from_secs(1)).await;
 }
 
@@ -838,9 +841,8 @@ async fn clients_that_never_read_lose_their_connection_waiting_ones_do_not() {
         after >= Duration::from_millis(900) && after < Duration::from_secs(3),
         "closed after {after:?}"
     );
-    let unread =
-        r#"ditstream_connections_closed_total{listener="serving.listen",reason="send_timeout"}"#;
-    metric_reaches(gw.addr, unread, 1.0).await;
+    let unread = closed_by("serving.listen", "send_timeout");
+    metric_reaches(gw.addr, &unread, 1.0).await;
     gw.stop(Duration::from_secs(1)).await;
 }
 
